@@ -1,0 +1,47 @@
+"""Attention over one part of the keys, returning (out, lse) so that parts can be merged.
+
+Plain-torch references. Shared-prefix attention is two calls merged through their log-sum-exp
+(kernels.attention_merge): the prefix/prompt part, whose K/V is stored once and shared by every
+sample/beam of a request, and the per-sequence suffix part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # k: [..., G, E] -> [..., H, E]; query head h reads kv head h // (H/G) (HF repeat_kv order)
+    return k.repeat_interleave(num_heads // k.shape[-2], dim=-2)
+
+
+def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [N, H, E]; k, v: [M, G, E]; mask: [N, M] bool (True = visible).
+
+    Returns out [N, H, E] (q.dtype) and lse [N, H] float32. A row with no visible key gets
+    out = 0 and lse = -inf (it contributes nothing when merged).
+    """
+    n, h, _ = q.shape
+    kx, vx = _expand_kv(k, h), _expand_kv(v, h)
+    s = torch.matmul(q.transpose(0, 1), kx.permute(1, 2, 0)).float() * scale  # [H, N, M]
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, N]
+    p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask, 0.0)  # also clears NaN of empty rows
+    out = torch.matmul(p.to(v.dtype), vx.transpose(0, 1))  # [H, N, E]
+    return out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()
+
+
+def rowwise_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row attends to its own keys: q [N, H, E]; k, v [N, T, G, E] (all T visible).
+
+    The per-beam suffix part of a decode step. Returns out [N, H, E], lse [N, H] float32.
+    """
+    h = q.shape[1]
+    kx, vx = _expand_kv(k, h), _expand_kv(v, h)  # [N, T, H, E]
+    s = torch.matmul(q.unsqueeze(2), kx.permute(0, 2, 3, 1)).float() * scale  # [N, H, 1, T]
+    lse = torch.logsumexp(s, dim=-1)  # [N, H, 1]
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p.to(v.dtype), vx.transpose(1, 2))  # [N, H, 1, E]
+    return out.squeeze(2).contiguous(), lse.squeeze(2).contiguous()

@@ -1,0 +1,176 @@
+"""The deployment artifact: a directory with a msgpack manifest, safetensors weights and tokenizer files.
+
+  DIR/manifest.msgpack   format + version, model config, limits, bucket table, the Score and
+                         BeamSearch DAGs (precision per node), sha256 of every file, tokenizer ref
+  DIR/weights.safetensors
+  DIR/tokenizer/...      tokenizer files (and their license notice)
+
+Loading checks the format version and every hash, and refuses a corrupted or mismatched artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+from safetensors.torch import load_file, save_file
+
+from .buckets import BucketTable, default_bucket_table
+from .checkpoint import check_weights, expected_shapes, weight_source
+from .config import ModelConfig, ServingLimits
+from .dag import Node, beam_dag, dag_from_list, dag_to_list, score_dag
+from .progress import Progress
+
+FORMAT = "slmrank-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.msgpack"
+WEIGHTS = "weights.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ArtifactError(ValueError):
+    """A missing, corrupted or mismatched artifact."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ArtifactError(f"weights: unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    config: ModelConfig
+    limits: ServingLimits
+    buckets: BucketTable
+    score_dag: list[Node]
+    beam_dag: list[Node]
+    weight_dtype: torch.dtype
+    tokenizer: dict[str, Any]  # {"kind": ..., "files": {relpath: sha256}}
+    manifest: dict[str, Any]
+
+    def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        weights = load_file(str(self.path / WEIGHTS), device=str(device))
+        check_weights(self.config, weights)
+        if dtype is not None:
+            weights = {k: v.to(dtype) for k, v in weights.items()}
+        return weights
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+
+def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
+                   buckets: BucketTable | None = None, quiet: bool = False) -> Path:
+    """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, src_dtype, weights_iter = weight_source(model)
+    limits = limits or ServingLimits.for_model(cfg)
+    limits.check_positions(cfg)
+    buckets = buckets or default_bucket_table(limits)
+    buckets.fits_one(limits)
+    target = None if dtype == "auto" else DTYPES.get(dtype)
+    if dtype != "auto" and target is None:
+        raise ArtifactError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+
+    t0 = time.monotonic()
+    weights: dict[str, torch.Tensor] = {}
+    with Progress("build weights", len(expected_shapes(cfg)), quiet=quiet) as bar:
+        for name, tensor in weights_iter():
+            want = target or src_dtype or tensor.dtype
+            weights[name] = tensor.to(want).contiguous()
+            bar.advance(1, name)
+    check_weights(cfg, weights)
+    dtypes = {t.dtype for t in weights.values()}
+    if len(dtypes) != 1:
+        raise ArtifactError(f"weights: mixed dtypes {dtypes}; pass dtype=float32 or bfloat16")
+    weight_dtype = dtypes.pop()
+    save_file(weights, str(out / WEIGHTS), metadata={"format": FORMAT})
+    del weights
+
+    tok_dir = out / "tokenizer"
+    tok_dir.mkdir(exist_ok=True)
+    tok_kind, tok_files = _tokenizer_files(model)
+    for rel, data in tok_files.items():
+        (tok_dir / rel).write_bytes(data)
+
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": model,
+        "model": cfg.to_dict(),
+        "limits": limits.to_dict(),
+        "buckets": buckets.to_dict(),
+        "dags": {"score": dag_to_list(score_dag(cfg)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
+        "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
+        "tokenizer": {"kind": tok_kind,
+                      "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
+        "build_seconds": round(time.monotonic() - t0, 3),
+    }
+    (out / MANIFEST).write_bytes(msgpack.packb(manifest))
+    return out
+
+
+def _tokenizer_files(model: str) -> tuple[str, dict[str, bytes]]:
+    """The checkpoint's tokenizer.json when it has one, else the embedded Qwen vocabulary."""
+    from .tokenizer import load_tokenizer
+
+    ckpt = Path(model)
+    if not model.startswith("embedded:") and (ckpt / "tokenizer.json").exists():
+        return "tokenizer.json", load_tokenizer(ckpt).files()
+    return "qwen", load_tokenizer("qwen").files()
+
+
+def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.exists():
+        raise ArtifactError(f"{path}: not an artifact (no {MANIFEST}); build one with `slmrank build`")
+    try:
+        m = msgpack.unpackb(mpath.read_bytes())
+    except Exception as e:  # msgpack raises several unrelated types on corrupt input
+        raise ArtifactError(f"{mpath}: corrupted manifest ({e})") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ArtifactError(f"{mpath}: not a {FORMAT} manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: format_version {m.get('format_version')} is not supported "
+                            f"(this slmrank reads version {FORMAT_VERSION}); rebuild the artifact")
+    try:
+        cfg = ModelConfig.from_dict(m["model"])
+        limits = ServingLimits.from_dict(m["limits"])
+        buckets = BucketTable.from_dict(m["buckets"])
+        score, beam = dag_from_list(m["dags"]["score"]), dag_from_list(m["dags"]["beam"])
+        wdtype = DTYPES[m["weights"]["dtype"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{mpath}: malformed manifest ({e})") from e
+    if verify:
+        _verify_file(path / m["weights"]["file"], m["weights"]["sha256"])
+        for rel, digest in m["tokenizer"]["files"].items():
+            _verify_file(path / "tokenizer" / rel, digest)
+    return Artifact(path, cfg, limits, buckets, score, beam, wdtype, m["tokenizer"], m)
+
+
+def _verify_file(path: Path, digest: str) -> None:
+    if not path.exists():
+        raise ArtifactError(f"{path}: missing artifact file")
+    actual = sha256_file(path)
+    if actual != digest:
+        raise ArtifactError(f"{path}: sha256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…): "
+                            "the artifact is corrupted or was modified")

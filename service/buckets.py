@@ -1,0 +1,110 @@
+"""The bucket table: the bounded static shapes a batch of whole requests is padded to.
+
+Every batch runs in the smallest bucket that holds it; the C++ runtime captures one CUDA graph
+per bucket. Padding is masked and never changes a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, ServingLimits
+
+
+@dataclass(frozen=True, order=True)
+class ScoreBucket:
+    max_tokens: int  # packed tokens: every request's prefix + samples
+    max_samples: int  # samples, i.e. LM-head rows
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0 or self.max_samples <= 0:
+            raise ConfigError(f"score bucket {self}: sizes must be > 0")
+
+    @property
+    def key(self) -> str:
+        return f"score.t{self.max_tokens}.s{self.max_samples}"
+
+
+@dataclass(frozen=True, order=True)
+class BeamBucket:
+    new_tokens: int  # exact: every request of the batch generates this many tokens
+    max_requests: int
+    max_prompt_tokens: int  # packed prompts of all requests
+    beam_width: int  # upper bound; a narrower request masks its extra beams
+
+    def __post_init__(self) -> None:
+        if min(self.new_tokens, self.max_requests, self.max_prompt_tokens, self.beam_width) <= 0:
+            raise ConfigError(f"beam bucket {self}: sizes must be > 0")
+
+    @property
+    def key(self) -> str:
+        return (f"beam.n{self.new_tokens}.r{self.max_requests}"
+                f".p{self.max_prompt_tokens}.b{self.beam_width}")
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    score: tuple[ScoreBucket, ...]
+    beam: tuple[BeamBucket, ...]
+
+    def __post_init__(self) -> None:
+        if not self.score or not self.beam:
+            raise ConfigError("bucket table: needs at least one score and one beam bucket")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"score": [dataclasses.asdict(b) for b in self.score],
+                "beam": [dataclasses.asdict(b) for b in self.beam]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BucketTable":
+        return cls(score=tuple(sorted(ScoreBucket(**b) for b in d["score"])),
+                   beam=tuple(sorted(BeamBucket(**b) for b in d["beam"])))
+
+    def fits_one(self, limits: ServingLimits) -> None:
+        """Every request within the limits must fit some bucket on its own."""
+        big_score = max(self.score, key=lambda b: (b.max_tokens, b.max_samples))
+        if big_score.max_tokens < limits.max_score_tokens or big_score.max_samples < limits.max_samples:
+            raise ConfigError(f"bucket table: largest score bucket {big_score.key} is smaller "
+                              f"than the limits ({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
+        for n in range(1, limits.max_new_tokens + 1):
+            ok = [b for b in self.beam if b.new_tokens == n and b.beam_width >= limits.max_beam_width
+                  and b.max_prompt_tokens >= limits.max_prompt_tokens]
+            if not ok:
+                raise ConfigError(f"bucket table: no beam bucket holds a request with new_tokens={n}, "
+                                  f"beam_width={limits.max_beam_width}, {limits.max_prompt_tokens} prompt tokens")
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    return out + [hi]
+
+
+def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
+                         max_beam_rows: int = 1600) -> BucketTable:
+    """Powers-of-two tiers (padding waste < 2x) up to the limits.
+
+    max_batch_tokens bounds a Score batch (several whole requests); max_beam_rows bounds
+    requests x beam_width of a BeamSearch batch.
+    """
+    max_batch_tokens = max(max_batch_tokens, limits.max_score_tokens)
+    score = [ScoreBucket(t, max(limits.max_samples, t // 8))
+             for t in _powers_of_two(min(64, max_batch_tokens), max_batch_tokens)]
+    widths = sorted({w for w in (1, 4, 16, 64, 128, 256) if w < limits.max_beam_width}
+                    | {limits.max_beam_width})
+    beam = []
+    for n in range(1, limits.max_new_tokens + 1):
+        for w in widths:
+            r = 1
+            while r * w <= max(max_beam_rows, w):
+                beam.append(BeamBucket(n, r, r * limits.max_prompt_tokens, w))
+                r *= 2
+                if r > 8:
+                    break
+    table = BucketTable(tuple(sorted(score)), tuple(sorted(beam)))
+    table.fits_one(limits)
+    return table

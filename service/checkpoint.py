@@ -1,0 +1,188 @@
+"""Reading weights: local Hugging Face checkpoints and embedded specs, into the artifact layout.
+
+Artifact layout (fused where one GEMM serves several HF projections):
+  embed [V, D]; final_norm [D]; lm_head [V, D] (untied only); cls_head [labels, D] (classifier only)
+  layers.{i}.attn_norm [D], .wqkv [(H+2G)E, D], .bqkv (qwen2), .q_norm/.k_norm [E] (qwen3),
+  layers.{i}.wo [D, HE], .mlp_norm [D], .wgu [2F, D] (gate rows first), .wdown [D, F]
+Nothing is ever downloaded and nothing is unpickled: safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from .config import ConfigError, ModelConfig
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, e, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
+    if cfg.has_cls_head:
+        shapes["cls_head"] = (cfg.num_labels, d)
+    elif not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, d)
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm"] = (d,)
+        shapes[p + "wqkv"] = (qkv, d)
+        if cfg.attention_bias:
+            shapes[p + "bqkv"] = (qkv,)
+        if cfg.qk_norm:
+            shapes[p + "q_norm"] = (e,)
+            shapes[p + "k_norm"] = (e,)
+        shapes[p + "wo"] = (d, cfg.q_size)
+        shapes[p + "mlp_norm"] = (d,)
+        shapes[p + "wgu"] = (2 * f, d)
+        shapes[p + "wdown"] = (d, f)
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    if missing or extra:
+        raise ConfigError(f"weights do not match the model config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in want.items():
+        if tuple(weights[name].shape) != shape:
+            raise ConfigError(f"weight {name}: shape {tuple(weights[name].shape)} != expected {shape}")
+
+
+# ---- Hugging Face checkpoints ---------------------------------------------------------------
+
+class _HFTensors:
+    """Lazy access to the tensors of one or several (sharded) safetensors files."""
+
+    def __init__(self, ckpt: Path) -> None:
+        index = ckpt / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: ckpt / fname for name, fname in weight_map.items()}
+        else:
+            files = sorted(ckpt.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{ckpt}: no *.safetensors weights (and pickled weights are never loaded)")
+            self.files = {}
+            for path in files:
+                with safe_open(str(path), framework="pt") as fh:
+                    for name in fh.keys():
+                        self.files[name] = path
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ConfigError(f"checkpoint: tensor {name!r} not found")
+        with safe_open(str(self.files[name]), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+
+def load_hf_config(ckpt: Path) -> ModelConfig:
+    path = ckpt / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{ckpt}: no config.json (expected a Hugging Face checkpoint directory)")
+    return ModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def iter_hf_weights(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields artifact-layout tensors, one at a time (bounded host memory)."""
+    src = _HFTensors(ckpt)
+    base = "model." if src.has("model.embed_tokens.weight") else ""
+    yield "embed", src.get(base + "embed_tokens.weight")
+    yield "final_norm", src.get(base + "norm.weight")
+    if cfg.has_cls_head:
+        yield "cls_head", src.get("score.weight")
+    elif not cfg.tie_word_embeddings:
+        yield "lm_head", src.get("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p, a = f"{base}layers.{i}.", f"layers.{i}."
+        at = p + "self_attn."
+        yield a + "attn_norm", src.get(p + "input_layernorm.weight")
+        yield a + "wqkv", torch.cat([src.get(at + f"{x}_proj.weight") for x in "qkv"])
+        if cfg.attention_bias:
+            yield a + "bqkv", torch.cat([src.get(at + f"{x}_proj.bias") for x in "qkv"])
+        if cfg.qk_norm:
+            yield a + "q_norm", src.get(at + "q_norm.weight")
+            yield a + "k_norm", src.get(at + "k_norm.weight")
+        yield a + "wo", src.get(at + "o_proj.weight")
+        yield a + "mlp_norm", src.get(p + "post_attention_layernorm.weight")
+        mlp = p + "mlp."
+        yield a + "wgu", torch.cat([src.get(mlp + "gate_proj.weight"), src.get(mlp + "up_proj.weight")])
+        yield a + "wdown", src.get(mlp + "down_proj.weight")
+
+
+# ---- Embedded specs: real shapes, deterministic random weights -------------------------------
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    name: str
+    config: ModelConfig
+    dtype: torch.dtype
+    init_std: float = 0.02
+    seed: int = 20261129
+
+
+def _qwen(arch: str, d: int, layers: int, heads: int, kv: int, e: int, f: int, max_pos: int) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=151936, hidden_size=d, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, head_dim=e, intermediate_size=f, rope_theta=1_000_000.0,
+                       rms_norm_eps=1e-6, max_positions=max_pos, tie_word_embeddings=True,
+                       attention_bias=arch == "qwen2")
+
+
+EMBEDDED: dict[str, EmbeddedSpec] = {
+    # tiny: the same code path at CPU/CI size; larger init so its distributions are not flat.
+    "tiny": EmbeddedSpec("tiny", _qwen("qwen2", 128, 2, 4, 2, 32, 384, 4096), torch.float32, init_std=0.08),
+    "qwen2.5-0.5b": EmbeddedSpec("qwen2.5-0.5b", _qwen("qwen2", 896, 24, 14, 2, 64, 4864, 32768), torch.bfloat16),
+    "qwen3-0.6b": EmbeddedSpec("qwen3-0.6b", _qwen("qwen3", 1024, 28, 16, 8, 128, 3072, 40960), torch.bfloat16),
+    "qwen3-1.7b": EmbeddedSpec("qwen3-1.7b", _qwen("qwen3", 2048, 28, 16, 8, 128, 6144, 40960), torch.bfloat16),
+}
+
+
+def embedded_spec(spec: str) -> EmbeddedSpec:
+    name = spec.removeprefix("embedded:")
+    if name not in EMBEDDED:
+        raise ValueError(f"model: unknown embedded spec {spec!r}; known: "
+                         + ", ".join(f"embedded:{n}" for n in EMBEDDED))
+    return EMBEDDED[name]
+
+
+def _seed_for(seed: int, name: str) -> int:
+    # Per-tensor seeds: each tensor is reproducible on its own, whatever the generation order.
+    return (seed ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")) & ((1 << 63) - 1)
+
+
+def iter_embedded_weights(spec: EmbeddedSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, shape in expected_shapes(spec.config).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
+            t = torch.ones(shape)
+        else:
+            g = torch.Generator().manual_seed(_seed_for(spec.seed, name))
+            std = spec.init_std * (0.5 if leaf == "bqkv" else 1.0)
+            t = torch.randn(shape, generator=g) * std
+        yield name, t.to(spec.dtype)
+
+
+def weight_source(model: str) -> tuple[ModelConfig, torch.dtype | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Resolves a model spec: 'embedded:NAME' or a local HF checkpoint directory.
+
+    Returns the config, the source dtype (None: keep each tensor's own) and a weight iterator.
+    """
+    if model.startswith("embedded:"):
+        spec = embedded_spec(model)
+        return spec.config, spec.dtype, lambda: iter_embedded_weights(spec)
+    ckpt = Path(model)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"model: {model!r} is neither an embedded spec (embedded:NAME) "
+                                "nor a local checkpoint directory")
+    cfg = load_hf_config(ckpt)
+    return cfg, None, lambda: iter_hf_weights(ckpt, cfg)

@@ -1,0 +1,117 @@
+"""The request DAGs as data: nodes with named inputs/outputs, stored in the artifact manifest.
+
+Both runtimes walk the same node list. Buffers are named; a batch's input buffers are:
+  Score: tokens, positions, seg, ctx [T]; last [S]; labels [S, L]
+  Beam:  tokens, positions, seg [N]; last, beam_width [R]; beam_req, beam_pos [R*B]
+         (beam_pos = the request's prompt length: the position of the first generated token)
+Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
+runs the nodes with step < n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ModelConfig
+
+NODE_TYPES = ("score_masks", "beam_masks", "embedding", "decoder_layer", "rms_norm", "gather_rows", "lm_head", "cls_head",
+              "label_logprobs", "beam_init", "beam_step")
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.type not in NODE_TYPES:
+            raise ValueError(f"node {self.name}: unknown type {self.type!r}")
+
+    @property
+    def step(self) -> int:
+        return int(self.attrs.get("step", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "inputs": list(self.inputs),
+                "outputs": list(self.outputs), "attrs": dict(self.attrs)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Node":
+        return cls(d["name"], d["type"], tuple(d["inputs"]), tuple(d["outputs"]), dict(d["attrs"]))
+
+
+def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0) -> list[Node]:
+    nodes = []
+    for i in range(cfg.num_layers):
+        attrs: dict[str, Any] = {"layer": i, "mode": mode, "precision": "model"}
+        if step:
+            attrs["step"] = step
+        if mode == "score":  # prefix part (shared K/V) + own-sample causal part, merged by LSE
+            ins, outs = ("x", "positions", "mask_ctx", "mask_self"), ("x",)
+        elif mode == "prefill":  # keeps the prompt K/V that every beam shares
+            ins, outs = ("x", "positions", "mask_self"), ("x", f"prompt_k.{i}", f"prompt_v.{i}")
+        else:  # decode: one token per beam; prompt part + per-beam suffix part, merged by LSE
+            ins = ("x", "beam_pos", "mask_beam", f"prompt_k.{i}", f"prompt_v.{i}",
+                   f"suffix_k.{i}", f"suffix_v.{i}")
+            outs = ("x", f"suffix_k.{i}", f"suffix_v.{i}")
+        nodes.append(Node(f"{prefix}layer.{i}", "decoder_layer", ins, outs, attrs))
+    return nodes
+
+
+def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]:
+    attrs = {"step": step} if step else {}
+    nodes = [Node(f"{prefix}final_norm", "rms_norm", ("x",), ("x",), {**attrs, "weight": "final_norm"})]
+    if rows:
+        nodes.append(Node(f"{prefix}gather_last", "gather_rows", ("x", rows), ("h",), dict(attrs)))
+    src = "h" if rows else "x"
+    if cfg.has_cls_head:
+        nodes.append(Node(f"{prefix}cls_head", "cls_head", (src,), ("logits",), {**attrs, "precision": "model"}))
+    else:
+        nodes.append(Node(f"{prefix}lm_head", "lm_head", (src,), ("logits",), {**attrs, "precision": "model"}))
+    return nodes
+
+
+def score_dag(cfg: ModelConfig) -> list[Node]:
+    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx"), ("mask_self", "mask_ctx")),
+             Node("embed", "embedding", ("tokens",), ("x",))]
+    nodes += _layers(cfg, "", "score")
+    nodes += _head(cfg, "", "last")
+    if not cfg.has_cls_head:
+        nodes.append(Node("label_logprobs", "label_logprobs", ("logits", "labels"), ("scores",)))
+    else:
+        nodes[-1] = Node(nodes[-1].name, nodes[-1].type, nodes[-1].inputs, ("scores",), nodes[-1].attrs)
+    return nodes
+
+
+def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
+    if cfg.has_cls_head:
+        return []
+    nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req"), ("mask_self", "mask_beam")),
+             Node("embed", "embedding", ("tokens",), ("x",))]
+    nodes += _layers(cfg, "", "prefill")
+    nodes += _head(cfg, "", "last")
+    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width"),
+                      ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")))
+    for t in range(1, max_new_tokens):
+        p = f"step{t}."
+        nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
+        nodes += _layers(cfg, p, "decode", t)
+        nodes += _head(cfg, p, "", t)
+        suffix = tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
+        nodes.append(Node(f"{p}beam_step", "beam_step",
+                          ("logits", "beam_scores", "beam_seqs", "beam_width") + suffix,
+                          ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix,
+                          {"step": t}))
+    return nodes
+
+
+def dag_to_list(nodes: list[Node]) -> list[dict[str, Any]]:
+    return [n.to_dict() for n in nodes]
+
+
+def dag_from_list(items: list[dict[str, Any]]) -> list[Node]:
+    return [Node.from_dict(d) for d in items]

@@ -1,0 +1,100 @@
+"""Whole requests in, results out: validation, batching into buckets, a runtime, unpacking.
+
+Used by `slmrank run`; the gRPC batcher forms batches with the same bucket rules.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, Union
+
+import torch
+
+from .artifact import Artifact
+from .batch import (BeamBatch, ScoreBatch, beam_fits, pack_beam, pack_score, pick_beam_bucket,
+                    pick_score_bucket, score_fits, unpack_beam, unpack_score)
+from .requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
+                       validate_score)
+
+Request = Union[ScoreRequest, BeamRequest]
+Result = Union[ScoreResult, BeamResult, RequestError]
+
+
+class Runtime(Protocol):
+    name: str
+
+    def run_score(self, batch: ScoreBatch) -> torch.Tensor: ...
+
+    def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def validate(artifact: Artifact, req: Request) -> None:
+    if isinstance(req, ScoreRequest):
+        validate_score(req, artifact.config, artifact.limits)
+    else:
+        validate_beam(req, artifact.config, artifact.limits)
+
+
+def plan_batches(artifact: Artifact, requests: Sequence[Request]) -> list[list[int]]:
+    """Greedy, in order: consecutive requests of one kind (and one new_tokens) share a batch while
+    some bucket holds them all. Returns lists of indices into requests. Never splits a request."""
+    table = artifact.buckets
+    batches: list[list[int]] = []
+    current: list[int] = []
+
+    def fits(idx: list[int]) -> bool:
+        reqs = [requests[i] for i in idx]
+        if all(isinstance(r, ScoreRequest) for r in reqs):
+            return any(score_fits(b, reqs) for b in table.score)
+        if all(isinstance(r, BeamRequest) for r in reqs):
+            return any(beam_fits(b, reqs) for b in table.beam)
+        return False
+
+    for i in range(len(requests)):
+        if current and fits(current + [i]):
+            current.append(i)
+            continue
+        if current:
+            batches.append(current)
+        current = [i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def execute(artifact: Artifact, runtime: Runtime, requests: Sequence[Request]) -> list[Result]:
+    """Validates every request, runs the valid ones in batches, and answers each in order."""
+    results: list[Result | None] = [None] * len(requests)
+    valid: list[int] = []
+    for i, req in enumerate(requests):
+        try:
+            validate(artifact, req)
+            valid.append(i)
+        except RequestError as e:
+            results[i] = e
+    for batch_idx in plan_batches(artifact, [requests[i] for i in valid]):
+        idx = [valid[j] for j in batch_idx]
+        reqs = [requests[i] for i in idx]
+        if isinstance(reqs[0], ScoreRequest):
+            out = run_score_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
+        else:
+            out = run_beam_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
+        for i, res in zip(idx, out):
+            results[i] = res
+    return results  # type: ignore[return-value]
+
+
+def run_score_requests(artifact: Artifact, runtime: Runtime, reqs: list[ScoreRequest]) -> list[ScoreResult]:
+    bucket = pick_score_bucket(artifact.buckets, reqs)
+    assert bucket is not None, "plan_batches only forms batches that fit a bucket"
+    # label columns are padded to max_labels; a classification head reads no labels
+    label_columns = 1 if artifact.config.has_cls_head else artifact.limits.max_labels
+    batch = pack_score(reqs, bucket, label_columns)
+    return unpack_score(batch, runtime.run_score(batch))
+
+
+def run_beam_requests(artifact: Artifact, runtime: Runtime, reqs: list[BeamRequest]) -> list[BeamResult]:
+    bucket = pick_beam_bucket(artifact.buckets, reqs)
+    assert bucket is not None, "plan_batches only forms batches that fit a bucket"
+    batch = pack_beam(reqs, bucket)
+    seqs, scores = runtime.run_beam(batch)
+    return unpack_beam(batch, seqs, scores)

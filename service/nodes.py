@@ -1,0 +1,158 @@
+"""Node implementations of the Python artifact runtime: one function per DAG node type.
+
+Each takes (ctx, node, env) and writes its outputs into env; env maps buffer names to tensors.
+The C++ runtime implements the same node types with the same ATen ops in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import masked_attention_ref
+
+from .config import ModelConfig
+from .dag import Node
+from .layers import LayerWeights, attention_output_and_mlp, qkv_projection, rms_norm, two_part_attention
+
+Env = dict[str, torch.Tensor]
+
+
+@dataclass
+class NodeContext:
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+    layers: list[LayerWeights]
+    rope_cos: torch.Tensor  # [P, E] in the compute dtype
+    rope_sin: torch.Tensor
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.head_dim ** -0.5
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+
+
+def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
+    pos, seg, prefix = (env[n] for n in node.inputs)
+    same = seg.unsqueeze(1) == seg.unsqueeze(0)  # [T, T]
+    env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a segment
+    env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
+
+
+def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
+    pos, seg, beam_req = (env[n] for n in node.inputs)
+    same = seg.unsqueeze(1) == seg.unsqueeze(0)
+    env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a prompt
+    env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
+
+
+def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
+    env[node.outputs[0]] = F.embedding(env[node.inputs[0]].reshape(-1), ctx.weights["embed"])
+
+
+def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
+    cfg, i, mode = ctx.cfg, node.attrs["layer"], node.attrs["mode"]
+    w = ctx.layers[i]
+    x = env["x"]
+    if mode == "score":
+        cos, sin = ctx.rope_at(env["positions"])
+        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
+    elif mode == "prefill":
+        cos, sin = ctx.rope_at(env["positions"])
+        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        attn, _ = masked_attention_ref(q, k, v, env["mask_self"], ctx.scale)
+        env[f"prompt_k.{i}"], env[f"prompt_v.{i}"] = k, v
+    else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
+        t = node.step
+        cos, sin = ctx.rope_at(env["beam_pos"] + (t - 1))
+        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        suffix_k, suffix_v = env[f"suffix_k.{i}"], env[f"suffix_v.{i}"]  # [R*B, n-1, G, E]
+        suffix_k[:, t - 1] = k
+        suffix_v[:, t - 1] = v
+        attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
+                                  suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
+    env["x"] = attention_output_and_mlp(cfg, w, x, attn)
+
+
+def rms_norm_node(ctx: NodeContext, node: Node, env: Env) -> None:
+    env[node.outputs[0]] = rms_norm(env[node.inputs[0]], ctx.weights[node.attrs["weight"]], ctx.cfg.rms_norm_eps)
+
+
+def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:
+    x, rows = (env[n] for n in node.inputs)
+    env[node.outputs[0]] = x.index_select(0, rows)
+
+
+def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
+    w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table
+    env[node.outputs[0]] = F.linear(env[node.inputs[0]], w).float()
+
+
+def cls_head(ctx: NodeContext, node: Node, env: Env) -> None:
+    env[node.outputs[0]] = F.linear(env[node.inputs[0]], ctx.weights["cls_head"]).float()
+
+
+def label_logprobs(ctx: NodeContext, node: Node, env: Env) -> None:
+    logits, labels = (env[n] for n in node.inputs)
+    env[node.outputs[0]] = torch.log_softmax(logits, dim=-1).gather(1, labels)
+
+
+def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    # scores: [R, B]; ranks >= the request's own beam width are dead (-inf), so a bucket's wider
+    # beam never changes a narrower request's search.
+    rank = torch.arange(scores.shape[1], device=scores.device).unsqueeze(0)
+    return scores.masked_fill(rank >= widths.unsqueeze(1), float("-inf"))
+
+
+def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
+    """First generated token: top-B of the prompt's next-token distribution (every beam equal)."""
+    logits, widths = (env[n] for n in node.inputs)  # [R, V] float32, [R]
+    num_beams, num_new = env["beam_seqs"].shape[1:]
+    logp = torch.log_softmax(logits, dim=-1)
+    scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
+    seqs = env["beam_seqs"]
+    seqs[:, :, 0] = tokens
+    env["beam_scores"] = _mask_extra_beams(scores, widths)
+    env["beam_tokens"] = tokens.reshape(-1)
+    env["beam_parents"] = torch.zeros_like(tokens)
+
+
+def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
+    """log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder."""
+    logits, scores, seqs, widths = (env[n] for n in node.inputs[:4])  # [R*B, V], [R, B], [R, B, n], [R]
+    r, b = scores.shape
+    vocab = logits.shape[-1]
+    cand = torch.log_softmax(logits, dim=-1).reshape(r, b, vocab) + scores.unsqueeze(-1)
+    top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
+    parents = torch.div(top_idx, vocab, rounding_mode="floor")
+    tokens = top_idx - parents * vocab
+    rows = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]
+    new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()
+    new_seqs[:, :, node.step] = tokens
+    env["beam_seqs"] = new_seqs
+    env["beam_scores"] = _mask_extra_beams(top_scores, widths)
+    env["beam_tokens"] = tokens.reshape(-1)
+    env["beam_parents"] = parents
+    for name in node.inputs[4:]:
+        env[name] = env[name].index_select(0, rows)
+
+
+NODE_FUNCS: dict[str, Callable[[NodeContext, Node, Env], None]] = {
+    "score_masks": score_masks,
+    "beam_masks": beam_masks,
+    "embedding": embedding,
+    "decoder_layer": decoder_layer,
+    "rms_norm": rms_norm_node,
+    "gather_rows": gather_rows,
+    "lm_head": lm_head,
+    "cls_head": cls_head,
+    "label_logprobs": label_logprobs,
+    "beam_init": beam_init,
+    "beam_step": beam_step,
+}

@@ -1,0 +1,47 @@
+"""A small progress bar for long work (artifact builds, graph capture), on stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """`with Progress("build", total) as p: p.advance(n, note)`; quiet=True prints nothing.
+
+    On a terminal it redraws one line; otherwise it prints a line every 10%.
+    """
+
+    def __init__(self, label: str, total: int, quiet: bool = False, stream: TextIO | None = None) -> None:
+        self.label, self.total, self.quiet = label, max(total, 1), quiet
+        self.stream = stream or sys.stderr
+        self.done, self._last_decile = 0, -1
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.quiet and exc[0] is None:
+            self._draw("done", final=True)
+
+    def advance(self, n: int = 1, note: str = "") -> None:
+        self.done = min(self.done + n, self.total)
+        if not self.quiet:
+            self._draw(note)
+
+    def _draw(self, note: str, final: bool = False) -> None:
+        frac = self.done / self.total
+        elapsed = time.monotonic() - self._t0
+        if self.stream.isatty():
+            bar = "#" * int(frac * 30)
+            end = "\n" if final else ""
+            self.stream.write(f"\r[{self.label}] [{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}{end}")
+        else:
+            decile = int(frac * 10)
+            if decile == self._last_decile and not final:
+                return
+            self._last_decile = decile
+            self.stream.write(f"[{self.label}] {frac:4.0%} ({self.done}/{self.total}) {elapsed:.1f}s {note}\n")
+        self.stream.flush()

@@ -1,0 +1,66 @@
+"""The Python artifact runtime: walks the manifest's DAG node by node with plain torch.
+
+The reference for the kernels and the C++ runtime, the debugger's view, and the CPU path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .artifact import Artifact
+from .batch import BeamBatch, ScoreBatch
+from .dag import Node
+from .layers import LayerWeights, rope_table
+from .nodes import NODE_FUNCS, Env, NodeContext
+
+Trace = Callable[[Node, Env], None]
+
+
+class PythonRuntime:
+    name = "python"
+
+    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        self.artifact = artifact
+        self.cfg = artifact.config
+        self.device = torch.device(device)
+        self.dtype = dtype or artifact.weight_dtype
+        weights = artifact.load_weights(self.device, self.dtype)
+        limits = artifact.limits
+        num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
+        cos, sin = rope_table(self.cfg, num_positions, self.device)
+        self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i) for i in range(self.cfg.num_layers)],
+                               cos.to(self.dtype), sin.to(self.dtype))
+
+    def _inputs(self, inputs: dict[str, torch.Tensor]) -> Env:
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def _walk(self, dag: list[Node], env: Env, num_steps: int, trace: Trace | None) -> None:
+        for node in dag:
+            if node.step >= num_steps:
+                continue
+            NODE_FUNCS[node.type](self.ctx, node, env)
+            if trace is not None:
+                trace(node, env)
+
+    @torch.inference_mode()
+    def run_score(self, batch: ScoreBatch, trace: Trace | None = None) -> torch.Tensor:
+        """Returns scores [S, L] float32 on the host (padding rows included)."""
+        env = self._inputs(batch.inputs)
+        self._walk(self.artifact.score_dag, env, 1, trace)
+        return env["scores"].cpu()
+
+    @torch.inference_mode()
+    def run_beam(self, batch: BeamBatch, trace: Trace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns seqs [R, B, n] int64 and cumulative log-probs [R, B] float32, on the host."""
+        cfg, bucket = self.cfg, batch.bucket
+        env = self._inputs(batch.inputs)
+        rows, n = bucket.max_requests * bucket.beam_width, bucket.new_tokens
+        env["beam_seqs"] = torch.zeros(bucket.max_requests, bucket.beam_width, n, dtype=torch.int64, device=self.device)
+        for i in range(cfg.num_layers):  # per-beam suffix K/V: one slot per decode step
+            for kv in "kv":
+                env[f"suffix_{kv}.{i}"] = torch.zeros(rows, max(n - 1, 1), cfg.num_kv_heads, cfg.head_dim,
+                                                      dtype=self.dtype, device=self.device)
+        self._walk(self.artifact.beam_dag, env, n, trace)
+        return env["beam_seqs"].cpu(), env["beam_scores"].cpu()

@@ -1,0 +1,114 @@
+"""Request types and their validation.
+
+A request is checked field by field before any work; a bad one raises RequestError naming the
+field and the limit, and nothing else is disturbed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .config import ModelConfig, ServingLimits
+
+
+class RequestError(ValueError):
+    """A request that breaks the API contract. str(e) names the field and the limit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    samples: tuple[tuple[int, ...], ...]
+    label_ids: tuple[int, ...] = ()
+    prefix_ids: tuple[int, ...] = ()
+    id: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefix_ids) + sum(len(s) for s in self.samples)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+
+@dataclass(frozen=True)
+class BeamRequest:
+    prompt_ids: tuple[int, ...]
+    beam_width: int
+    new_tokens: int
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    scores: list[list[float]]  # per sample: one log-prob per label id (or the head's outputs)
+
+
+@dataclass(frozen=True)
+class Beam:
+    ids: list[int]
+    logprob: float
+
+
+@dataclass(frozen=True)
+class BeamResult:
+    beams: list[Beam]  # best first
+
+
+def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"{field}[{i}]", f"must be an integer token id, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_int(field: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(field, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise RequestError(field, f"{value} is outside the allowed range [{lo}, {hi}]")
+    return value
+
+
+def validate_score(req: ScoreRequest, model: ModelConfig, limits: ServingLimits) -> None:
+    if not req.samples:
+        raise RequestError("samples", "at least one sample is required")
+    if len(req.samples) > limits.max_samples:
+        raise RequestError("samples", f"{len(req.samples)} samples exceed the maximum of {limits.max_samples}")
+    _check_ids("prefix_ids", req.prefix_ids, model.vocab_size)
+    for i, s in enumerate(req.samples):
+        if not s:
+            raise RequestError(f"samples[{i}]", "empty sample (each sample needs at least 1 token)")
+        _check_ids(f"samples[{i}]", s, model.vocab_size)
+    if req.num_tokens > limits.max_score_tokens:
+        raise RequestError("samples", f"{req.num_tokens} tokens (prefix + samples) exceed the maximum "
+                                      f"of {limits.max_score_tokens}")
+    if model.has_cls_head:
+        if req.label_ids:
+            raise RequestError("label_ids", "must be empty: this model has a classification head "
+                                            f"and returns its {model.num_labels} outputs per sample")
+        return
+    if not req.label_ids:
+        raise RequestError("label_ids", "at least one label id is required")
+    if len(req.label_ids) > limits.max_labels:
+        raise RequestError("label_ids", f"{len(req.label_ids)} label ids exceed the maximum of {limits.max_labels}")
+    _check_ids("label_ids", req.label_ids, model.vocab_size)
+
+
+def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits) -> None:
+    if model.has_cls_head:
+        raise RequestError("kind", "this model has a classification head: only Score is served")
+    if not req.prompt_ids:
+        raise RequestError("prompt_ids", "empty prompt (at least 1 token is required)")
+    if len(req.prompt_ids) > limits.max_prompt_tokens:
+        raise RequestError("prompt_ids", f"{len(req.prompt_ids)} tokens exceed the maximum prompt "
+                                         f"length of {limits.max_prompt_tokens}")
+    _check_ids("prompt_ids", req.prompt_ids, model.vocab_size)
+    _check_int("beam_width", req.beam_width, 1, limits.max_beam_width)
+    _check_int("new_tokens", req.new_tokens, 1, limits.max_new_tokens)

@@ -1,0 +1,75 @@
+"""The `slmrank run` line format: one JSON request per line in, one JSON result per line out.
+
+  in:  {"id": "a", "kind": "score", "prefix_ids": [..] (optional), "samples": [[..], ..], "label_ids": [..]}
+  out: {"id": "a", "scores": [[logprob per label id], ..]}
+  in:  {"id": "b", "kind": "beam", "prompt_ids": [..], "beam_width": B, "new_tokens": T}
+  out: {"id": "b", "beams": [{"ids": [T ids], "logprob": cumulative}, ..]}   (best first)
+  a bad line: {"id": .., "error": "<field>: <what is wrong, with the limit>"}
+
+Floats are written with Python's shortest round-trip repr, so two runtimes' files compare byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .requests import BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult
+
+KINDS = ("score", "beam")
+
+
+def _id_list(value: Any, field: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise RequestError(field, f"must be a list of token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"{field}[{i}]", f"must be an integer token id, got {t!r}")
+    return tuple(value)
+
+
+def _optional_ids(obj: dict[str, Any], field: str) -> tuple[int, ...]:
+    return _id_list(obj[field], field) if field in obj else ()
+
+
+def parse_request(line: str) -> ScoreRequest | BeamRequest:
+    """Raises RequestError; its `request_id` attribute carries the id when one was read."""
+    rid = None
+    try:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RequestError("line", f"invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise RequestError("line", "must be a JSON object")
+        rid = obj.get("id")
+        if rid is not None and not isinstance(rid, (str, int)):
+            raise RequestError("id", "must be a string or an integer")
+        kind = obj.get("kind")
+        if kind == "score":
+            samples = obj.get("samples")
+            if not isinstance(samples, list):
+                raise RequestError("samples", "is required: a list of token-id lists")
+            return ScoreRequest(samples=tuple(_id_list(s, f"samples[{i}]") for i, s in enumerate(samples)),
+                                label_ids=_optional_ids(obj, "label_ids"),
+                                prefix_ids=_optional_ids(obj, "prefix_ids"), id=rid)
+        if kind == "beam":
+            if "prompt_ids" not in obj:
+                raise RequestError("prompt_ids", "is required")
+            return BeamRequest(prompt_ids=_id_list(obj["prompt_ids"], "prompt_ids"),
+                               beam_width=obj.get("beam_width"), new_tokens=obj.get("new_tokens"),
+                               id=rid)  # type: ignore[arg-type]  (validate_beam checks both)
+        raise RequestError("kind", f"{kind!r} is not one of {KINDS}")
+    except RequestError as e:
+        e.request_id = rid  # type: ignore[attr-defined]
+        raise
+
+
+def format_result(rid: Any, result: ScoreResult | BeamResult | RequestError) -> str:
+    if isinstance(result, RequestError):
+        obj: dict[str, Any] = {"id": rid, "error": str(result)}
+    elif isinstance(result, ScoreResult):
+        obj = {"id": rid, "scores": result.scores}
+    else:
+        obj = {"id": rid, "beams": [{"ids": b.ids, "logprob": b.logprob} for b in result.beams]}
+    return json.dumps(obj, ensure_ascii=False)

@@ -59,10 +59,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     artifact = resolve_artifact(args.model, quiet=args.quiet)
     runtime = make_runtime(args.runtime, artifact, args.device, args.dtype)
-    lines = [ln for ln in Path(args.requests).read_text().splitlines() if ln.strip()]
+    lines = [(n, ln) for n, ln in enumerate(Path(args.requests).read_text().splitlines(), 1) if ln.strip()]
     parsed: list = []
     ids: list = []
-    for n, ln in enumerate(lines, 1):
+    for n, ln in lines:
         try:
             req = parse_request(ln)
             parsed.append(req)

@@ -1,0 +1,1 @@
+"""slmrank service: model, artifact, runtimes, server."""

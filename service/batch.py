@@ -1,0 +1,138 @@
+"""Packing whole requests into one bucket's static input buffers, and unpacking the results.
+
+Host-side and shared by both runtimes, so they see the very same buffers.
+Padding tokens get seg = -1 (they attend only to each other) and never reach a result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .buckets import BeamBucket, BucketTable, ScoreBucket
+from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
+
+NO_CONTEXT = -2  # ctx of a token that has no shared prefix (never equal to any seg)
+
+
+@dataclass
+class ScoreBatch:
+    requests: list[ScoreRequest]
+    bucket: ScoreBucket
+    num_labels: int  # padded label columns
+    inputs: dict[str, torch.Tensor]
+
+
+@dataclass
+class BeamBatch:
+    requests: list[BeamRequest]
+    bucket: BeamBucket
+    inputs: dict[str, torch.Tensor]
+
+
+def score_fits(bucket: ScoreBucket, requests: Sequence[ScoreRequest]) -> bool:
+    return (sum(r.num_tokens for r in requests) <= bucket.max_tokens
+            and sum(r.num_samples for r in requests) <= bucket.max_samples)
+
+
+def beam_fits(bucket: BeamBucket, requests: Sequence[BeamRequest]) -> bool:
+    return (len(requests) <= bucket.max_requests
+            and all(r.new_tokens == bucket.new_tokens and r.beam_width <= bucket.beam_width for r in requests)
+            and sum(len(r.prompt_ids) for r in requests) <= bucket.max_prompt_tokens)
+
+
+def pick_score_bucket(table: BucketTable, requests: Sequence[ScoreRequest]) -> ScoreBucket | None:
+    fits = [b for b in table.score if score_fits(b, requests)]
+    return min(fits, key=lambda b: (b.max_tokens, b.max_samples)) if fits else None
+
+
+def pick_beam_bucket(table: BucketTable, requests: Sequence[BeamRequest]) -> BeamBucket | None:
+    # Smallest padded work first: beam rows, then prompt tokens.
+    fits = [b for b in table.beam if beam_fits(b, requests)]
+    return min(fits, key=lambda b: (b.max_requests * b.beam_width, b.max_prompt_tokens)) if fits else None
+
+
+def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: int) -> ScoreBatch:
+    """tokens/positions/seg/ctx [T]; last [S]; labels [S, L]. Each prefix and each sample is a segment;
+    a sample's ctx is its request's prefix segment (the shared prefix K/V it attends to)."""
+    t_max, s_max = bucket.max_tokens, bucket.max_samples
+    tokens, positions, seg, ctx, last, labels = [], [], [], [], [], []
+    num_segs = 0
+    for req in requests:
+        prefix_seg = NO_CONTEXT
+        if req.prefix_ids:
+            prefix_seg, num_segs = num_segs, num_segs + 1
+            tokens += req.prefix_ids
+            positions += range(len(req.prefix_ids))
+            seg += [prefix_seg] * len(req.prefix_ids)
+            ctx += [NO_CONTEXT] * len(req.prefix_ids)
+        for sample in req.samples:
+            s, num_segs = num_segs, num_segs + 1
+            start = len(req.prefix_ids)
+            tokens += sample
+            positions += range(start, start + len(sample))
+            seg += [s] * len(sample)
+            ctx += [prefix_seg] * len(sample)
+            last.append(len(tokens) - 1)
+            labels.append(list(req.label_ids) + [0] * (num_labels - len(req.label_ids)))
+    if len(tokens) > t_max or len(last) > s_max:
+        raise ValueError(f"batch of {len(tokens)} tokens / {len(last)} samples does not fit {bucket.key}")
+    pad_t, pad_s = t_max - len(tokens), s_max - len(last)
+    inputs = {
+        "tokens": torch.tensor(tokens + [0] * pad_t, dtype=torch.int64),
+        "positions": torch.tensor(positions + [0] * pad_t, dtype=torch.int64),
+        "seg": torch.tensor(seg + [-1] * pad_t, dtype=torch.int64),
+        "ctx": torch.tensor(ctx + [NO_CONTEXT] * pad_t, dtype=torch.int64),
+        "last": torch.tensor(last + [0] * pad_s, dtype=torch.int64),
+        "labels": torch.tensor(labels + [[0] * num_labels] * pad_s, dtype=torch.int64).reshape(s_max, num_labels),
+    }
+    return ScoreBatch(requests, bucket, num_labels, inputs)
+
+
+def unpack_score(batch: ScoreBatch, scores: torch.Tensor) -> list[ScoreResult]:
+    """scores: [S, L] float32 on the host."""
+    rows = scores.tolist()
+    out, i = [], 0
+    for req in batch.requests:
+        width = len(req.label_ids) or scores.shape[1]  # a classification head returns every output
+        out.append(ScoreResult([row[:width] for row in rows[i:i + req.num_samples]]))
+        i += req.num_samples
+    return out
+
+
+def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
+    """tokens/positions/seg [N] (packed prompts, seg = request index); last/beam_width [R];
+    beam_req/beam_pos [R*B] for the decode steps."""
+    n_max, r_max, b = bucket.max_prompt_tokens, bucket.max_requests, bucket.beam_width
+    tokens, positions, seg, last, widths, prompt_len = [], [], [], [], [], []
+    for r, req in enumerate(requests):
+        tokens += req.prompt_ids
+        positions += range(len(req.prompt_ids))
+        seg += [r] * len(req.prompt_ids)
+        last.append(len(tokens) - 1)
+        widths.append(req.beam_width)
+        prompt_len.append(len(req.prompt_ids))
+    if len(tokens) > n_max or len(requests) > r_max:
+        raise ValueError(f"batch of {len(requests)} requests / {len(tokens)} prompt tokens does not fit {bucket.key}")
+    pad_n, pad_r = n_max - len(tokens), r_max - len(requests)
+    widths += [0] * pad_r  # a padding request has no live beam
+    prompt_len += [0] * pad_r
+    inputs = {
+        "tokens": torch.tensor(tokens + [0] * pad_n, dtype=torch.int64),
+        "positions": torch.tensor(positions + [0] * pad_n, dtype=torch.int64),
+        "seg": torch.tensor(seg + [-1] * pad_n, dtype=torch.int64),
+        "last": torch.tensor(last + [0] * pad_r, dtype=torch.int64),
+        "beam_width": torch.tensor(widths, dtype=torch.int64),
+        "beam_req": torch.arange(r_max, dtype=torch.int64).repeat_interleave(b),
+        "beam_pos": torch.tensor(prompt_len, dtype=torch.int64).repeat_interleave(b),
+    }
+    return BeamBatch(requests, bucket, inputs)
+
+
+def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
+    """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first."""
+    seq_rows, score_rows = seqs.tolist(), scores.tolist()
+    return [BeamResult([Beam(seq_rows[r][j], score_rows[r][j]) for j in range(req.beam_width)])
+            for r, req in enumerate(batch.requests)]

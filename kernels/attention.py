@@ -11,8 +11,10 @@ import torch
 
 
 def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # k: [..., G, E] -> [..., H, E]; query head h reads kv head h // (H/G) (HF repeat_kv order)
-    return k.repeat_interleave(num_heads // k.shape[-2], dim=-2)
+    # k: [..., G, E] -> [..., H, E]; query head h reads kv head h // (H/G) (HF repeat_kv order).
+    # expand + reshape, not repeat_interleave: no host sync, so it can live in a CUDA graph.
+    *lead, g, e = k.shape
+    return k.unsqueeze(-2).expand(*lead, g, num_heads // g, e).reshape(*lead, num_heads, e)
 
 
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

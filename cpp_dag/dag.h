@@ -1,0 +1,68 @@
+// The static DAG as the C++ runtime sees it: model config, node specs from the manifest, the
+// per-run buffer environment, and the Node interface every node type implements.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace slmrank {
+
+struct ModelConfig {
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0;
+  int64_t head_dim = 0, intermediate_size = 0, num_labels = 0;
+  double rms_norm_eps = 1e-6;
+  bool qk_norm = false;
+  int64_t q_size() const { return num_heads * head_dim; }
+  int64_t kv_size() const { return num_kv_heads * head_dim; }
+};
+
+// One node of the manifest's DAG (service/dag.py writes them).
+struct NodeSpec {
+  std::string name, type;
+  std::vector<std::string> inputs, outputs;
+  int64_t layer = -1;  // decoder_layer
+  int64_t step = 0;    // decode-step nodes: 1..max_new_tokens-1
+  std::string mode;    // decoder_layer: score | prefill | decode
+  std::string weight;  // rms_norm: the weight's name
+};
+
+// Named buffers of one run. Nodes read their inputs and (re)bind their outputs here.
+using Env = std::unordered_map<std::string, at::Tensor>;
+using WeightMap = std::unordered_map<std::string, at::Tensor>;
+
+struct LayerWeights {
+  at::Tensor attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // bqkv/q_norm/k_norm may be undefined
+};
+
+// Everything a node reads besides the Env: immutable after construction.
+struct Context {
+  ModelConfig cfg;
+  WeightMap weights;
+  std::vector<LayerWeights> layers;
+  at::Tensor rope_cos, rope_sin;  // [positions, head_dim] in the compute dtype
+  double scale = 1.0;             // head_dim ** -0.5
+
+  const at::Tensor& weight(const std::string& name) const;
+};
+
+class Node {
+ public:
+  explicit Node(NodeSpec spec) : spec_(std::move(spec)) {}
+  virtual ~Node() = default;
+  virtual void run(const Context& ctx, Env& env) const = 0;
+  const NodeSpec& spec() const { return spec_; }
+
+ protected:
+  const at::Tensor& in(const Env& env, size_t i) const;
+  NodeSpec spec_;
+};
+
+// The registry (nodes.cpp): one line per node type. Throws std::invalid_argument for an unknown type.
+std::unique_ptr<Node> make_node(const NodeSpec& spec);
+
+}  // namespace slmrank

@@ -1,0 +1,93 @@
+// The DAG executor: runs the artifact's Score / BeamSearch DAG over one batch's static buffers,
+// with a timing for every node, synchronously or on its own worker thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dag.h"
+
+namespace slmrank {
+
+struct NodeTiming {
+  std::string name;
+  double host_ms = 0;     // host clock around the node's launch (eager) or its share (graph)
+  double device_ms = -1;  // device time between the node's events; -1 where there is no device timer
+};
+
+// Host timestamps in steady-clock nanoseconds, and per-node timings.
+struct RunTimings {
+  int64_t submit_ns = 0, start_ns = 0, h2d_end_ns = 0, launch_ns = 0, d2h_end_ns = 0, done_ns = 0;
+  bool graph = false;  // replayed from a captured CUDA graph
+  std::vector<NodeTiming> nodes;
+};
+
+struct RunOutput {
+  std::vector<at::Tensor> outputs;  // Score: {scores [S, L]}; Beam: {seqs [R, B, n], scores [R, B]} (host)
+  RunTimings timings;
+};
+
+enum class Kind { kScore, kBeam };
+
+struct BatchSpec {
+  Kind kind = Kind::kScore;
+  Env inputs;  // host tensors named as service/batch.py packs them
+  int64_t num_requests = 0, beam_width = 0, new_tokens = 1;  // beam only
+};
+
+class Executor {
+ public:
+  using Callback = std::function<void(RunOutput* output, const std::string& error)>;
+
+  Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
+           const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Blocking: runs on the calling thread.
+  RunOutput run(const BatchSpec& batch);
+  // Asynchronous: queued to the worker thread; callback(output, "") or callback(nullptr, error).
+  // Throws std::runtime_error after shutdown().
+  void submit(BatchSpec batch, Callback callback);
+  // Stops taking work, finishes (or fails) every queued batch, joins the worker. Idempotent.
+  void shutdown();
+  size_t pending() const;
+
+  const ModelConfig& config() const { return ctx_.cfg; }
+  std::vector<std::string> node_names(Kind kind) const;
+
+ private:
+  struct Job {
+    BatchSpec batch;
+    Callback callback;
+    int64_t submit_ns;
+  };
+  RunOutput run_timed(const BatchSpec& batch, int64_t submit_ns);
+  void walk(const std::vector<std::unique_ptr<Node>>& dag, Env& env, int64_t num_steps, RunTimings& t) const;
+  void worker_loop();
+
+  Context ctx_;
+  at::Device device_;
+  std::vector<std::unique_ptr<Node>> score_dag_, beam_dag_;
+  int num_threads_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+int64_t now_ns();
+
+}  // namespace slmrank

@@ -1,0 +1,106 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "layer_ops.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+
+#include <limits>
+
+#include "attention_merge.h"
+
+namespace slmrank {
+namespace {
+
+c10::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// k: [..., G, E] -> [..., H, E]; query head h reads kv head h / (H/G)
+at::Tensor expand_kv(const at::Tensor& k, int64_t num_heads) {
+  auto sizes = k.sizes().vec();
+  const int64_t e = sizes.back(), g = sizes[sizes.size() - 2];
+  std::vector<int64_t> expanded(sizes.begin(), sizes.end() - 1);
+  expanded.push_back(num_heads / g);
+  expanded.push_back(e);
+  std::vector<int64_t> merged(sizes.begin(), sizes.end() - 2);
+  merged.push_back(num_heads);
+  merged.push_back(e);
+  return k.unsqueeze(-2).expand(expanded).reshape(merged);
+}
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf.mul(xf.pow(2).mean({-1}, /*keepdim=*/true).add(eps).rsqrt());
+  return weight.mul(xf.to(x.scalar_type()));
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
+  return x.mul(cos.unsqueeze(1)).add(rotated.mul(sin.unsqueeze(1)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
+                                                              const at::Tensor& x, const at::Tensor& cos,
+                                                              const at::Tensor& sin) {
+  const int64_t n = x.size(0);
+  at::Tensor h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps);
+  at::Tensor qkv = at::linear(h, w.wqkv, opt(w.bqkv));
+  auto parts = qkv.split_with_sizes({cfg.q_size(), cfg.kv_size(), cfg.kv_size()}, -1);
+  at::Tensor q = parts[0].reshape({n, cfg.num_heads, cfg.head_dim});
+  at::Tensor k = parts[1].reshape({n, cfg.num_kv_heads, cfg.head_dim});
+  at::Tensor v = parts[2].reshape({n, cfg.num_kv_heads, cfg.head_dim});
+  if (cfg.qk_norm) {
+    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
+    k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
+  }
+  return {apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()};
+}
+
+at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
+                                    const at::Tensor& attn) {
+  at::Tensor y = x.add(at::linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo));
+  at::Tensor h = rms_norm(y, w.mlp_norm, cfg.rms_norm_eps);
+  auto gate_up = at::linear(h, w.wgu).chunk(2, -1);
+  return y.add(at::linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown));
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& mask, double scale) {
+  const int64_t h = q.size(1);
+  at::Tensor kx = expand_kv(k, h), vx = expand_kv(v, h);
+  at::Tensor s = q.transpose(0, 1).matmul(kx.permute({1, 2, 0})).to(at::kFloat).mul(scale);  // [H, N, M]
+  at::Tensor hidden = mask.bitwise_not();
+  s = s.masked_fill(hidden, kNegInf);
+  at::Tensor lse = s.logsumexp({-1});  // [H, N]
+  at::Tensor p = s.sub(lse.unsqueeze(-1)).exp().masked_fill(hidden, 0.0);
+  at::Tensor out = p.to(v.scalar_type()).matmul(vx.transpose(0, 1));  // [H, N, E]
+  return {out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale) {
+  const int64_t h = q.size(1);
+  at::Tensor kx = expand_kv(k, h), vx = expand_kv(v, h);  // [N, T, H, E]
+  at::Tensor s = q.unsqueeze(2).matmul(kx.permute({0, 2, 3, 1})).to(at::kFloat).mul(scale);  // [N, H, 1, T]
+  at::Tensor lse = s.logsumexp({-1});
+  at::Tensor p = s.sub(lse.unsqueeze(-1)).exp();
+  at::Tensor out = p.to(v.scalar_type()).matmul(vx.transpose(1, 2));  // [N, H, 1, E]
+  return {out.squeeze(2).contiguous(), lse.squeeze(2).contiguous()};
+}
+
+at::Tensor two_part_attention(const at::Tensor& q, const at::Tensor& k_a, const at::Tensor& v_a,
+                              const at::Tensor& mask_a, const at::Tensor& k_b, const at::Tensor& v_b,
+                              const at::Tensor& mask_b, double scale) {
+  auto [out_a, lse_a] = masked_attention(q, k_a, v_a, mask_a, scale);
+  auto [out_b, lse_b] = mask_b.defined() ? masked_attention(q, k_b, v_b, mask_b, scale)
+                                         : rowwise_attention(q, k_b, v_b, scale);
+  return merge_attention_states(out_a, lse_a, out_b, lse_b, nullptr);
+}
+
+}  // namespace slmrank

@@ -1,0 +1,40 @@
+// The decoder's building blocks over ATen. Each mirrors, op for op, its Python reference
+// (service/layers.py, kernels/attention.py) so the two runtimes agree byte for byte.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "dag.h"
+
+namespace slmrank {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
+                                                              const at::Tensor& x, const at::Tensor& cos,
+                                                              const at::Tensor& sin);
+
+// Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E]
+at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
+                                    const at::Tensor& attn);
+
+// q [N, H, E]; k, v [M, G, E]; mask [N, M] bool -> out [N, H, E], lse [N, H] float32
+std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& mask, double scale);
+
+// q [N, H, E]; k, v [N, T, G, E] (each row its own keys) -> out [N, H, E], lse [N, H] float32
+std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale);
+
+// Part A (shared keys under mask_a) merged with part B (mask_b, or per-row keys if undefined).
+at::Tensor two_part_attention(const at::Tensor& q, const at::Tensor& k_a, const at::Tensor& v_a,
+                              const at::Tensor& mask_a, const at::Tensor& k_b, const at::Tensor& v_b,
+                              const at::Tensor& mask_b, double scale);
+
+}  // namespace slmrank

@@ -1,0 +1,70 @@
+// decoder_layer: one transformer block in one of three attention modes.
+//   score:   own-sample causal part + shared-prefix part, merged by LSE
+//   prefill: causal over the packed prompts; keeps the prompt K/V every beam shares
+//   decode:  one token per beam; prompt part + per-beam suffix part, merged by LSE
+// Mirrors service/nodes.py::decoder_layer.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <stdexcept>
+#include <string>
+
+#include "layer_ops.h"
+#include "node_types.h"
+
+namespace slmrank {
+namespace {
+
+enum class Mode { kScore, kPrefill, kDecode };
+
+Mode parse_mode(const NodeSpec& spec) {
+  if (spec.mode == "score") return Mode::kScore;
+  if (spec.mode == "prefill") return Mode::kPrefill;
+  if (spec.mode == "decode") return Mode::kDecode;
+  throw std::invalid_argument("node " + spec.name + ": unknown decoder_layer mode '" + spec.mode + "'");
+}
+
+class DecoderLayer final : public Node {
+ public:
+  explicit DecoderLayer(const NodeSpec& spec) : Node(spec), mode_(parse_mode(spec)), i_(std::to_string(spec.layer)) {
+    if (spec.layer < 0) throw std::invalid_argument("node " + spec.name + ": decoder_layer needs a layer index");
+    if (mode_ == Mode::kDecode && spec.step < 1) throw std::invalid_argument("node " + spec.name + ": decode needs step >= 1");
+  }
+
+  void run(const Context& ctx, Env& env) const override {
+    const ModelConfig& cfg = ctx.cfg;
+    const LayerWeights& w = ctx.layers.at(spec_.layer);
+    const at::Tensor x = env.at("x");
+    at::Tensor attn;
+    if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
+      const at::Tensor& pos = env.at("positions");
+      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos));
+      if (mode_ == Mode::kScore) {
+        attn = two_part_attention(q, k, v, env.at("mask_ctx"), k, v, env.at("mask_self"), ctx.scale);
+      } else {
+        attn = std::get<0>(masked_attention(q, k, v, env.at("mask_self"), ctx.scale));
+        env["prompt_k." + i_] = k;
+        env["prompt_v." + i_] = v;
+      }
+    } else {
+      const int64_t t = spec_.step;
+      at::Tensor pos = env.at("beam_pos").add(t - 1);
+      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos));
+      at::Tensor& suffix_k = env.at("suffix_k." + i_);  // [R*B, n-1, G, E]
+      at::Tensor& suffix_v = env.at("suffix_v." + i_);
+      suffix_k.select(1, t - 1).copy_(k);
+      suffix_v.select(1, t - 1).copy_(v);
+      attn = two_part_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("mask_beam"),
+                                suffix_k.slice(1, 0, t), suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+    }
+    env["x"] = attention_output_and_mlp(cfg, w, x, attn);
+  }
+
+ private:
+  Mode mode_;
+  std::string i_;
+};
+
+}  // namespace
+
+std::unique_ptr<Node> make_decoder_layer(const NodeSpec& spec) { return std::make_unique<DecoderLayer>(spec); }
+
+}  // namespace slmrank

@@ -1,0 +1,43 @@
+// lm_head, cls_head, label_logprobs: from the last hidden rows to a request's scores.
+// Mirrors service/nodes.py::lm_head / cls_head / label_logprobs.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/ops/linear.h>
+
+#include "node_types.h"
+
+namespace slmrank {
+namespace {
+
+class LmHead final : public Node {
+ public:
+  using Node::Node;
+  void run(const Context& ctx, Env& env) const override {
+    auto it = ctx.weights.find("lm_head");  // tied embeddings share the table
+    const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
+    env[spec_.outputs[0]] = at::linear(in(env, 0), w).to(at::kFloat);
+  }
+};
+
+class ClsHead final : public Node {
+ public:
+  using Node::Node;
+  void run(const Context& ctx, Env& env) const override {
+    env[spec_.outputs[0]] = at::linear(in(env, 0), ctx.weight("cls_head")).to(at::kFloat);
+  }
+};
+
+class LabelLogprobs final : public Node {
+ public:
+  using Node::Node;
+  void run(const Context&, Env& env) const override {
+    env[spec_.outputs[0]] = in(env, 0).log_softmax(-1).gather(1, in(env, 1));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Node> make_lm_head(const NodeSpec& spec) { return std::make_unique<LmHead>(spec); }
+std::unique_ptr<Node> make_cls_head(const NodeSpec& spec) { return std::make_unique<ClsHead>(spec); }
+std::unique_ptr<Node> make_label_logprobs(const NodeSpec& spec) { return std::make_unique<LabelLogprobs>(spec); }
+
+}  // namespace slmrank

@@ -1,0 +1,31 @@
+// rms_norm and gather_rows: the model's final norm and the pick of each sequence's last row.
+// Mirrors service/nodes.py::rms_norm_node / gather_rows.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "layer_ops.h"
+#include "node_types.h"
+
+namespace slmrank {
+namespace {
+
+class RmsNorm final : public Node {
+ public:
+  using Node::Node;
+  void run(const Context& ctx, Env& env) const override {
+    env[spec_.outputs[0]] = rms_norm(in(env, 0), ctx.weight(spec_.weight), ctx.cfg.rms_norm_eps);
+  }
+};
+
+class GatherRows final : public Node {
+ public:
+  using Node::Node;
+  void run(const Context&, Env& env) const override {
+    env[spec_.outputs[0]] = in(env, 0).index_select(0, in(env, 1));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Node> make_rms_norm(const NodeSpec& spec) { return std::make_unique<RmsNorm>(spec); }
+std::unique_ptr<Node> make_gather_rows(const NodeSpec& spec) { return std::make_unique<GatherRows>(spec); }
+
+}  // namespace slmrank

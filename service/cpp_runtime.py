@@ -1,0 +1,87 @@
+"""The C++ DAG runtime, driven from Python: the artifact is verified and loaded here, then the
+C++ executor (cpp_dag) runs every node with no Python and no GIL between hand-off and results.
+
+Same contract as PythonRuntime (run_score / run_beam), plus asynchronous submission and the
+per-node timings of the last run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from .artifact import Artifact
+from .batch import BeamBatch, ScoreBatch
+from .layers import rope_table
+
+
+def _load_core() -> Any:
+    try:
+        from cpp_dag import _core
+    except ImportError as e:  # the extension is built by `pip install --no-build-isolation -e .`
+        raise RuntimeError(f"the C++ runtime is not built ({e}); run ops/test or "
+                           "`pip install --no-build-isolation --no-deps -e .`") from e
+    return _core
+
+
+class CppRuntime:
+    name = "cpp"
+
+    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        core = _load_core()
+        self.artifact = artifact
+        self.cfg = artifact.config
+        self.device = torch.device(device)
+        self.dtype = dtype or artifact.weight_dtype
+        weights = artifact.load_weights(self.device, self.dtype)
+        limits = artifact.limits
+        num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
+        cos, sin = rope_table(self.cfg, num_positions, self.device)  # the same table as PythonRuntime
+        self._executor = core.Executor(self.cfg.to_dict(), weights, cos.to(self.dtype), sin.to(self.dtype),
+                                       [n.to_dict() for n in artifact.score_dag],
+                                       [n.to_dict() for n in artifact.beam_dag])
+        self.last_timings: dict[str, Any] | None = None
+
+    @staticmethod
+    def _beam_dims(batch: BeamBatch) -> dict[str, int]:
+        b = batch.bucket
+        return {"num_requests": b.max_requests, "beam_width": b.beam_width, "new_tokens": b.new_tokens}
+
+    def run_score(self, batch: ScoreBatch) -> torch.Tensor:
+        (scores,), self.last_timings = self._executor.run("score", batch.inputs)
+        return scores
+
+    def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        (seqs, scores), self.last_timings = self._executor.run("beam", batch.inputs, **self._beam_dims(batch))
+        return seqs, scores
+
+    def submit(self, batch: ScoreBatch | BeamBatch) -> "asyncio.Future[tuple[list[torch.Tensor], dict[str, Any]]]":
+        """Queues the batch on the executor's worker; the future resolves on the running loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result: Any, error: str | None) -> None:  # runs on the executor's thread
+            loop.call_soon_threadsafe(_resolve, fut, result, error)
+
+        if isinstance(batch, ScoreBatch):
+            self._executor.submit("score", batch.inputs, done)
+        else:
+            self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch))
+        return fut
+
+    def node_names(self, kind: str) -> list[str]:
+        return list(self._executor.node_names(kind))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown()
+
+
+def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(RuntimeError(error))
+    else:
+        fut.set_result(result)

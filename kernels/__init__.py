@@ -1,0 +1,1 @@
+"""Triton/CUDA kernels, each beside its plain-torch reference."""

@@ -1,0 +1,154 @@
+"""Shared session fixtures: tiny random Hugging Face checkpoints (built with transformers), their
+slmrank artifacts and Python runtimes, and the embedded:tiny artifact.
+
+Everything is created fresh from fixed seeds in pytest's tmp dirs; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+VOCAB = 512
+MAX_POS = 256
+
+
+@dataclass
+class TinyModel:
+    """A transformers model, its checkpoint dir, and slmrank's artifact + runtime built from it."""
+
+    hf: Any  # the transformers model (eval mode, float32)
+    ckpt: Path
+    artifact: Any
+    runtime: Any
+
+
+def _hf_config(arch: str, **extra: Any):
+    from transformers import Qwen2Config, Qwen3Config
+
+    cls = Qwen2Config if arch == "qwen2" else Qwen3Config
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS,
+              initializer_range=0.3, rope_theta=10000.0, rms_norm_eps=1e-6)
+    kw.update(extra)
+    return cls(**kw)
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    # HF initialises every RMSNorm weight to 1; random gains make a wrong norm wiring visible.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+
+
+def _make(tmp_root: Path, name: str, arch: str, model_cls_name: str, seed: int,
+          save_kw: dict[str, Any] | None = None, **cfg_extra: Any) -> TinyModel:
+    import transformers
+
+    from service.artifact import build_artifact, load_artifact
+    from service.python_runtime import PythonRuntime
+
+    torch.manual_seed(seed)
+    cfg = _hf_config(arch, **cfg_extra)
+    model = getattr(transformers, model_cls_name)(cfg).eval()
+    _randomize_norms(model, seed + 1)
+    ckpt = tmp_root / name
+    model.save_pretrained(ckpt, **(save_kw or {}))
+    art_dir = build_artifact(str(ckpt), tmp_root / f"{name}.art", quiet=True)
+    art = load_artifact(art_dir)
+    return TinyModel(model, ckpt, art, PythonRuntime(art))
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def qwen2_tiny(tiny_root: Path) -> TinyModel:
+    """Qwen2: q/k/v bias, tied embeddings."""
+    return _make(tiny_root, "qwen2", "qwen2", "Qwen2ForCausalLM", seed=11, tie_word_embeddings=True,
+                 rope_theta=50000.0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny(tiny_root: Path) -> TinyModel:
+    """Qwen3: q/k RMSNorm, untied embeddings."""
+    return _make(tiny_root, "qwen3", "qwen3", "Qwen3ForCausalLM", seed=23, tie_word_embeddings=False,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded(tiny_root: Path) -> TinyModel:
+    """Qwen3 saved in several safetensors shards with a model.safetensors.index.json."""
+    m = _make(tiny_root, "qwen3_sharded", "qwen3", "Qwen3ForCausalLM", seed=37, tie_word_embeddings=False,
+              save_kw={"max_shard_size": "60KB"})
+    return m
+
+
+@pytest.fixture(scope="session")
+def qwen2_cls(tiny_root: Path) -> TinyModel:
+    """Qwen2ForSequenceClassification with 3 labels (a "score" head replaces the LM head)."""
+    return _make(tiny_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification", seed=41,
+                 num_labels=3, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def embedded_tiny(tmp_path_factory: pytest.TempPathFactory):
+    """embedded:tiny built once: (artifact dir, Artifact)."""
+    from service.artifact import build_artifact, load_artifact
+
+    out = build_artifact("embedded:tiny", tmp_path_factory.mktemp("embedded") / "tiny", quiet=True)
+    return out, load_artifact(out)
+
+
+@pytest.fixture(scope="session")
+def embedded_tiny_runtime(embedded_tiny):
+    from service.python_runtime import PythonRuntime
+
+    return PythonRuntime(embedded_tiny[1])
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def rand_ids(rng: random.Random, n: int, vocab: int = VOCAB) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+@torch.no_grad()
+def hf_label_logprobs(model, ids: list[int], label_ids: list[int]) -> list[float]:
+    logits = model(torch.tensor([ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, -1)[label_ids].tolist()
+
+
+@torch.no_grad()
+def hf_beam(model, prompt: list[int], beams: int, new_tokens: int) -> tuple[list[list[int]], list[float]]:
+    """HF generate with the slmrank beam semantics: B sequences of exactly T new tokens, best first,
+    cumulative log-probabilities (no length penalty, no EOS). B=1 is greedy in HF."""
+    gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         num_beams=beams, num_return_sequences=beams,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         length_penalty=0.0, early_stopping=False, eos_token_id=None, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    seqs = gen.sequences[:, len(prompt):].tolist()
+    assert all(len(s) == new_tokens for s in seqs)
+    if beams > 1:
+        scores = gen.sequences_scores.float().tolist()
+    else:
+        scores = [sum(torch.log_softmax(sc[0].float(), -1)[tok].item() for sc, tok in zip(gen.scores, seqs[0]))]
+    return seqs, scores
+
+
+@pytest.fixture(scope="session")
+def hf_ref():
+    """The HF reference helpers, as a fixture (test modules cannot import conftest directly)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(label_logprobs=hf_label_logprobs, beam=hf_beam, rand_ids=rand_ids, vocab=VOCAB)

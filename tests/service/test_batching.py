@@ -1,0 +1,235 @@
+"""Batching whole requests into buckets never changes a result beyond float rounding, never splits a
+request, and masks the beams a narrower request does not have."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.batch import (beam_fits, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, score_fits,
+                           unpack_beam, unpack_score)
+from service.buckets import BeamBucket, ScoreBucket
+from service.engine import execute, plan_batches
+from service.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
+
+TOL = 1e-5
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+def _score_reqs(rng: random.Random, n: int, vocab: int, max_labels: int) -> list[ScoreRequest]:
+    return [ScoreRequest(samples=tuple(_ids(rng, rng.randint(1, 10), vocab) for _ in range(rng.randint(1, 6))),
+                         label_ids=_ids(rng, rng.randint(1, max_labels), vocab),
+                         prefix_ids=_ids(rng, rng.randint(1, 15), vocab) if rng.random() < 0.6 else (),
+                         id=f"s{i}")
+            for i in range(n)]
+
+
+def _assert_same_score(got: ScoreResult, want: ScoreResult) -> None:
+    assert isinstance(got, ScoreResult) and isinstance(want, ScoreResult)
+    assert [len(r) for r in got.scores] == [len(r) for r in want.scores]
+    diff = max(abs(a - b) for ra, rb in zip(got.scores, want.scores) for a, b in zip(ra, rb))
+    assert diff <= TOL, f"score changed by {diff} with batching/padding"
+
+
+def _assert_same_beams(got: BeamResult, want: BeamResult) -> None:
+    assert isinstance(got, BeamResult) and isinstance(want, BeamResult)
+    assert len(got.beams) == len(want.beams)
+    assert [b.ids for b in got.beams] == [b.ids for b in want.beams]
+    diff = max(abs(a.logprob - b.logprob) for a, b in zip(got.beams, want.beams))
+    assert diff <= TOL, f"beam score changed by {diff} with batching/padding"
+
+
+@pytest.fixture(scope="module")
+def m(qwen2_tiny):
+    return qwen2_tiny
+
+
+# ---- Score ------------------------------------------------------------------------------------
+
+def test_score_alone_equals_in_batch_and_in_a_bigger_bucket(m):
+    art, rt = m.artifact, m.runtime
+    rng = random.Random(2024)
+    reqs = _score_reqs(rng, 7, art.config.vocab_size, art.limits.max_labels)
+    alone = [execute(art, rt, [r])[0] for r in reqs]
+
+    together = execute(art, rt, reqs)
+    assert len(plan_batches(art, reqs)) == 1
+    for got, want in zip(together, alone):
+        _assert_same_score(got, want)
+
+    shuffled = list(range(len(reqs)))
+    random.Random(5).shuffle(shuffled)
+    for i, got in zip(shuffled, execute(art, rt, [reqs[i] for i in shuffled])):
+        _assert_same_score(got, alone[i])
+
+    # the same batch padded into a bucket several times larger: far more padding tokens and rows
+    # (not the 8192-token one: the reference runtime's dense masks make that one slow on a CPU)
+    fit = pick_score_bucket(art.buckets, reqs)
+    big = max((b for b in art.buckets.score if b.max_tokens <= max(1024, fit.max_tokens)),
+              key=lambda b: (b.max_tokens, b.max_samples))
+    assert big.max_tokens >= 2 * fit.max_tokens
+    batch = pack_score(reqs, big, art.limits.max_labels)
+    for got, want in zip(unpack_score(batch, rt.run_score(batch)), alone):
+        _assert_same_score(got, want)
+
+
+# ---- BeamSearch -------------------------------------------------------------------------------
+
+def test_beam_alone_equals_in_batch_and_in_a_bigger_bucket(m):
+    art, rt = m.artifact, m.runtime
+    rng = random.Random(77)
+    v = art.config.vocab_size
+    reqs = [BeamRequest(_ids(rng, n, v), b, 3, id=f"b{i}") for i, (b, n) in enumerate([(7, 12), (2, 40), (16, 3)])]
+    alone = [execute(art, rt, [r])[0] for r in reqs]
+    for r, res in zip(reqs, alone):
+        assert len(res.beams) == r.beam_width and all(len(b.ids) == r.new_tokens for b in res.beams)
+
+    assert len(plan_batches(art, reqs)) == 1
+    bucket = pick_beam_bucket(art.buckets, reqs)
+    assert bucket.max_requests > len(reqs), "meant to include a padding request slot"
+    for got, want in zip(execute(art, rt, reqs), alone):
+        _assert_same_beams(got, want)
+
+    # the widest, largest bucket for this T: 400 beams per request slot, more padded prompt tokens
+    big = max((b for b in art.buckets.beam if b.new_tokens == 3), key=lambda b: (b.beam_width, b.max_requests))
+    assert big.beam_width == art.limits.max_beam_width
+    batch = pack_beam(reqs, big)
+    seqs, scores = rt.run_beam(batch)
+    for got, want in zip(unpack_beam(batch, seqs, scores), alone):
+        _assert_same_beams(got, want)
+
+
+def test_narrow_beam_is_masked_in_a_wider_bucket(m):
+    art, rt = m.artifact, m.runtime
+    rng = random.Random(303)
+    v = art.config.vocab_size
+    narrow = BeamRequest(_ids(rng, 9, v), 3, 4, id="narrow")
+    wide = BeamRequest(_ids(rng, 20, v), 16, 4, id="wide")
+    alone = execute(art, rt, [narrow])[0]
+    assert pick_beam_bucket(art.buckets, [narrow]).beam_width < 16
+
+    # co-batched with a B=16 request: the bucket is 16 wide
+    bucket = pick_beam_bucket(art.buckets, [narrow, wide])
+    assert bucket.beam_width == 16
+    got_narrow, got_wide = execute(art, rt, [narrow, wide])
+    assert len(got_narrow.beams) == 3
+    _assert_same_beams(got_narrow, alone)
+    _assert_same_beams(got_wide, execute(art, rt, [wide])[0])
+
+    # alone, but forced into a 16-wide bucket
+    b16 = next(b for b in art.buckets.beam if b.new_tokens == 4 and b.beam_width == 16 and b.max_requests == 1)
+    batch = pack_beam([narrow], b16)
+    seqs, scores = rt.run_beam(batch)
+    (res,) = unpack_beam(batch, seqs, scores)
+    assert len(res.beams) == 3
+    _assert_same_beams(res, alone)
+    # the masked beam slots never outrank a live one
+    assert all(s == float("-inf") for s in scores[0, 3:].tolist())
+
+
+# ---- plan_batches -----------------------------------------------------------------------------
+
+def _request_strategy(vocab: int, lim):
+    score = st.builds(
+        lambda samples, prefix, labels: ScoreRequest(samples=samples, prefix_ids=prefix, label_ids=labels),
+        st.lists(st.integers(1, 8).map(lambda n: (1,) * n), min_size=1, max_size=lim.max_samples)
+          .map(tuple),
+        st.integers(0, 60).map(lambda n: (2,) * n),
+        st.just((3,)),
+    ).filter(lambda r: r.num_tokens <= lim.max_score_tokens)
+    beam = st.builds(lambda n, b, t: BeamRequest(prompt_ids=(4,) * n, beam_width=b, new_tokens=t),
+                     st.integers(1, lim.max_prompt_tokens),
+                     st.sampled_from([1, 2, 3, 4, 5, 16, 17, 64, 100, 128, 300, lim.max_beam_width]),
+                     st.integers(1, lim.max_new_tokens))
+    return st.lists(st.one_of(score, beam), min_size=1, max_size=60)
+
+
+@pytest.fixture(scope="module")
+def plan_artifact(qwen2_tiny):
+    return qwen2_tiny.artifact
+
+
+def test_plan_batches_property(plan_artifact):
+    art = plan_artifact
+    lim = art.limits
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(_request_strategy(art.config.vocab_size, lim))
+    def check(reqs):
+        batches = plan_batches(art, reqs)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(len(reqs))), "every request exactly once, none split"
+        for b in batches:
+            assert b, "empty batch"
+            group = [reqs[i] for i in b]
+            if isinstance(group[0], ScoreRequest):
+                assert all(isinstance(r, ScoreRequest) for r in group)
+                bucket = pick_score_bucket(art.buckets, group)
+                assert bucket is not None and score_fits(bucket, group)
+                assert sum(r.num_tokens for r in group) <= bucket.max_tokens
+                assert sum(r.num_samples for r in group) <= bucket.max_samples
+            else:
+                assert all(isinstance(r, BeamRequest) for r in group)
+                assert len({r.new_tokens for r in group}) == 1, "one new_tokens per beam batch"
+                bucket = pick_beam_bucket(art.buckets, group)
+                assert bucket is not None and beam_fits(bucket, group)
+                assert isinstance(bucket, BeamBucket) and bucket.new_tokens == group[0].new_tokens
+                assert max(r.beam_width for r in group) <= bucket.beam_width
+                assert len(group) <= bucket.max_requests
+                assert sum(len(r.prompt_ids) for r in group) <= bucket.max_prompt_tokens
+
+    check()
+
+
+def test_plan_batches_many_small_requests_share_batches(plan_artifact):
+    """Batching actually happens: 300 small Score requests do not run one by one."""
+    art = plan_artifact
+    rng = random.Random(8)
+    reqs = _score_reqs(rng, 300, art.config.vocab_size, art.limits.max_labels)
+    batches = plan_batches(art, reqs)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert len(batches) < 300 // 4
+    for b in batches:
+        assert isinstance(pick_score_bucket(art.buckets, [reqs[i] for i in b]), ScoreBucket)
+
+
+def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
+    """A small-vocabulary model (V=200): a B=150 request is within the limits (max_beam_width 400) and
+    narrower than V, but its bucket is 256 wide. It must still be answered (or refused cleanly, naming
+    beam_width), and the other requests of the same call must be answered either way."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from service.artifact import build_artifact, load_artifact
+    from service.python_runtime import PythonRuntime
+    from service.requests import RequestError
+
+    torch.manual_seed(3)
+    cfg = Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.3)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    art = load_artifact(build_artifact(str(tmp_path / "ckpt"), tmp_path / "art", quiet=True))
+    rt = PythonRuntime(art)
+    score = ScoreRequest(samples=((1, 2, 3), (4,)), label_ids=(5, 6))
+    beam = BeamRequest(prompt_ids=(7, 8, 9, 10), beam_width=150, new_tokens=2)
+    assert beam.beam_width <= art.limits.max_beam_width and beam.beam_width < cfg.vocab_size
+    assert pick_beam_bucket(art.buckets, [beam]).beam_width > cfg.vocab_size
+
+    res_score, res_beam = execute(art, rt, [score, beam])
+    _assert_same_score(res_score, execute(art, rt, [score])[0])
+    if isinstance(res_beam, RequestError):
+        assert "beam_width" in str(res_beam)
+        return
+    assert isinstance(res_beam, BeamResult) and len(res_beam.beams) == 150
+    want_ids, want_scores = hf_ref.beam(model, list(beam.prompt_ids), 150, 2)
+    assert [b.ids for b in res_beam.beams[:20]] == want_ids[:20]
+    assert max(abs(b.logprob - s) for b, s in zip(res_beam.beams, want_scores)) <= 1e-4

@@ -2,9 +2,13 @@
 // Everything else in cpp_dag/ is plain C++ over ATen and knows nothing of Python.
 #include <torch/extension.h>
 
+#include <memory>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "attention_merge.h"
+#include "executor.h"
 
 namespace py = pybind11;
 
@@ -32,6 +36,105 @@ py::dict build_info() {
   return info;
 }
 
+// ---- the executor: Python dicts in, C++ structs out -------------------------------------
+
+slmrank::ModelConfig config_from(const py::dict& d) {
+  slmrank::ModelConfig c;
+  c.vocab_size = d["vocab_size"].cast<int64_t>();
+  c.hidden_size = d["hidden_size"].cast<int64_t>();
+  c.num_layers = d["num_layers"].cast<int64_t>();
+  c.num_heads = d["num_heads"].cast<int64_t>();
+  c.num_kv_heads = d["num_kv_heads"].cast<int64_t>();
+  c.head_dim = d["head_dim"].cast<int64_t>();
+  c.intermediate_size = d["intermediate_size"].cast<int64_t>();
+  c.num_labels = d["num_labels"].cast<int64_t>();
+  c.rms_norm_eps = d["rms_norm_eps"].cast<double>();
+  c.qk_norm = d["arch"].cast<std::string>() == "qwen3";
+  return c;
+}
+
+std::vector<slmrank::NodeSpec> dag_from(const py::list& nodes) {
+  std::vector<slmrank::NodeSpec> out;
+  for (const auto& item : nodes) {
+    py::dict d = item.cast<py::dict>();
+    slmrank::NodeSpec s;
+    s.name = d["name"].cast<std::string>();
+    s.type = d["type"].cast<std::string>();
+    s.inputs = d["inputs"].cast<std::vector<std::string>>();
+    s.outputs = d["outputs"].cast<std::vector<std::string>>();
+    py::dict attrs = d["attrs"].cast<py::dict>();
+    if (attrs.contains("layer")) s.layer = attrs["layer"].cast<int64_t>();
+    if (attrs.contains("step")) s.step = attrs["step"].cast<int64_t>();
+    if (attrs.contains("mode")) s.mode = attrs["mode"].cast<std::string>();
+    if (attrs.contains("weight")) s.weight = attrs["weight"].cast<std::string>();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+py::dict timings_to_dict(const slmrank::RunTimings& t) {
+  py::dict d;
+  d["submit_ns"] = t.submit_ns;
+  d["start_ns"] = t.start_ns;
+  d["h2d_end_ns"] = t.h2d_end_ns;
+  d["launch_ns"] = t.launch_ns;
+  d["d2h_end_ns"] = t.d2h_end_ns;
+  d["done_ns"] = t.done_ns;
+  d["graph"] = t.graph;
+  py::list nodes;
+  for (const auto& n : t.nodes) nodes.append(py::make_tuple(n.name, n.host_ms, n.device_ms));
+  d["nodes"] = nodes;
+  return d;
+}
+
+py::tuple output_to_tuple(slmrank::RunOutput& out) {
+  py::list outputs;
+  for (auto& o : out.outputs) outputs.append(o);
+  return py::make_tuple(outputs, timings_to_dict(out.timings));
+}
+
+slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
+                              int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+  slmrank::BatchSpec b;
+  if (kind == "score") {
+    b.kind = slmrank::Kind::kScore;
+  } else if (kind == "beam") {
+    b.kind = slmrank::Kind::kBeam;
+  } else {
+    throw std::invalid_argument("kind must be 'score' or 'beam', got '" + kind + "'");
+  }
+  b.inputs = std::move(inputs);
+  b.num_requests = num_requests;
+  b.beam_width = beam_width;
+  b.new_tokens = new_tokens;
+  return b;
+}
+
+// A Python callable that may be called and destroyed from the worker thread: both take the GIL.
+struct PyCallback {
+  explicit PyCallback(py::function f) : fn(new py::function(std::move(f))) {}
+  PyCallback(const PyCallback&) = default;
+  std::shared_ptr<py::function> fn;
+  ~PyCallback() {
+    if (fn.use_count() == 1) {
+      py::gil_scoped_acquire gil;
+      fn.reset();
+    }
+  }
+  void operator()(slmrank::RunOutput* out, const std::string& error) const {
+    py::gil_scoped_acquire gil;
+    try {
+      if (out) {
+        (*fn)(output_to_tuple(*out), py::none());
+      } else {
+        (*fn)(py::none(), error);
+      }
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("slmrank executor callback");
+    }
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -42,6 +145,63 @@ PYBIND11_MODULE(_core, m) {
         "Merge two partial attention results over disjoint keys through their LSEs.\n"
         "out_*: [N, H, E] float dtype; lse_*: [N, H] float32 (-inf = no keys).\n"
         "Returns (out [N, H, E] in out_a's dtype, lse [N, H] float32).");
+  py::class_<slmrank::Executor>(m, "Executor",
+                                 "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
+      .def(py::init([](const py::dict& config, std::unordered_map<std::string, at::Tensor> weights,
+                       at::Tensor rope_cos, at::Tensor rope_sin, const py::list& score_dag,
+                       const py::list& beam_dag, bool use_graphs) {
+             return std::make_unique<slmrank::Executor>(config_from(config), std::move(weights), std::move(rope_cos),
+                                                        std::move(rope_sin), dag_from(score_dag), dag_from(beam_dag),
+                                                        use_graphs);
+           }),
+           py::arg("config"), py::arg("weights"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("score_dag"),
+           py::arg("beam_dag"), py::arg("use_graphs") = true)
+      .def(
+          "prepare",
+          [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+            py::gil_scoped_release nogil;
+            return ex.prepare(batch);
+          },
+          py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
+          py::arg("new_tokens") = 1, "Capture this bucket's CUDA graph now; returns the capture time in ms (0 if none).")
+      .def_property_readonly("uses_graphs", &slmrank::Executor::uses_graphs)
+      .def_property_readonly("num_graphs", &slmrank::Executor::num_graphs)
+      .def(
+          "run",
+          [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+            slmrank::RunOutput out;
+            {
+              py::gil_scoped_release nogil;
+              out = ex.run(batch);
+            }
+            return output_to_tuple(out);
+          },
+          py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
+          py::arg("new_tokens") = 1,
+          "Blocking run of one batch (GIL released). Returns ([output tensors], timings dict).")
+      .def(
+          "submit",
+          [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
+             py::function callback, int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+            PyCallback cb(std::move(callback));
+            py::gil_scoped_release nogil;
+            ex.submit(std::move(batch), cb);
+          },
+          py::arg("kind"), py::arg("inputs"), py::arg("callback"), py::arg("num_requests") = 0,
+          py::arg("beam_width") = 0, py::arg("new_tokens") = 1,
+          "Queue one batch for the worker thread; callback((outputs, timings), None) or callback(None, error)\n"
+          "runs on that thread (use loop.call_soon_threadsafe to reach an asyncio loop).")
+      .def("shutdown", &slmrank::Executor::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Stop taking batches; finish every queued one; join the worker.")
+      .def("pending", &slmrank::Executor::pending)
+      .def("node_names", [](const slmrank::Executor& ex, const std::string& kind) {
+        return ex.node_names(kind == "beam" ? slmrank::Kind::kBeam : slmrank::Kind::kScore);
+      });
   m.def("build_info", &build_info,
         "How this extension was built: torch_version, with_cuda, cxx_standard, cxx11_abi.");
 }

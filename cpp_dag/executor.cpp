@@ -6,6 +6,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
+#include <cmath>
+#include <map>
 #include <stdexcept>
 
 namespace slmrank {
@@ -51,17 +53,19 @@ double ms_between(int64_t a, int64_t b) { return static_cast<double>(b - a) / 1e
 }  // namespace
 
 Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
-                   const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag)
+                   const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs)
     : device_(weights.count("embed") ? weights.at("embed").device() : at::Device(at::kCPU)),
       score_dag_(build_dag(score_dag)),
       beam_dag_(build_dag(beam_dag)),
-      num_threads_(at::get_num_threads()) {
+      num_threads_(at::get_num_threads()),
+      use_graphs_(use_graphs && device_.is_cuda()) {
   ctx_.cfg = cfg;
   ctx_.weights = std::move(weights);
   ctx_.rope_cos = std::move(rope_cos);
   ctx_.rope_sin = std::move(rope_sin);
   ctx_.scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
   for (int64_t i = 0; i < cfg.num_layers; ++i) ctx_.layers.push_back(layer_weights(ctx_, i));
+  if (use_graphs_) graph_pool_ = new_graph_pool();  // one pool: graphs never run concurrently
   worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -73,19 +77,103 @@ std::vector<std::string> Executor::node_names(Kind kind) const {
   return names;
 }
 
-void Executor::walk(const std::vector<std::unique_ptr<Node>>& dag, Env& env, int64_t num_steps,
-                    RunTimings& t) const {
+std::vector<const Node*> Executor::plan(const BatchSpec& batch) const {
+  const auto& dag = batch.kind == Kind::kScore ? score_dag_ : beam_dag_;
+  const int64_t num_steps = batch.kind == Kind::kScore ? 1 : batch.new_tokens;
+  std::vector<const Node*> nodes;
   for (const auto& node : dag) {
-    const NodeSpec& spec = node->spec();
-    if (spec.step >= num_steps) continue;
+    if (node->spec().step < num_steps) nodes.push_back(node.get());
+  }
+  return nodes;
+}
+
+void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
+                         std::vector<double>* host_ms) const {
+  for (size_t k = 0; k < nodes.size(); ++k) {
+    const NodeSpec& spec = nodes[k]->spec();
     const int64_t start = now_ns();
     try {
-      node->run(ctx_, env);
+      nodes[k]->run(ctx_, env);
     } catch (const std::exception& e) {
       throw std::runtime_error("node " + spec.name + " (" + spec.type + "): " + e.what());
     }
-    t.nodes.push_back({spec.name, ms_between(start, now_ns()), -1});
+    mark(k);
+    if (host_ms) host_ms->push_back(ms_between(start, now_ns()));
   }
+}
+
+Env Executor::device_env(const BatchSpec& batch) const {
+  Env env;
+  for (const auto& [name, tensor] : batch.inputs) env[name] = tensor.to(device_, /*non_blocking=*/false);
+  if (batch.kind == Kind::kBeam) {
+    const auto& cfg = ctx_.cfg;
+    const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
+    if (r < 1 || b < 1 || n < 1) {
+      throw std::invalid_argument("beam batch: num_requests, beam_width and new_tokens must be >= 1");
+    }
+    auto state = at::TensorOptions().dtype(ctx_.rope_cos.scalar_type()).device(device_);
+    env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
+    for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
+      for (const char* kv : {"suffix_k.", "suffix_v."}) {
+        env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim}, state);
+      }
+    }
+  }
+  return env;
+}
+
+namespace {
+
+std::vector<std::string> output_names(Kind kind) {
+  if (kind == Kind::kScore) return {"scores"};
+  return {"beam_seqs", "beam_scores"};
+}
+
+std::string bucket_key(const BatchSpec& batch) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, t] : batch.inputs) shapes[name] = t.sizes().vec();
+  std::string key = batch.kind == Kind::kScore ? "score" : "beam";
+  key += "/r" + std::to_string(batch.num_requests) + "/b" + std::to_string(batch.beam_width) + "/n" +
+         std::to_string(batch.new_tokens);
+  for (const auto& [name, sizes] : shapes) {
+    key += "/" + name + ":";
+    for (auto s : sizes) key += std::to_string(s) + "x";
+  }
+  return key;
+}
+
+}  // namespace
+
+size_t Executor::num_graphs() const {
+  std::lock_guard<std::mutex> lock(graphs_mu_);
+  return graphs_.size();
+}
+
+CapturedGraph& Executor::graph_for(const BatchSpec& batch, double* capture_ms) {
+  const std::string key = bucket_key(batch);
+  std::lock_guard<std::mutex> lock(graphs_mu_);  // one capture at a time; replays never overlap it
+  auto it = graphs_.find(key);
+  if (capture_ms) *capture_ms = 0;
+  if (it != graphs_.end()) return *it->second;
+  const int64_t start = now_ns();
+  c10::InferenceMode guard;
+  std::vector<const Node*> nodes = plan(batch);
+  std::vector<std::string> inputs;
+  for (const auto& [name, t] : batch.inputs) inputs.push_back(name);
+  auto body = [this, &nodes](Env& env, const std::function<void(size_t)>& mark) {
+    run_nodes(nodes, env, mark, nullptr);
+  };
+  auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), nodes.size(),
+                                               body, graph_pool_);
+  if (capture_ms) *capture_ms = ms_between(start, now_ns());
+  return *graphs_.emplace(key, std::move(graph)).first->second;
+}
+
+double Executor::prepare(const BatchSpec& example) {
+  if (!use_graphs_) return 0;
+  double ms = 0;
+  graph_for(example, &ms);
+  return ms;
 }
 
 RunOutput Executor::run(const BatchSpec& batch) { return run_timed(batch, now_ns()); }
@@ -96,30 +184,35 @@ RunOutput Executor::run_timed(const BatchSpec& batch, int64_t submit_ns) {
   RunTimings& t = out.timings;
   t.submit_ns = submit_ns;
   t.start_ns = now_ns();
-  Env env;
-  for (const auto& [name, tensor] : batch.inputs) env[name] = tensor.to(device_, /*non_blocking=*/false);
+  std::vector<const Node*> nodes = plan(batch);
+  if (use_graphs_) {
+    CapturedGraph& graph = graph_for(batch, nullptr);
+    CapturedGraph::Replay r = graph.replay(batch.inputs);
+    t.graph = true;
+    t.h2d_end_ns = r.h2d_end_ns;
+    t.launch_ns = r.launch_ns;
+    t.d2h_end_ns = r.d2h_end_ns;
+    const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(nodes.size(), 1);
+    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
+    out.outputs = std::move(r.outputs);
+    t.done_ns = now_ns();
+    return out;
+  }
+  Env env = device_env(batch);
   t.h2d_end_ns = now_ns();
-  if (batch.kind == Kind::kBeam) {
-    const auto& cfg = ctx_.cfg;
-    const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
-    if (r < 1 || b < 1 || n < 1) throw std::invalid_argument("beam batch: num_requests, beam_width, new_tokens must be >= 1");
-    auto dtype = ctx_.rope_cos.scalar_type();
-    env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
-    for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
-      for (const char* kv : {"suffix_k.", "suffix_v."}) {
-        env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim},
-                                                at::TensorOptions().dtype(dtype).device(device_));
-      }
-    }
-  }
-  t.launch_ns = now_ns();
-  if (batch.kind == Kind::kScore) {
-    walk(score_dag_, env, 1, t);
-    out.outputs = {env.at("scores").to(at::kCPU)};
+  t.launch_ns = t.h2d_end_ns;
+  std::vector<double> host_ms;
+  if (device_.is_cuda()) {  // eager on the GPU: events between nodes give device times
+    CudaNodeTimer timer(nodes.size());
+    timer.start();
+    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms);
+    std::vector<double> device_ms = timer.elapsed_ms(nodes.size());
+    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], device_ms[k]});
   } else {
-    walk(beam_dag_, env, batch.new_tokens, t);
-    out.outputs = {env.at("beam_seqs").to(at::kCPU), env.at("beam_scores").to(at::kCPU)};
+    run_nodes(nodes, env, [](size_t) {}, &host_ms);
+    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], -1});
   }
+  for (const auto& name : output_names(batch.kind)) out.outputs.push_back(env.at(name).to(at::kCPU));
   t.d2h_end_ns = now_ns();
   t.done_ns = t.d2h_end_ns;
   return out;

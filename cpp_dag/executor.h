@@ -12,8 +12,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
+#include "cuda_graph.h"
 #include "dag.h"
 
 namespace slmrank {
@@ -48,8 +50,10 @@ class Executor {
  public:
   using Callback = std::function<void(RunOutput* output, const std::string& error)>;
 
+  // On a CUDA device with use_graphs, each bucket runs as one captured CUDA graph (captured on
+  // first use, or ahead of time by prepare()); otherwise node by node ("eager").
   Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
-           const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag);
+           const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -62,6 +66,11 @@ class Executor {
   // Stops taking work, finishes (or fails) every queued batch, joins the worker. Idempotent.
   void shutdown();
   size_t pending() const;
+  // Captures the graph of this batch's bucket now (start-up), so no request pays for it.
+  // Returns the capture's wall time in ms; 0 when graphs are off or it was already captured.
+  double prepare(const BatchSpec& example);
+  bool uses_graphs() const { return use_graphs_; }
+  size_t num_graphs() const;
 
   const ModelConfig& config() const { return ctx_.cfg; }
   std::vector<std::string> node_names(Kind kind) const;
@@ -73,13 +82,22 @@ class Executor {
     int64_t submit_ns;
   };
   RunOutput run_timed(const BatchSpec& batch, int64_t submit_ns);
-  void walk(const std::vector<std::unique_ptr<Node>>& dag, Env& env, int64_t num_steps, RunTimings& t) const;
+  Env device_env(const BatchSpec& batch) const;  // inputs on the device + zeroed beam state
+  std::vector<const Node*> plan(const BatchSpec& batch) const;
+  // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given.
+  void run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
+                 std::vector<double>* host_ms) const;
+  CapturedGraph& graph_for(const BatchSpec& batch, double* capture_ms);
   void worker_loop();
 
   Context ctx_;
   at::Device device_;
   std::vector<std::unique_ptr<Node>> score_dag_, beam_dag_;
   int num_threads_;
+  bool use_graphs_;
+  std::pair<uint64_t, uint64_t> graph_pool_{0, 0};
+  mutable std::mutex graphs_mu_;
+  std::unordered_map<std::string, std::unique_ptr<CapturedGraph>> graphs_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -49,7 +49,11 @@ def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None):
         from .python_runtime import PythonRuntime
 
         return PythonRuntime(artifact, device=device, dtype=torch_dtype)
-    raise ValueError(f"--runtime: {name!r} is not available (choices: python)")
+    if name == "cpp":
+        from .cpp_runtime import CppRuntime
+
+        return CppRuntime(artifact, device=device, dtype=torch_dtype)
+    raise ValueError(f"--runtime: {name!r} is not one of python, cpp")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     r = sub.add_parser("run", help="run a JSONL request file through a runtime")
     r.add_argument("--model", required=True, help="an artifact directory, an embedded spec or a checkpoint directory")
-    r.add_argument("--runtime", default="python", choices=["python"])
+    r.add_argument("--runtime", default="python", choices=["python", "cpp"],
+                   help="python: the reference, node by node; cpp: the C++ DAG executor (CUDA graphs on a GPU)")
     r.add_argument("--requests", required=True, help="input JSONL, one request per line")
     r.add_argument("--out", required=True, help="output JSONL, one result per line, in input order")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

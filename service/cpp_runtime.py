@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from .artifact import Artifact
-from .batch import BeamBatch, ScoreBatch
+from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
+from .buckets import BeamBucket, ScoreBucket
 from .layers import rope_table
+from .progress import Progress
 
 
 def _load_core() -> Any:
@@ -29,7 +31,8 @@ def _load_core() -> Any:
 class CppRuntime:
     name = "cpp"
 
-    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
+                 use_graphs: bool = True) -> None:
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -41,7 +44,7 @@ class CppRuntime:
         cos, sin = rope_table(self.cfg, num_positions, self.device)  # the same table as PythonRuntime
         self._executor = core.Executor(self.cfg.to_dict(), weights, cos.to(self.dtype), sin.to(self.dtype),
                                        [n.to_dict() for n in artifact.score_dag],
-                                       [n.to_dict() for n in artifact.beam_dag])
+                                       [n.to_dict() for n in artifact.beam_dag], use_graphs)
         self.last_timings: dict[str, Any] | None = None
 
     @staticmethod
@@ -71,11 +74,45 @@ class CppRuntime:
             self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch))
         return fut
 
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self._executor.uses_graphs)
+
+    def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
+        """Captures one CUDA graph per bucket now, largest first (a no-op without graphs).
+
+        Returns a log entry per bucket: key, capture ms, GPU memory reserved after it.
+        """
+        if not self.uses_graphs:
+            return []
+        table = self.artifact.buckets
+        todo = buckets if buckets is not None else [*table.score, *table.beam]
+        todo = sorted(todo, key=_bucket_size, reverse=True)
+        label_columns = 1 if self.cfg.has_cls_head else self.artifact.limits.max_labels
+        log = []
+        with Progress("capture graphs", len(todo), quiet=quiet) as bar:
+            for bucket in todo:
+                if isinstance(bucket, ScoreBucket):
+                    ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs)
+                else:
+                    ms = self._executor.prepare("beam", pack_beam([], bucket).inputs, num_requests=bucket.max_requests,
+                                                beam_width=bucket.beam_width, new_tokens=bucket.new_tokens)
+                reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+                log.append({"bucket": bucket.key, "capture_ms": ms, "reserved_bytes": reserved})
+                bar.advance(1, f"{bucket.key} {ms:.0f} ms, {reserved / 2**30:.2f} GiB reserved")
+        return log
+
     def node_names(self, kind: str) -> list[str]:
         return list(self._executor.node_names(kind))
 
     def shutdown(self) -> None:
         self._executor.shutdown()
+
+
+def _bucket_size(bucket: ScoreBucket | BeamBucket) -> int:
+    if isinstance(bucket, ScoreBucket):
+        return bucket.max_tokens
+    return bucket.max_requests * bucket.beam_width * bucket.new_tokens + bucket.max_prompt_tokens
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:

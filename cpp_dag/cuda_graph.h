@@ -1,0 +1,64 @@
+// One captured CUDA graph per shape bucket, with an event after every node so that a replay
+// yields each node's GPU time. Compiled in every build; without CUDA, is_available() is false
+// and constructing one throws.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dag.h"
+
+namespace slmrank {
+
+bool cuda_graphs_available();
+
+// Device-side event timer for eager runs: mark(k) after node k, then elapsed_ms() per node.
+class CudaNodeTimer {
+ public:
+  explicit CudaNodeTimer(size_t max_marks);
+  ~CudaNodeTimer();
+  void start();
+  void mark(size_t k);
+  std::vector<double> elapsed_ms(size_t num_marks);  // synchronizes on the last mark
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class CapturedGraph {
+ public:
+  // Runs the nodes of one bucket, calling mark(k) after node k (k = 0..num_nodes-1).
+  using Body = std::function<void(Env& env, const std::function<void(size_t)>& mark)>;
+
+  // static_env: device buffers of the bucket (inputs and beam state), allocated before capture.
+  // Runs body once eagerly (warm-up), then captures it into a graph drawing on `pool_id`
+  // (graphs that never run concurrently share one pool). Throws on any failure, the capture
+  // ended cleanly.
+  CapturedGraph(Env static_env, std::vector<std::string> input_names, std::vector<std::string> output_names,
+                size_t num_nodes, const Body& body, std::pair<uint64_t, uint64_t> pool_id);
+  ~CapturedGraph();
+
+  struct Replay {
+    std::vector<at::Tensor> outputs;  // on the host, owned by the caller
+    std::vector<double> node_ms;
+    int64_t h2d_end_ns = 0, launch_ns = 0, d2h_end_ns = 0;
+  };
+  // Copies host inputs (same shapes as at capture) in through pinned buffers, replays, copies outputs out.
+  Replay replay(const Env& host_inputs);
+  size_t num_nodes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A fresh memory-pool id for graphs (at::cuda::graph_pool_handle()).
+std::pair<uint64_t, uint64_t> new_graph_pool();
+
+}  // namespace slmrank

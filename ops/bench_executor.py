@@ -1,0 +1,299 @@
+"""Executor-only benchmark and correctness check (no RPC), for the GPU machine.
+
+  python ops/bench_executor.py --out DIR [--quick]
+
+1. identity: the same request set through the Python runtime, the C++ runtime node by node
+   ("eager") and the C++ runtime from captured CUDA graphs: output lines must be equal byte for byte;
+2. graph replay vs eager: per-node device time of one batch in both modes;
+3. throughput of W1/W2/W3 (BENCHMARKS.md), batches submitted directly, for cpp-graph, cpp-eager
+   and python, beside Hugging Face transformers one request at a time, with effective MFU;
+4. a soak: 10,000 consecutive mixed requests through the executor, host RSS and GPU memory.
+Writes DIR/bench.json and DIR/log.txt; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.artifact import build_artifact, load_artifact  # noqa: E402
+from service.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket  # noqa: E402
+from service.cpp_runtime import CppRuntime  # noqa: E402
+from service.engine import execute  # noqa: E402
+from service.flops import beam_flops, score_flops  # noqa: E402
+from service.jsonl import format_result  # noqa: E402
+from service.python_runtime import PythonRuntime  # noqa: E402
+from service.requests import BeamRequest, ScoreRequest  # noqa: E402
+
+PEAK_BF16 = 989e12
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def ids(g: torch.Generator, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 150000, (n,), generator=g).tolist())
+
+
+def workload(name: str, g: torch.Generator):
+    if name == "W1":
+        return ScoreRequest(samples=tuple(ids(g, 64) for _ in range(15)), label_ids=(1000, 2000))
+    if name == "W2":
+        return BeamRequest(prompt_ids=ids(g, 128), beam_width=100, new_tokens=5)
+    if name == "W3":
+        return BeamRequest(prompt_ids=ids(g, 480), beam_width=100, new_tokens=5)
+    raise ValueError(name)
+
+
+def flops_of(cfg, req) -> int:
+    if isinstance(req, ScoreRequest):
+        return score_flops(cfg, len(req.prefix_ids), [len(s) for s in req.samples])
+    return beam_flops(cfg, len(req.prompt_ids), req.beam_width, req.new_tokens)
+
+
+def make_batch(art, reqs):
+    if isinstance(reqs[0], ScoreRequest):
+        return "score", pack_score(reqs, pick_score_bucket(art.buckets, reqs), art.limits.max_labels)
+    return "beam", pack_beam(reqs, pick_beam_bucket(art.buckets, reqs))
+
+
+def run_batch(rt, kind, batch):
+    return rt.run_score(batch) if kind == "score" else rt.run_beam(batch)
+
+
+def time_runtime(rt, art, name, per_batch, seconds, g) -> dict:
+    batches = [make_batch(art, [workload(name, g) for _ in range(per_batch)]) for _ in range(4)]
+    for kind, b in batches:  # warm-up (and graph capture)
+        run_batch(rt, kind, b)
+    torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    times = []
+    while time.perf_counter() - t0 < seconds:
+        kind, b = batches[n % len(batches)]
+        s = time.perf_counter()
+        run_batch(rt, kind, b)
+        times.append((time.perf_counter() - s) * 1e3)
+        n += 1
+    elapsed = time.perf_counter() - t0
+    times.sort()
+    return {"batches": n, "req_per_s": n * per_batch / elapsed, "batch_ms_p50": times[len(times) // 2],
+            "batch_ms_max": times[-1], "requests_per_batch": per_batch, "bucket": batches[0][1].bucket.key}
+
+
+def hf_peer(ckpt_dir: str, name: str, n: int, g) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.bfloat16).cuda().eval()
+    reqs = [workload(name, g) for _ in range(n + 1)]
+
+    def one(req):
+        with torch.no_grad():
+            if isinstance(req, ScoreRequest):
+                x = torch.tensor([list(s) for s in req.samples], device="cuda")
+                logits = model(x).logits[:, -1].float()
+                return torch.log_softmax(logits, -1)[:, list(req.label_ids)].cpu()
+            x = torch.tensor([list(req.prompt_ids)], device="cuda")
+            return model.generate(x, num_beams=req.beam_width, num_return_sequences=req.beam_width,
+                                  max_new_tokens=req.new_tokens, min_new_tokens=req.new_tokens, do_sample=False,
+                                  length_penalty=0.0, early_stopping=False, eos_token_id=None, pad_token_id=0).cpu()
+
+    one(reqs[0])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs[1:]:
+        one(r)
+    elapsed = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"req_per_s": n / elapsed, "ms_per_req": elapsed / n * 1e3}
+
+
+def save_hf_checkpoint(art, out: str) -> str:
+    """Writes the artifact's weights as an HF checkpoint so the peer runs on the very same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = art.config
+    hf_cfg = AutoConfig.for_model(c.arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  intermediate_size=c.intermediate_size, rope_theta=c.rope_theta,
+                                  rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_positions,
+                                  tie_word_embeddings=c.tie_word_embeddings)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    w = art.load_weights("cpu")
+    sd = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
+    q, kv = c.q_size, c.kv_size
+    for i in range(c.num_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = w[a + "wqkv"].split([q, kv, kv])
+        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": w[a + "wo"],
+                   p + "input_layernorm.weight": w[a + "attn_norm"],
+                   p + "post_attention_layernorm.weight": w[a + "mlp_norm"]})
+        if c.attention_bias:
+            bq, bk, bv = w[a + "bqkv"].split([q, kv, kv])
+            sd.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
+                       p + "self_attn.v_proj.bias": bv})
+        if c.qk_norm:
+            sd.update({p + "self_attn.q_norm.weight": w[a + "q_norm"], p + "self_attn.k_norm.weight": w[a + "k_norm"]})
+        gate, up = w[a + "wgu"].chunk(2)
+        sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w[a + "wdown"]})
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.save_pretrained(out)
+    return out
+
+
+def identity_check(art, g) -> dict:
+    reqs = [ScoreRequest(samples=(ids(g, 5), ids(g, 9)), label_ids=(3, 9, 100), prefix_ids=ids(g, 11)),
+            ScoreRequest(samples=tuple(ids(g, 7) for _ in range(15)), label_ids=(5,)),
+            ScoreRequest(samples=(ids(g, 4),), label_ids=(1, 2)),
+            *[BeamRequest(prompt_ids=ids(g, 20 + 7 * b), beam_width=b, new_tokens=t)
+              for b, t in [(1, 1), (4, 5), (16, 3), (70, 5), (100, 2), (3, 5)]],
+            BeamRequest(prompt_ids=ids(g, 100), beam_width=7, new_tokens=9)]  # an error line
+    runtimes = {"python": PythonRuntime(art, device="cuda"),
+                "cpp_eager": CppRuntime(art, device="cuda", use_graphs=False),
+                "cpp_graph": CppRuntime(art, device="cuda", use_graphs=True)}
+    outs = {}
+    for name, rt in runtimes.items():
+        outs[name] = [format_result(i, r) for i, r in enumerate(execute(art, rt, reqs))]
+    same = {name: outs[name] == outs["python"] for name in outs}
+    for name in outs:
+        if not same[name]:
+            diff = [i for i, (a, b) in enumerate(zip(outs[name], outs["python"])) if a != b]
+            log(f"identity: {name} differs from python on lines {diff}: {outs[name][diff[0]][:200]} vs "
+                f"{outs['python'][diff[0]][:200]}")
+    return {"equal_to_python": same, "lines": len(reqs)}
+
+
+def node_breakdown(art, g) -> dict:
+    out = {}
+    kind, batch = make_batch(art, [workload("W2", g) for _ in range(4)])
+    for name, graphs in (("eager", False), ("graph", True)):
+        rt = CppRuntime(art, device="cuda", use_graphs=graphs)
+        for _ in range(3):
+            run_batch(rt, kind, batch)
+        walls = []
+        for _ in range(10):
+            s = time.perf_counter()
+            run_batch(rt, kind, batch)
+            walls.append((time.perf_counter() - s) * 1e3)
+        nodes = rt.last_timings["nodes"]
+        out[name] = {"wall_ms_p50": sorted(walls)[5], "device_ms_sum": sum(n[2] for n in nodes),
+                     "top_nodes": sorted(([n[0], round(n[2], 4)] for n in nodes), key=lambda x: -x[1])[:8],
+                     "bucket": batch.bucket.key}
+        rt.shutdown()
+    return out
+
+
+def soak(art, num_requests: int, g) -> dict:
+    rt = CppRuntime(art, device="cuda", use_graphs=True)
+    names = ["W2", "W3", "W2"]
+    per_batch = 4
+    rss, gpu = [], []
+    done = 0
+    t0 = time.perf_counter()
+    i = 0
+    while done < num_requests:
+        reqs = [workload(names[i % len(names)], g) for _ in range(per_batch)]
+        kind, batch = make_batch(art, reqs)
+        run_batch(rt, kind, batch)
+        done += per_batch
+        i += 1
+        if i in (20, 40) or done >= num_requests:
+            rss.append(rss_mib())
+            gpu.append(torch.cuda.memory_allocated() / 2**20)
+    return {"requests": done, "seconds": time.perf_counter() - t0, "rss_mib": rss, "gpu_alloc_mib": gpu}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--soak", type=int, default=10000)
+    p.add_argument("--skip", default="", help="comma list of: identity,nodes,throughput,hf,soak")
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(7)
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(0)}
+    arts = {}
+    for spec in ("qwen2.5-0.5b", "qwen3-0.6b"):
+        t = time.perf_counter()
+        arts[spec] = load_artifact(build_artifact(f"embedded:{spec}", f"/tmp/art-{spec}", quiet=True))
+        log(f"built embedded:{spec} in {time.perf_counter() - t:.1f} s")
+    m05, m06 = arts["qwen2.5-0.5b"], arts["qwen3-0.6b"]
+
+    if "identity" not in skip:
+        result["identity"] = identity_check(m05, g)
+        log(f"identity (M05 bf16 cuda): {result['identity']}")
+    if "nodes" not in skip:
+        result["nodes"] = node_breakdown(m05, g)
+        log(f"graph vs eager (W2 x4): {json.dumps(result['nodes'])}")
+    if "throughput" not in skip:
+        rows = {}
+        for name, art, per_batch in (("W1", m06, 8), ("W2", m05, 8), ("W3", m05, 4)):
+            cfg = art.config
+            flops = flops_of(cfg, workload(name, g))
+            for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
+                                  ("cpp_eager", lambda a: CppRuntime(a, device="cuda", use_graphs=False)),
+                                  ("python", lambda a: PythonRuntime(a, device="cuda"))):
+                rt = make(art)
+                for bs in sorted({1, per_batch}):
+                    r = time_runtime(rt, art, name, bs, args.seconds, g)
+                    r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                    rows[f"{name}/{rt_name}/x{bs}"] = r
+                    log(f"{name} {rt_name} x{bs}: {r['req_per_s']:.1f} req/s, batch p50 {r['batch_ms_p50']:.2f} ms, "
+                        f"MFU {r['eff_mfu_bf16']:.1%} ({r['bucket']})")
+                if hasattr(rt, "shutdown"):
+                    rt.shutdown()
+                del rt
+                torch.cuda.empty_cache()
+            if "hf" not in skip:
+                ckpt = save_hf_checkpoint(art, f"/tmp/hf-{name}")
+                r = hf_peer(ckpt, name, 10 if name != "W1" else 40, g)
+                r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                rows[f"{name}/hf/x1"] = r
+                log(f"{name} hf x1: {r['req_per_s']:.1f} req/s, {r['ms_per_req']:.1f} ms/req, MFU {r['eff_mfu_bf16']:.1%}")
+        result["throughput"] = rows
+    if "soak" not in skip:
+        result["soak"] = soak(m05, args.soak, g)
+        log(f"soak: {result['soak']}")
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    (out / "log.txt").write_text("\n".join(LOG))
+    print("\n== summary ==")
+    if "identity" in result:
+        print("identity:", result["identity"]["equal_to_python"])
+    for k, v in result.get("throughput", {}).items():
+        print(f"{k:24s} {v['req_per_s']:8.1f} req/s  MFU {v['eff_mfu_bf16']:6.1%}")
+    if "nodes" in result:
+        for k, v in result["nodes"].items():
+            print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")
+    if "soak" in result:
+        print("soak:", result["soak"])
+
+
+if __name__ == "__main__":
+    main()

@@ -17,12 +17,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SLMRANK_CACHE", Path.home() / ".cache" / "slmrank"))
 
 
+def _checkpoint_fingerprint(ckpt: Path) -> str:
+    """Path plus every file's name, size and mtime: a changed checkpoint gets a fresh artifact."""
+    parts = [str(ckpt.resolve())]
+    if ckpt.is_dir():
+        for f in sorted(ckpt.iterdir()):
+            if f.is_file():
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
 def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
     """An artifact directory as it is; an embedded spec or a checkpoint is built once into the cache."""
     path = Path(model)
     if path.is_dir() and (path / MANIFEST).exists():
         return load_artifact(path)
-    key = model if model.startswith("embedded:") else str(path.resolve())
+    key = model if model.startswith("embedded:") else _checkpoint_fingerprint(path)
     out = cache_dir() / "artifacts" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (out / MANIFEST).exists():
         try:
@@ -59,11 +70,13 @@ def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None):
 def _cmd_run(args: argparse.Namespace) -> int:
     from .engine import execute
     from .jsonl import format_result, parse_request
-    from .requests import RequestError
+    from .requests import ExecutionError, RequestError
 
     artifact = resolve_artifact(args.model, quiet=args.quiet)
     runtime = make_runtime(args.runtime, artifact, args.device, args.dtype)
-    lines = [(n, ln) for n, ln in enumerate(Path(args.requests).read_text().splitlines(), 1) if ln.strip()]
+    # split on "\n" only: U+2028 and friends are legal inside JSON strings
+    text = Path(args.requests).read_text(encoding="utf-8")
+    lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
     parsed: list = []
     ids: list = []
     for n, ln in lines:
@@ -82,10 +95,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - t0
     for (i, _), res in zip(runnable, results):
         parsed[i] = res
-    with open(args.out, "w") as fh:
+    with open(args.out, "w", encoding="utf-8") as fh:
         for rid, res in zip(ids, parsed):
             fh.write(format_result(rid, res) + "\n")
-    num_errors = sum(isinstance(r, RequestError) for r in parsed)
+    num_errors = sum(isinstance(r, (RequestError, ExecutionError)) for r in parsed)
     if not args.quiet:
         print(f"[slmrank] {len(parsed)} requests ({num_errors} errors) through the {runtime.name} runtime "
               f"in {elapsed:.2f} s -> {args.out}", file=sys.stderr)

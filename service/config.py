@@ -133,6 +133,9 @@ class ServingLimits:
                 raise ConfigError(f"limits.{f.name}: must be > 0, got {getattr(self, f.name)}")
 
     def check_positions(self, model: ModelConfig) -> None:
+        if self.max_beam_width > model.vocab_size:
+            raise ConfigError(f"limits.max_beam_width {self.max_beam_width} exceeds the vocabulary size "
+                              f"{model.vocab_size} (a beam step keeps at most one beam per token)")
         if self.max_prompt_tokens + self.max_new_tokens > model.max_positions:
             raise ConfigError(
                 f"limits: max_prompt_tokens + max_new_tokens ({self.max_prompt_tokens}"
@@ -150,7 +153,8 @@ class ServingLimits:
         d = cls()
         max_new = overrides.get("max_new_tokens", d.max_new_tokens)
         fit = {"max_prompt_tokens": min(d.max_prompt_tokens, model.max_positions - max_new),
-               "max_score_tokens": min(d.max_score_tokens, model.max_positions)}
+               "max_score_tokens": min(d.max_score_tokens, model.max_positions),
+               "max_beam_width": min(d.max_beam_width, model.vocab_size)}
         limits = cls(**{**fit, **overrides})
         limits.check_positions(model)
         return limits

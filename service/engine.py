@@ -12,11 +12,11 @@ import torch
 from .artifact import Artifact
 from .batch import (BeamBatch, ScoreBatch, beam_fits, pack_beam, pack_score, pick_beam_bucket,
                     pick_score_bucket, score_fits, unpack_beam, unpack_score)
-from .requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
-                       validate_score)
+from .requests import (BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult,
+                       validate_beam, validate_score)
 
 Request = Union[ScoreRequest, BeamRequest]
-Result = Union[ScoreResult, BeamResult, RequestError]
+Result = Union[ScoreResult, BeamResult, RequestError, ExecutionError]
 
 
 class Runtime(Protocol):
@@ -62,7 +62,9 @@ def plan_batches(artifact: Artifact, requests: Sequence[Request]) -> list[list[i
 
 
 def execute(artifact: Artifact, runtime: Runtime, requests: Sequence[Request]) -> list[Result]:
-    """Validates every request, runs the valid ones in batches, and answers each in order."""
+    """Validates every request, runs the valid ones in batches, and answers each in order.
+
+    A bad request is answered with its RequestError; a failing batch with an ExecutionError."""
     results: list[Result | None] = [None] * len(requests)
     valid: list[int] = []
     for i, req in enumerate(requests):
@@ -74,10 +76,13 @@ def execute(artifact: Artifact, runtime: Runtime, requests: Sequence[Request]) -
     for batch_idx in plan_batches(artifact, [requests[i] for i in valid]):
         idx = [valid[j] for j in batch_idx]
         reqs = [requests[i] for i in idx]
-        if isinstance(reqs[0], ScoreRequest):
-            out = run_score_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
-        else:
-            out = run_beam_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
+        try:
+            if isinstance(reqs[0], ScoreRequest):
+                out: list = run_score_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
+            else:
+                out = run_beam_requests(artifact, runtime, reqs)  # type: ignore[arg-type]
+        except Exception as e:  # one failed batch answers its own requests with the error, and only those
+            out = [ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")] * len(reqs)
         for i, res in zip(idx, out):
             results[i] = res
     return results  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .requests import BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult
+from .requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
 KINDS = ("score", "beam")
 
@@ -43,7 +43,7 @@ def parse_request(line: str) -> ScoreRequest | BeamRequest:
         if not isinstance(obj, dict):
             raise RequestError("line", "must be a JSON object")
         rid = obj.get("id")
-        if rid is not None and not isinstance(rid, (str, int)):
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
             raise RequestError("id", "must be a string or an integer")
         kind = obj.get("kind")
         if kind == "score":
@@ -65,8 +65,8 @@ def parse_request(line: str) -> ScoreRequest | BeamRequest:
         raise
 
 
-def format_result(rid: Any, result: ScoreResult | BeamResult | RequestError) -> str:
-    if isinstance(result, RequestError):
+def format_result(rid: Any, result: ScoreResult | BeamResult | RequestError | ExecutionError) -> str:
+    if isinstance(result, (RequestError, ExecutionError)):
         obj: dict[str, Any] = {"id": rid, "error": str(result)}
     elif isinstance(result, ScoreResult):
         obj = {"id": rid, "scores": result.scores}

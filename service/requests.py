@@ -20,6 +20,10 @@ class RequestError(ValueError):
         self.field = field
 
 
+class ExecutionError(RuntimeError):
+    """A valid request whose batch failed in the runtime; the other batches are unaffected."""
+
+
 @dataclass(frozen=True)
 class ScoreRequest:
     samples: tuple[tuple[int, ...], ...]

@@ -201,9 +201,10 @@ def test_plan_batches_many_small_requests_share_batches(plan_artifact):
 
 
 def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
-    """A small-vocabulary model (V=200): a B=150 request is within the limits (max_beam_width 400) and
-    narrower than V, but its bucket is 256 wide. It must still be answered (or refused cleanly, naming
-    beam_width), and the other requests of the same call must be answered either way."""
+    """A small-vocabulary model (V=200): a B=150 request is within the limits and narrower than V; the
+    default tiers would put it in a 256-wide bucket, wider than V. The limits and bucket table are capped
+    at V, so it is answered (or refused cleanly, naming beam_width), and the other requests of the same
+    call are answered either way."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -222,7 +223,8 @@ def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
     score = ScoreRequest(samples=((1, 2, 3), (4,)), label_ids=(5, 6))
     beam = BeamRequest(prompt_ids=(7, 8, 9, 10), beam_width=150, new_tokens=2)
     assert beam.beam_width <= art.limits.max_beam_width and beam.beam_width < cfg.vocab_size
-    assert pick_beam_bucket(art.buckets, [beam]).beam_width > cfg.vocab_size
+    assert art.limits.max_beam_width <= cfg.vocab_size
+    assert all(b.beam_width <= cfg.vocab_size for b in art.buckets.beam)
 
     res_score, res_beam = execute(art, rt, [score, beam])
     _assert_same_score(res_score, execute(art, rt, [score])[0])

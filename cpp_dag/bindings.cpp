@@ -90,11 +90,22 @@ py::dict timings_to_dict(const slmrank::RunTimings& t) {
 py::tuple output_to_tuple(slmrank::RunOutput& out) {
   py::list outputs;
   for (auto& o : out.outputs) outputs.append(o);
-  return py::make_tuple(outputs, timings_to_dict(out.timings));
+  py::dict timings = timings_to_dict(out.timings);
+  if (!out.trace.empty()) {
+    py::list trace;
+    for (auto& entry : out.trace) {
+      py::dict buffers;
+      for (auto& [name, t] : entry.buffers) buffers[py::str(name)] = t;
+      trace.append(py::make_tuple(entry.node, buffers));
+    }
+    timings["trace"] = trace;
+  }
+  return py::make_tuple(outputs, timings);
 }
 
 slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-                              int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+                              int64_t num_requests, int64_t beam_width, int64_t new_tokens,
+                              std::vector<std::string> trace_buffers = {}) {
   slmrank::BatchSpec b;
   if (kind == "score") {
     b.kind = slmrank::Kind::kScore;
@@ -107,6 +118,7 @@ slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::s
   b.num_requests = num_requests;
   b.beam_width = beam_width;
   b.new_tokens = new_tokens;
+  b.trace_buffers = std::move(trace_buffers);
   return b;
 }
 
@@ -171,8 +183,9 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
-            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens, std::vector<std::string> trace) {
+            slmrank::BatchSpec batch =
+                batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, std::move(trace));
             slmrank::RunOutput out;
             {
               py::gil_scoped_release nogil;
@@ -181,8 +194,9 @@ PYBIND11_MODULE(_core, m) {
             return output_to_tuple(out);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
-          py::arg("new_tokens") = 1,
-          "Blocking run of one batch (GIL released). Returns ([output tensors], timings dict).")
+          py::arg("new_tokens") = 1, py::arg("trace") = std::vector<std::string>{},
+          "Blocking run of one batch (GIL released). Returns ([output tensors], timings dict).\n"
+          "trace: buffer names copied to the host after every node (timings['trace'], runs eagerly).")
       .def(
           "submit",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

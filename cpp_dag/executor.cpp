@@ -88,7 +88,8 @@ std::vector<const Node*> Executor::plan(const BatchSpec& batch) const {
 }
 
 void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
-                         std::vector<double>* host_ms) const {
+                         std::vector<double>* host_ms, const std::vector<std::string>* trace_buffers,
+                         std::vector<TraceEntry>* trace) const {
   for (size_t k = 0; k < nodes.size(); ++k) {
     const NodeSpec& spec = nodes[k]->spec();
     const int64_t start = now_ns();
@@ -99,6 +100,14 @@ void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const 
     }
     mark(k);
     if (host_ms) host_ms->push_back(ms_between(start, now_ns()));
+    if (trace && trace_buffers) {
+      TraceEntry entry{spec.name, {}};
+      for (const auto& name : *trace_buffers) {
+        auto it = env.find(name);
+        if (it != env.end()) entry.buffers.emplace_back(name, it->second.to(at::kCPU, false, /*copy=*/true));
+      }
+      trace->push_back(std::move(entry));
+    }
   }
 }
 
@@ -185,7 +194,7 @@ RunOutput Executor::run_timed(const BatchSpec& batch, int64_t submit_ns) {
   t.submit_ns = submit_ns;
   t.start_ns = now_ns();
   std::vector<const Node*> nodes = plan(batch);
-  if (use_graphs_) {
+  if (use_graphs_ && batch.trace_buffers.empty()) {
     CapturedGraph& graph = graph_for(batch, nullptr);
     CapturedGraph::Replay r = graph.replay(batch.inputs);
     t.graph = true;
@@ -205,11 +214,11 @@ RunOutput Executor::run_timed(const BatchSpec& batch, int64_t submit_ns) {
   if (device_.is_cuda()) {  // eager on the GPU: events between nodes give device times
     CudaNodeTimer timer(nodes.size());
     timer.start();
-    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms);
+    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms, &batch.trace_buffers, &out.trace);
     std::vector<double> device_ms = timer.elapsed_ms(nodes.size());
     for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], device_ms[k]});
   } else {
-    run_nodes(nodes, env, [](size_t) {}, &host_ms);
+    run_nodes(nodes, env, [](size_t) {}, &host_ms, &batch.trace_buffers, &out.trace);
     for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], -1});
   }
   for (const auto& name : output_names(batch.kind)) out.outputs.push_back(env.at(name).to(at::kCPU));

@@ -33,9 +33,16 @@ struct RunTimings {
   std::vector<NodeTiming> nodes;
 };
 
+// Host copies of named buffers after one node (step-by-step checks against the Python runtime).
+struct TraceEntry {
+  std::string node;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+};
+
 struct RunOutput {
   std::vector<at::Tensor> outputs;  // Score: {scores [S, L]}; Beam: {seqs [R, B, n], scores [R, B]} (host)
   RunTimings timings;
+  std::vector<TraceEntry> trace;  // only when BatchSpec::trace_buffers is set (runs eagerly)
 };
 
 enum class Kind { kScore, kBeam };
@@ -44,6 +51,7 @@ struct BatchSpec {
   Kind kind = Kind::kScore;
   Env inputs;  // host tensors named as service/batch.py packs them
   int64_t num_requests = 0, beam_width = 0, new_tokens = 1;  // beam only
+  std::vector<std::string> trace_buffers;  // copy these to the host after every node (forces eager)
 };
 
 class Executor {
@@ -86,7 +94,8 @@ class Executor {
   std::vector<const Node*> plan(const BatchSpec& batch) const;
   // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given.
   void run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
-                 std::vector<double>* host_ms) const;
+                 std::vector<double>* host_ms, const std::vector<std::string>* trace_buffers = nullptr,
+                 std::vector<TraceEntry>* trace = nullptr) const;
   CapturedGraph& graph_for(const BatchSpec& batch, double* capture_ms);
   void worker_loop();
 

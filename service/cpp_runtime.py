@@ -60,6 +60,14 @@ class CppRuntime:
         (seqs, scores), self.last_timings = self._executor.run("beam", batch.inputs, **self._beam_dims(batch))
         return seqs, scores
 
+    def trace(self, batch: ScoreBatch | BeamBatch, buffers: list[str]) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """Runs one batch node by node, returning host copies of `buffers` after every node."""
+        if isinstance(batch, ScoreBatch):
+            _, timings = self._executor.run("score", batch.inputs, trace=buffers)
+        else:
+            _, timings = self._executor.run("beam", batch.inputs, trace=buffers, **self._beam_dims(batch))
+        return [(node, dict(bufs)) for node, bufs in timings.get("trace", [])]
+
     def submit(self, batch: ScoreBatch | BeamBatch) -> "asyncio.Future[tuple[list[torch.Tensor], dict[str, Any]]]":
         """Queues the batch on the executor's worker; the future resolves on the running loop."""
         loop = asyncio.get_running_loop()

@@ -207,23 +207,27 @@ def node_breakdown(art, g) -> dict:
 
 
 def soak(art, num_requests: int, g) -> dict:
+    """num_requests consecutive mixed requests (small Score, short and wide BeamSearch), 8 to a
+    batch; host RSS and GPU memory sampled after warm-up and then every 1,000 requests."""
     rt = CppRuntime(art, device="cuda", use_graphs=True)
-    names = ["W2", "W3", "W2"]
-    per_batch = 4
-    rss, gpu = [], []
-    done = 0
+    kinds = [lambda: ScoreRequest(samples=tuple(ids(g, 16) for _ in range(15)), label_ids=(11, 12)),
+             lambda: BeamRequest(prompt_ids=ids(g, 32), beam_width=16, new_tokens=3),
+             lambda: BeamRequest(prompt_ids=ids(g, 64), beam_width=64, new_tokens=5)]
+    per_batch, warmup = 8, 48
+    samples: list[dict] = []
+    done, i = 0, 0
     t0 = time.perf_counter()
-    i = 0
-    while done < num_requests:
-        reqs = [workload(names[i % len(names)], g) for _ in range(per_batch)]
-        kind, batch = make_batch(art, reqs)
+    while done < num_requests + warmup:
+        kind, batch = make_batch(art, [kinds[i % len(kinds)]() for _ in range(per_batch)])
         run_batch(rt, kind, batch)
         done += per_batch
         i += 1
-        if i in (20, 40) or done >= num_requests:
-            rss.append(rss_mib())
-            gpu.append(torch.cuda.memory_allocated() / 2**20)
-    return {"requests": done, "seconds": time.perf_counter() - t0, "rss_mib": rss, "gpu_alloc_mib": gpu}
+        if done == warmup or (done > warmup and (done - warmup) % 1000 == 0):
+            samples.append({"requests": done - warmup, "rss_mib": round(rss_mib(), 1),
+                            "gpu_alloc_mib": round(torch.cuda.memory_allocated() / 2**20, 1),
+                            "gpu_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1)})
+    rt.shutdown()
+    return {"requests": done - warmup, "seconds": round(time.perf_counter() - t0, 1), "samples": samples}
 
 
 def main() -> None:
@@ -280,7 +284,10 @@ def main() -> None:
         result["throughput"] = rows
     if "soak" not in skip:
         result["soak"] = soak(m05, args.soak, g)
-        log(f"soak: {result['soak']}")
+        first, last = result["soak"]["samples"][0], result["soak"]["samples"][-1]
+        log(f"soak: {result['soak']['requests']} requests in {result['soak']['seconds']} s; after warm-up "
+            f"RSS {first['rss_mib']} MiB, GPU {first['gpu_alloc_mib']}/{first['gpu_reserved_mib']} MiB; at the end "
+            f"RSS {last['rss_mib']} MiB, GPU {last['gpu_alloc_mib']}/{last['gpu_reserved_mib']} MiB")
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "log.txt").write_text("\n".join(LOG))
     print("\n== summary ==")
@@ -292,7 +299,8 @@ def main() -> None:
         for k, v in result["nodes"].items():
             print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")
     if "soak" in result:
-        print("soak:", result["soak"])
+        for row in result["soak"]["samples"]:
+            print("soak", row)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,32 @@ def node_breakdown(art, g) -> dict:
     return out
 
 
+def category(node: str) -> str:
+    if node.startswith("step"):
+        node = node.split(".", 1)[1]
+        prefix = "decode "
+    else:
+        prefix = ""
+    kind = node.split(".")[0]
+    return prefix + ("layers" if kind == "layer" else kind)
+
+
+def breakdown(arts, g) -> dict:
+    """Device ms by node category, one graph replay of a single request per workload."""
+    out = {}
+    for name, art in (("W1", arts["qwen3-0.6b"]), ("W2", arts["qwen2.5-0.5b"]), ("W3", arts["qwen2.5-0.5b"])):
+        rt = CppRuntime(art, device="cuda", use_graphs=True)
+        kind, batch = make_batch(art, [workload(name, g)])
+        for _ in range(3):
+            run_batch(rt, kind, batch)
+        cats: dict[str, float] = {}
+        for node, _, device_ms in rt.last_timings["nodes"]:
+            cats[category(node)] = cats.get(category(node), 0.0) + device_ms
+        out[name] = {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}
+        rt.shutdown()
+    return out
+
+
 def soak(art, num_requests: int, g) -> dict:
     """num_requests consecutive mixed requests (small Score, short and wide BeamSearch), 8 to a
     batch; host RSS and GPU memory sampled after warm-up and then every 1,000 requests."""
@@ -235,7 +261,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
-    p.add_argument("--skip", default="", help="comma list of: identity,nodes,throughput,hf,soak")
+    p.add_argument("--skip", default="", help="comma list of: identity,nodes,breakdown,throughput,hf,soak")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -256,6 +282,9 @@ def main() -> None:
     if "nodes" not in skip:
         result["nodes"] = node_breakdown(m05, g)
         log(f"graph vs eager (W2 x4): {json.dumps(result['nodes'])}")
+    if "breakdown" not in skip:
+        result["breakdown"] = breakdown(arts, g)
+        log(f"device ms by node category, x1 graph: {json.dumps(result['breakdown'])}")
     if "throughput" not in skip:
         rows = {}
         for name, art, per_batch in (("W1", m06, 8), ("W2", m05, 8), ("W3", m05, 4)):
@@ -298,6 +327,8 @@ def main() -> None:
     if "nodes" in result:
         for k, v in result["nodes"].items():
             print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")
+    for name, cats in result.get("breakdown", {}).items():
+        print(f"breakdown {name}: {cats}")
     if "soak" in result:
         for row in result["soak"]["samples"]:
             print("soak", row)

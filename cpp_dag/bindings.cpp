@@ -161,13 +161,13 @@ PYBIND11_MODULE(_core, m) {
                                  "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
       .def(py::init([](const py::dict& config, std::unordered_map<std::string, at::Tensor> weights,
                        at::Tensor rope_cos, at::Tensor rope_sin, const py::list& score_dag,
-                       const py::list& beam_dag, bool use_graphs) {
+                       const py::list& beam_dag, bool use_graphs, int num_lanes) {
              return std::make_unique<slmrank::Executor>(config_from(config), std::move(weights), std::move(rope_cos),
                                                         std::move(rope_sin), dag_from(score_dag), dag_from(beam_dag),
-                                                        use_graphs);
+                                                        use_graphs, num_lanes);
            }),
            py::arg("config"), py::arg("weights"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("score_dag"),
-           py::arg("beam_dag"), py::arg("use_graphs") = true)
+           py::arg("beam_dag"), py::arg("use_graphs") = true, py::arg("num_lanes") = 0)
       .def(
           "prepare",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
@@ -180,6 +180,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("new_tokens") = 1, "Capture this bucket's CUDA graph now; returns the capture time in ms (0 if none).")
       .def_property_readonly("uses_graphs", &slmrank::Executor::uses_graphs)
       .def_property_readonly("num_graphs", &slmrank::Executor::num_graphs)
+      .def_property_readonly("num_lanes", &slmrank::Executor::num_lanes)
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

@@ -10,6 +10,10 @@
 #include <cuda_runtime_api.h>
 
 #include <ATen/ops/empty.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
 #endif
 
 namespace slmrank {
@@ -46,9 +50,35 @@ std::vector<double> elapsed_between(const std::vector<cudaEvent_t>& events, size
   return ms;
 }
 
+// One stream per (device, lane), made once: a lane's graphs and eager runs all use it.
+c10::cuda::CUDAStream lane_stream(const at::Device& device, int lane) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(static_cast<int>(device.index()), lane);
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    it = streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())).first;
+  }
+  return it->second;
+}
+
 }  // namespace
 
 bool cuda_graphs_available() { return true; }
+
+struct LaneStream::Impl {
+  std::optional<c10::cuda::CUDAGuard> device_guard;
+  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+};
+
+LaneStream::LaneStream(const at::Device& device, int lane) : impl_(new Impl) {
+  if (!device.is_cuda()) return;
+  impl_->device_guard.emplace(device);
+  impl_->stream_guard.emplace(lane_stream(device, lane));
+}
+
+LaneStream::~LaneStream() = default;
 
 std::pair<uint64_t, uint64_t> new_graph_pool() {
   auto id = at::cuda::graph_pool_handle();
@@ -74,14 +104,14 @@ struct CapturedGraph::Impl {
   std::vector<std::string> input_names, output_names;
   std::vector<at::Tensor> pinned_in, pinned_out;
   at::cuda::CUDAGraph graph;
-  c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  std::optional<c10::cuda::CUDAStream> stream;
   std::vector<cudaEvent_t> events;
   size_t num_nodes = 0;
 };
 
 CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_names,
                              std::vector<std::string> output_names, size_t num_nodes, const Body& body,
-                             std::pair<uint64_t, uint64_t> pool_id)
+                             std::pair<uint64_t, uint64_t> pool_id, int lane)
     : impl_(new Impl) {
   Impl& g = *impl_;
   g.input_names = std::move(input_names);
@@ -90,18 +120,19 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   g.events = make_events(num_nodes + 1);
   const at::Device device = static_env.begin()->second.device();
   c10::cuda::CUDAGuard device_guard(device);
-  c10::cuda::CUDAStreamGuard stream_guard(g.stream);
+  g.stream = lane_stream(device, lane);
+  c10::cuda::CUDAStreamGuard stream_guard(*g.stream);
 
   // Warm-up on the capture stream: initialises cuBLAS handles and workspaces outside the graph.
   {
     Env warm = static_env;
     body(warm, [](size_t) {});
   }
-  check_cuda(cudaStreamSynchronize(g.stream.stream()), "warm-up");
+  check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");
 
   g.env = std::move(static_env);
   auto record = [&g](size_t k) {
-    check_cuda(cudaEventRecordWithFlags(g.events.at(k), g.stream.stream(), cudaEventRecordExternal),
+    check_cuda(cudaEventRecordWithFlags(g.events.at(k), g.stream->stream(), cudaEventRecordExternal),
                "cudaEventRecordWithFlags");
   };
   g.graph.capture_begin({pool_id.first, pool_id.second}, cudaStreamCaptureModeThreadLocal);
@@ -135,7 +166,7 @@ CapturedGraph::Replay CapturedGraph::replay(const Env& host_inputs) {
   Impl& g = *impl_;
   Replay r;
   c10::cuda::CUDAGuard device_guard(g.env.begin()->second.device());
-  c10::cuda::CUDAStreamGuard stream_guard(g.stream);
+  c10::cuda::CUDAStreamGuard stream_guard(*g.stream);
   // Inputs must not be re-bound: the graph reads the static tensors' memory.
   for (size_t i = 0; i < g.input_names.size(); ++i) {
     const at::Tensor& src = host_inputs.at(g.input_names[i]);
@@ -151,7 +182,7 @@ CapturedGraph::Replay CapturedGraph::replay(const Env& host_inputs) {
   for (size_t i = 0; i < g.output_names.size(); ++i) {
     g.pinned_out[i].copy_(g.env.at(g.output_names[i]), /*non_blocking=*/true);
   }
-  check_cuda(cudaStreamSynchronize(g.stream.stream()), "replay");
+  check_cuda(cudaStreamSynchronize(g.stream->stream()), "replay");
   r.d2h_end_ns = now_ns();
   for (auto& t : g.pinned_out) r.outputs.push_back(t.clone());  // the pinned buffers are reused
   r.node_ms = elapsed_between(g.events, g.num_nodes);
@@ -161,6 +192,11 @@ CapturedGraph::Replay CapturedGraph::replay(const Env& host_inputs) {
 #else  // no CUDA in this build
 
 bool cuda_graphs_available() { return false; }
+struct LaneStream::Impl {};
+LaneStream::LaneStream(const at::Device& device, int) {
+  if (device.is_cuda()) throw std::runtime_error("built without CUDA");
+}
+LaneStream::~LaneStream() = default;
 std::pair<uint64_t, uint64_t> new_graph_pool() { throw std::runtime_error("built without CUDA"); }
 struct CudaNodeTimer::Impl {};
 CudaNodeTimer::CudaNodeTimer(size_t) { throw std::runtime_error("built without CUDA"); }
@@ -170,7 +206,7 @@ void CudaNodeTimer::mark(size_t) {}
 std::vector<double> CudaNodeTimer::elapsed_ms(size_t) { return {}; }
 struct CapturedGraph::Impl {};
 CapturedGraph::CapturedGraph(Env, std::vector<std::string>, std::vector<std::string>, size_t, const Body&,
-                             std::pair<uint64_t, uint64_t>) {
+                             std::pair<uint64_t, uint64_t>, int) {
   throw std::runtime_error("CUDA graphs: this extension was built without CUDA");
 }
 CapturedGraph::~CapturedGraph() = default;

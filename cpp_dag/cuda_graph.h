@@ -17,6 +17,20 @@ namespace slmrank {
 
 bool cuda_graphs_available();
 
+// Makes lane `lane`'s own CUDA stream current on `device` for the scope (no-op on the CPU), so
+// that lanes run concurrently and never on the legacy default stream.
+class LaneStream {
+ public:
+  LaneStream(const at::Device& device, int lane);
+  ~LaneStream();
+  LaneStream(const LaneStream&) = delete;
+  LaneStream& operator=(const LaneStream&) = delete;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Device-side event timer for eager runs: mark(k) after node k, then elapsed_ms() per node.
 class CudaNodeTimer {
  public:
@@ -38,10 +52,10 @@ class CapturedGraph {
 
   // static_env: device buffers of the bucket (inputs and beam state), allocated before capture.
   // Runs body once eagerly (warm-up), then captures it into a graph drawing on `pool_id`
-  // (graphs that never run concurrently share one pool). Throws on any failure, the capture
-  // ended cleanly.
+  // (graphs that never run concurrently share one pool), on lane `lane`'s stream, which also
+  // runs its replays. Throws on any failure, the capture ended cleanly.
   CapturedGraph(Env static_env, std::vector<std::string> input_names, std::vector<std::string> output_names,
-                size_t num_nodes, const Body& body, std::pair<uint64_t, uint64_t> pool_id);
+                size_t num_nodes, const Body& body, std::pair<uint64_t, uint64_t> pool_id, int lane);
   ~CapturedGraph();
 
   struct Replay {

@@ -53,7 +53,8 @@ double ms_between(int64_t a, int64_t b) { return static_cast<double>(b - a) / 1e
 }  // namespace
 
 Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
-                   const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs)
+                   const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
+                   int num_lanes)
     : device_(weights.count("embed") ? weights.at("embed").device() : at::Device(at::kCPU)),
       score_dag_(build_dag(score_dag)),
       beam_dag_(build_dag(beam_dag)),
@@ -65,8 +66,15 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
   ctx_.rope_sin = std::move(rope_sin);
   ctx_.scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
   for (int64_t i = 0; i < cfg.num_layers; ++i) ctx_.layers.push_back(layer_weights(ctx_, i));
-  if (use_graphs_) graph_pool_ = new_graph_pool();  // one pool: graphs never run concurrently
-  worker_ = std::thread([this] { worker_loop(); });
+  if (num_lanes <= 0) num_lanes = device_.is_cuda() ? 2 : 1;
+  for (int i = 0; i < num_lanes; ++i) {
+    auto lane = std::make_unique<Lane>();
+    lane->index = i;
+    // one pool per lane: a lane's graphs never run concurrently, two lanes' do
+    if (use_graphs_) lane->graph_pool = new_graph_pool();
+    lanes_.push_back(std::move(lane));
+  }
+  for (auto& lane : lanes_) lane->worker = std::thread([this, l = lane.get()] { worker_loop(*l); });
 }
 
 Executor::~Executor() { shutdown(); }
@@ -154,16 +162,19 @@ std::string bucket_key(const BatchSpec& batch) {
 }  // namespace
 
 size_t Executor::num_graphs() const {
-  std::lock_guard<std::mutex> lock(graphs_mu_);
-  return graphs_.size();
+  size_t n = 0;
+  for (const auto& lane : lanes_) {
+    std::lock_guard<std::mutex> lock(lane->busy);
+    n += lane->graphs.size();
+  }
+  return n;
 }
 
-CapturedGraph& Executor::graph_for(const BatchSpec& batch, double* capture_ms) {
+CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* capture_ms) {
   const std::string key = bucket_key(batch);
-  std::lock_guard<std::mutex> lock(graphs_mu_);  // one capture at a time; replays never overlap it
-  auto it = graphs_.find(key);
+  auto it = lane.graphs.find(key);
   if (capture_ms) *capture_ms = 0;
-  if (it != graphs_.end()) return *it->second;
+  if (it != lane.graphs.end()) return *it->second;
   const int64_t start = now_ns();
   c10::InferenceMode guard;
   std::vector<const Node*> nodes = plan(batch);
@@ -173,29 +184,40 @@ CapturedGraph& Executor::graph_for(const BatchSpec& batch, double* capture_ms) {
     run_nodes(nodes, env, mark, nullptr);
   };
   auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), nodes.size(),
-                                               body, graph_pool_);
+                                               body, lane.graph_pool, lane.index);
   if (capture_ms) *capture_ms = ms_between(start, now_ns());
-  return *graphs_.emplace(key, std::move(graph)).first->second;
+  return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }
 
 double Executor::prepare(const BatchSpec& example) {
   if (!use_graphs_) return 0;
-  double ms = 0;
-  graph_for(example, &ms);
-  return ms;
+  double total = 0;
+  for (auto& lane : lanes_) {
+    std::lock_guard<std::mutex> lock(lane->busy);
+    double ms = 0;
+    graph_for(*lane, example, &ms);
+    total += ms;
+  }
+  return total;
 }
 
-RunOutput Executor::run(const BatchSpec& batch) { return run_timed(batch, now_ns()); }
+RunOutput Executor::run(const BatchSpec& batch) {
+  const int64_t submit_ns = now_ns();
+  Lane& lane = *lanes_.front();
+  std::lock_guard<std::mutex> lock(lane.busy);
+  return run_timed(lane, batch, submit_ns);
+}
 
-RunOutput Executor::run_timed(const BatchSpec& batch, int64_t submit_ns) {
+RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns) {
   c10::InferenceMode guard;
+  LaneStream stream_scope(device_, lane.index);  // this lane's stream for everything below
   RunOutput out;
   RunTimings& t = out.timings;
   t.submit_ns = submit_ns;
   t.start_ns = now_ns();
   std::vector<const Node*> nodes = plan(batch);
   if (use_graphs_ && batch.trace_buffers.empty()) {
-    CapturedGraph& graph = graph_for(batch, nullptr);
+    CapturedGraph& graph = graph_for(lane, batch, nullptr);
     CapturedGraph::Replay r = graph.replay(batch.inputs);
     t.graph = true;
     t.h2d_end_ns = r.h2d_end_ns;
@@ -241,7 +263,7 @@ size_t Executor::pending() const {
   return queue_.size();
 }
 
-void Executor::worker_loop() {
+void Executor::worker_loop(Lane& lane) {
   at::set_num_threads(num_threads_);  // same intra-op threads as the caller: same reduction order
   for (;;) {
     Job job;
@@ -252,24 +274,31 @@ void Executor::worker_loop() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
+    RunOutput out;
+    std::string error;
     try {
-      RunOutput out = run_timed(job.batch, job.submit_ns);
+      std::lock_guard<std::mutex> busy(lane.busy);
+      out = run_timed(lane, job.batch, job.submit_ns);
       out.timings.done_ns = now_ns();
-      job.callback(&out, "");
     } catch (const std::exception& e) {
-      job.callback(nullptr, e.what());  // one bad batch fails alone; the worker goes on
+      error = e.what();  // one bad batch fails alone; the lane goes on
     }
+    job.callback(error.empty() ? &out : nullptr, error);
   }
 }
 
 void Executor::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !worker_.joinable()) return;
+    if (joined_) return;
     stopping_ = true;
   }
   cv_.notify_all();
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  for (auto& lane : lanes_) {
+    if (lane->worker.joinable() && lane->worker.get_id() != std::this_thread::get_id()) lane->worker.join();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  joined_ = true;
 }
 
 }  // namespace slmrank

@@ -60,13 +60,16 @@ class Executor {
 
   // On a CUDA device with use_graphs, each bucket runs as one captured CUDA graph (captured on
   // first use, or ahead of time by prepare()); otherwise node by node ("eager").
+  // num_lanes: batches that may be in flight at once, each lane with its own worker thread,
+  // stream, graphs and memory pool (0 = 2 on a GPU, 1 on the CPU).
   Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
-           const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs);
+           const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
+           int num_lanes = 0);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  // Blocking: runs on the calling thread.
+  // Blocking: runs on the calling thread, in lane 0 (waits while that lane is busy).
   RunOutput run(const BatchSpec& batch);
   // Asynchronous: queued to the worker thread; callback(output, "") or callback(nullptr, error).
   // Throws std::runtime_error after shutdown().
@@ -74,11 +77,12 @@ class Executor {
   // Stops taking work, finishes (or fails) every queued batch, joins the worker. Idempotent.
   void shutdown();
   size_t pending() const;
-  // Captures the graph of this batch's bucket now (start-up), so no request pays for it.
-  // Returns the capture's wall time in ms; 0 when graphs are off or it was already captured.
+  // Captures the graph of this batch's bucket in every lane now (start-up), so no request pays
+  // for it. Returns the captures' wall time in ms; 0 when graphs are off or already captured.
   double prepare(const BatchSpec& example);
   bool uses_graphs() const { return use_graphs_; }
   size_t num_graphs() const;
+  int num_lanes() const { return static_cast<int>(lanes_.size()); }
 
   const ModelConfig& config() const { return ctx_.cfg; }
   std::vector<std::string> node_names(Kind kind) const;
@@ -89,30 +93,36 @@ class Executor {
     Callback callback;
     int64_t submit_ns;
   };
-  RunOutput run_timed(const BatchSpec& batch, int64_t submit_ns);
+  // One batch at a time per lane: its own worker, stream, graphs and pool.
+  struct Lane {
+    int index = 0;
+    std::mutex busy;  // held for a whole run
+    std::pair<uint64_t, uint64_t> graph_pool{0, 0};
+    std::unordered_map<std::string, std::unique_ptr<CapturedGraph>> graphs;
+    std::thread worker;
+  };
+  RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);
   Env device_env(const BatchSpec& batch) const;  // inputs on the device + zeroed beam state
   std::vector<const Node*> plan(const BatchSpec& batch) const;
   // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given.
   void run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
                  std::vector<double>* host_ms, const std::vector<std::string>* trace_buffers = nullptr,
                  std::vector<TraceEntry>* trace = nullptr) const;
-  CapturedGraph& graph_for(const BatchSpec& batch, double* capture_ms);
-  void worker_loop();
+  CapturedGraph& graph_for(Lane& lane, const BatchSpec& batch, double* capture_ms);  // lane.busy held
+  void worker_loop(Lane& lane);
 
   Context ctx_;
   at::Device device_;
   std::vector<std::unique_ptr<Node>> score_dag_, beam_dag_;
   int num_threads_;
   bool use_graphs_;
-  std::pair<uint64_t, uint64_t> graph_pool_{0, 0};
-  mutable std::mutex graphs_mu_;
-  std::unordered_map<std::string, std::unique_ptr<CapturedGraph>> graphs_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
   bool stopping_ = false;
-  std::thread worker_;
+  bool joined_ = false;
 };
 
 int64_t now_ns();

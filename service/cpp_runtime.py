@@ -32,7 +32,7 @@ class CppRuntime:
     name = "cpp"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, num_lanes: int = 0) -> None:
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -44,7 +44,7 @@ class CppRuntime:
         cos, sin = rope_table(self.cfg, num_positions, self.device)  # the same table as PythonRuntime
         self._executor = core.Executor(self.cfg.to_dict(), weights, cos.to(self.dtype), sin.to(self.dtype),
                                        [n.to_dict() for n in artifact.score_dag],
-                                       [n.to_dict() for n in artifact.beam_dag], use_graphs)
+                                       [n.to_dict() for n in artifact.beam_dag], use_graphs, num_lanes)
         self.last_timings: dict[str, Any] | None = None
 
     @staticmethod

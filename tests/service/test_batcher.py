@@ -1,0 +1,420 @@
+"""The scheduler on embedded:tiny: concurrent whole requests batched into buckets give exactly the
+results of `engine.execute` on the same batches; and, on a fake runtime that can be held, the
+release rules, in-flight cap, priority order, cancellation, deadlines, failures and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from service.admission import AdmissionConfig, Overloaded, Priority
+from service.batch import BeamBatch, ScoreBatch
+from service.batcher import BatcherConfig, Completed, DeadlineExpired, Scheduler
+from service.engine import execute
+from service.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+
+O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
+
+
+@pytest.fixture(scope="module")
+def art(embedded_tiny):
+    return embedded_tiny[1]
+
+
+def ids(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+def score(name: str, samples: int = 2, tokens: int = 4) -> ScoreRequest:
+    return ScoreRequest(samples=tuple((7 + i,) * tokens for i in range(samples)), label_ids=(1, 2), id=name)
+
+
+def beam(name: str, new_tokens: int = 1, width: int = 2) -> BeamRequest:
+    return BeamRequest(prompt_ids=(5, 6, 7), beam_width=width, new_tokens=new_tokens, id=name)
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the scheduler"
+        await asyncio.sleep(0.002)
+
+
+class FakeRuntime:
+    """Zeros of the right shapes; records what ran; can be held (gate) or made to fail."""
+
+    name = "fake"
+
+    def __init__(self, delay_s: float = 0.0, fail_ids: tuple[str, ...] = ()) -> None:
+        self.delay_s, self.fail_ids = delay_s, fail_ids
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started: list[list[str]] = []  # request ids per batch, as each batch starts
+
+    def _enter(self, batch: ScoreBatch | BeamBatch) -> None:
+        names = [r.id for r in batch.requests]
+        self.started.append(names)
+        if any(n in self.fail_ids for n in names):
+            raise RuntimeError("injected failure")
+        assert self.gate.wait(10)
+        time.sleep(self.delay_s)
+
+    def run_score(self, batch: ScoreBatch) -> torch.Tensor:
+        self._enter(batch)
+        return torch.full((batch.bucket.max_samples, batch.num_labels), -1.5)
+
+    def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        self._enter(batch)
+        b = batch.bucket
+        return (torch.zeros(b.max_requests, b.beam_width, b.new_tokens, dtype=torch.int64),
+                torch.zeros(b.max_requests, b.beam_width))
+
+    @property
+    def ran(self) -> list[str]:
+        return [n for names in self.started for n in names]
+
+
+class FakeSubmitRuntime(FakeRuntime):
+    """The C++ runtime's shape: submit(batch) -> a future the test resolves, oldest first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[Any, asyncio.Future, int]] = []
+
+    def submit(self, batch):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((batch, fut, time.monotonic_ns()))
+        return fut
+
+    def finish_oldest(self) -> None:
+        batch, fut, submit_ns = self.pending.pop(0)
+        start_ns = time.monotonic_ns()
+        out = [self.run_score(batch)] if isinstance(batch, ScoreBatch) else list(self.run_beam(batch))
+        fut.set_result((out, {"submit_ns": submit_ns, "start_ns": start_ns, "h2d_end_ns": start_ns,
+                              "launch_ns": start_ns, "d2h_end_ns": time.monotonic_ns(),
+                              "done_ns": time.monotonic_ns(), "graph": False, "nodes": [("fake", 0.1, 0.05)]}))
+
+
+async def started(art, runtime, admission: AdmissionConfig | None = None, **batcher) -> Scheduler:
+    s = Scheduler(art, runtime, admission, BatcherConfig(**batcher))
+    await s.start()
+    return s
+
+
+# ---- against the reference engine ---------------------------------------------------------------
+
+@pytest.fixture(params=["python", "cpp"])
+def runtime(request, art):
+    from service.python_runtime import PythonRuntime
+
+    if request.param == "python":
+        yield PythonRuntime(art)
+        return
+    try:
+        from service.cpp_runtime import CppRuntime
+
+        rt = CppRuntime(art)
+    except Exception as e:  # not built here, or built from other sources than this checkout
+        pytest.skip(f"C++ runtime unavailable: {e}")
+    yield rt
+    rt.shutdown()
+
+
+def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, runtime):
+    kind = runtime.name
+    rng = random.Random(7)
+    vocab = art.config.vocab_size
+    scores = [ScoreRequest(samples=tuple(ids(rng, rng.randint(1, 8), vocab) for _ in range(rng.randint(1, 4))),
+                           label_ids=ids(rng, rng.randint(1, 4), vocab),
+                           prefix_ids=ids(rng, rng.randint(1, 6), vocab) if i % 2 else (), id=f"s{i}")
+              for i in range(6)]
+    beams = [BeamRequest(ids(rng, rng.randint(3, 9), vocab), beam_width=w, new_tokens=n, id=f"b{i}")
+             for i, (w, n) in enumerate([(4, 2), (3, 2), (2, 1)])]
+    reqs = scores + beams
+    priorities = [O, N, B, N, O, B, N, B, O]
+
+    async def main() -> tuple[list[Completed], dict]:
+        s = await started(art, runtime, max_wait_s=0.05)
+        done = await asyncio.gather(*[s.submit(r, p) for r, p in zip(reqs, priorities)])
+        assert await s.drain(timeout_s=30)
+        await s.close()
+        return done, s.stats()
+
+    t0 = time.perf_counter()
+    done, stats = asyncio.run(main())
+    wall_s = time.perf_counter() - t0
+
+    batches: dict[int, list[tuple[int, Any, Completed]]] = {}
+    for r, c in zip(reqs, done):
+        batches.setdefault(c.timings.batch_id, []).append((c.timings.batch_index, r, c))
+    assert len(batches) == 3, "one batch per kind: score, beam n=2, beam n=1"
+    assert stats["batches"] == 3 and stats["requests_executed"] == len(reqs)
+    assert stats["batch_sizes"] == {1: 1, 2: 1, 6: 1}
+    for members in batches.values():
+        members.sort(key=lambda m: m[0])
+        assert [m[0] for m in members] == list(range(len(members)))
+        same = execute(art, runtime, [r for _, r, _ in members])  # the same batch, the same bucket
+        for (_, r, c), want in zip(members, same):
+            assert type(c.result) is type(want) and c.result == want, f"{r.id}: differs from engine.execute"
+            t = c.timings
+            assert t.batch_size == len(members) and t.bucket.startswith(("score", "beam"))
+            assert t.enqueued_s <= t.dequeued_s <= t.batch_start_s <= t.batch_end_s
+            ex = t.executor
+            assert ex["submit_ns"] <= ex["start_ns"] <= ex["done_ns"]
+            assert (ex["done_ns"] - ex["start_ns"]) / 1e9 <= t.batch_end_s - t.batch_start_s + 1e-3
+            assert [n[0] for n in ex["nodes"]][:2] == ["masks", "embed"]
+    assert isinstance(done[0].result, ScoreResult) and isinstance(done[-1].result, BeamResult)
+    assert 0 < stats["occupancy_mean"] <= 1
+    assert stats["model"]["batches_observed"] == 3 and stats["model"]["run_s_by_kind"]["beam.n2"] > 0
+    print(f"\n{kind}: 9 requests in 3 batches, {wall_s:.2f} s")
+
+
+# ---- release rules ----------------------------------------------------------------------------------
+
+def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.3)
+        t0 = time.monotonic()
+        lone = asyncio.create_task(s.submit(score("lone")))
+        await asyncio.sleep(0.1)
+        assert rt.started == [], "released before max_wait with room left in the bucket"
+        await lone
+        assert time.monotonic() - t0 >= 0.29
+        await s.close()
+
+        # max_wait too long to matter: only a full batch goes; drain() releases the rest at once
+        s = await started(art, rt, max_wait_s=60.0, max_batch_requests=3)
+        four = [asyncio.create_task(s.submit(score(f"q{i}"))) for i in range(4)]
+        await until(lambda: len(rt.started) == 2)  # the cap reached
+        assert rt.started[1] == ["q0", "q1", "q2"]
+        await asyncio.sleep(0.05)
+        assert len(rt.started) == 2
+        assert await s.drain(timeout_s=10)
+        await asyncio.gather(*four)
+        assert rt.started[2] == ["q3"]
+        await s.close()
+
+        # the bucket full: 4 x 2048 tokens fill the largest score bucket (8192); the fifth is left out
+        s = await started(art, rt, max_wait_s=60.0)
+        big = [ScoreRequest(samples=((9,) * 128,) * 16, label_ids=(1,), id=f"big{i}") for i in range(5)]
+        tasks = [asyncio.create_task(s.submit(r)) for r in big]
+        await until(lambda: len(rt.started) == 4)
+        assert rt.started[3] == ["big0", "big1", "big2", "big3"]
+        assert await s.drain(timeout_s=10)
+        await asyncio.gather(*tasks)
+        assert rt.started[4] == ["big4"]
+        assert s.stats()["buckets"] == {"score.t8192.s1024": {"batches": 1, "occupancy_mean": 1.0},
+                                        "score.t2048.s256": {"batches": 1, "occupancy_mean": 1.0}}
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_kinds_never_share_a_batch_and_the_inflight_cap_holds(art):
+    rt = FakeSubmitRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2)
+        tasks = [asyncio.create_task(s.submit(r)) for r in
+                 [score("s0"), beam("b1", new_tokens=1), beam("b2", new_tokens=2), score("s1")]]
+        await until(lambda: len(rt.pending) == 2)
+        await asyncio.sleep(0.05)
+        assert len(rt.pending) == 2 and s.stats()["inflight"] == 2, "more than max_inflight handed over"
+        rt.finish_oldest()
+        await until(lambda: len(rt.pending) == 2)
+        while rt.pending:
+            rt.finish_oldest()
+            await asyncio.sleep(0.01)
+        done = await asyncio.gather(*tasks)
+        kind_of = {"s0": "score", "s1": "score", "b1": "beam.n1", "b2": "beam.n2"}
+        assert rt.started == [["s0", "s1"], ["b1"], ["b2"]]
+        assert all(len({kind_of[n] for n in names}) == 1 for names in rt.started)
+        assert done[1].timings.executor["nodes"] == [("fake", 0.1, 0.05)]
+        assert s.stats()["inflight"] == 0 and s.stats()["batches"] == len(rt.started)
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_priority_order_through_the_scheduler(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=1)
+        rt.gate.clear()
+        first = asyncio.create_task(s.submit(score("first")))
+        await until(lambda: len(rt.started) == 1)
+        # three kinds, so each is its own batch; queued while the executor is held
+        tasks = [asyncio.create_task(s.submit(r, p)) for r, p in
+                 [(beam("bg", 1), B), (beam("nm", 2), N), (beam("on", 3), O)]]
+        await until(lambda: s.stats()["admitted"] == 4)
+        rt.gate.set()
+        await asyncio.gather(first, *tasks)
+        assert rt.ran == ["first", "on", "nm", "bg"]
+        await s.close()
+
+    asyncio.run(main())
+
+
+# ---- cancellation, deadlines, failures ------------------------------------------------------------
+
+def test_a_cancelled_request_is_never_executed_and_frees_its_slot(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, AdmissionConfig(max_queue_normal=1), max_wait_s=0.0, max_inflight=1)
+        rt.gate.clear()
+        a = asyncio.create_task(s.submit(score("a")))
+        await until(lambda: len(rt.started) == 1)  # a holds the executor
+        b = asyncio.create_task(s.submit(score("b")))
+        await until(lambda: s.stats()["queue_depth"]["NORMAL"] == 1)
+        with pytest.raises(Overloaded) as e:
+            await s.submit(score("c"))
+        assert e.value.reason == "queue_full"
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        assert s.stats()["queue_depth"]["NORMAL"] == 0 and s.stats()["cancelled"] == 1
+        c = asyncio.create_task(s.submit(score("c")))  # the freed slot
+        await until(lambda: s.stats()["admitted"] == 3)
+        rt.gate.set()
+        await asyncio.gather(a, c)
+        assert rt.ran == ["a", "c"]
+        st = s.stats()
+        assert st["requests_executed"] == 2 and st["refused"]["queue_full"] == 1
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_too_short_deadline_is_refused_at_once_and_never_runs(art):
+    rt = FakeRuntime(delay_s=0.05)
+
+    async def main() -> None:
+        s = await started(art, rt, AdmissionConfig(default_service_s=0.001, safety_margin=0.0), max_wait_s=0.0)
+        with pytest.raises(Overloaded) as e:
+            await s.submit(score("past"), O, deadline=time.monotonic() - 0.01)
+        assert e.value.reason == "deadline"
+        for i in range(3):  # measure τ ≈ 50 ms
+            await s.submit(score(f"m{i}"))
+        assert s.stats()["model"]["tau_s"] >= 0.045
+        refused = s.submit(score("short"), O, deadline=time.monotonic() + 0.02)
+        with pytest.raises(Overloaded) as e:
+            refused.send(None)  # raises on its first step: refused without ever waiting
+        assert e.value.reason == "deadline" and e.value.retry_after_s > 0
+        await s.submit(score("roomy"), O, deadline=time.monotonic() + 2.0)
+        assert "past" not in rt.ran and "short" not in rt.ran and "roomy" in rt.ran
+        assert s.stats()["refused"]["deadline"] == 2 and s.stats()["requests_executed"] == 4
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_deadline_passing_in_the_queue_drops_the_request_unexecuted(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, AdmissionConfig(default_service_s=0.001), max_wait_s=0.0, max_inflight=1)
+        rt.gate.clear()
+        a = asyncio.create_task(s.submit(score("a")))
+        await until(lambda: len(rt.started) == 1)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExpired):
+            await s.submit(score("late"), deadline=time.monotonic() + 0.15)
+        assert 0.14 <= time.monotonic() - t0 < 1.0
+        assert s.stats()["expired"] == 1 and s.stats()["queue_depth"]["NORMAL"] == 0
+        rt.gate.set()
+        await a
+        assert rt.ran == ["a"]
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_batch_fails_only_its_own_requests(art):
+    rt = FakeRuntime(fail_ids=("boom",))
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.01)
+        results = await asyncio.gather(s.submit(score("boom")), s.submit(score("with-boom")),
+                                       s.submit(beam("fine")), return_exceptions=True)
+        assert isinstance(results[0], ExecutionError) and isinstance(results[1], ExecutionError)
+        assert "injected failure" in str(results[0])
+        assert isinstance(results[2], Completed) and isinstance(results[2].result, BeamResult)
+        after = await s.submit(score("after"))  # the scheduler carries on
+        assert after.result.scores == [[-1.5, -1.5]] * 2
+        assert s.stats()["batches_failed"] == 1
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_invalid_requests_and_priorities_are_refused(art):
+    async def main() -> None:
+        s = await started(art, FakeRuntime())
+        with pytest.raises(RequestError, match="label_ids"):
+            await s.submit(ScoreRequest(samples=((1,),), label_ids=(art.config.vocab_size,)))
+        with pytest.raises(RequestError, match="priority"):
+            await s.submit(score("x"), priority=0)
+        assert s.stats()["admitted"] == 0
+        await s.close()
+        with pytest.raises(RuntimeError, match="not running"):
+            await s.submit(score("y"))
+
+    asyncio.run(main())
+
+
+# ---- draining ----------------------------------------------------------------------------------------
+
+def test_drain_finishes_inflight_and_queued_work_and_refuses_new(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=1)
+        rt.gate.clear()
+        a = asyncio.create_task(s.submit(score("a")))
+        await until(lambda: len(rt.started) == 1)
+        b = asyncio.create_task(s.submit(beam("b")))
+        await until(lambda: s.stats()["admitted"] == 2)
+        drain = asyncio.create_task(s.drain(timeout_s=10))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded) as e:
+            await s.submit(score("new"), O)
+        assert e.value.reason == "draining" and not drain.done()
+        rt.gate.set()
+        assert await drain is True
+        assert isinstance((await a).result, ScoreResult) and isinstance((await b).result, BeamResult)
+        assert rt.ran == ["a", "b"] and s.stats()["refused"]["draining"] == 1
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_drain_that_times_out_answers_the_queued_requests(art):
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=1)
+        rt.gate.clear()
+        a = asyncio.create_task(s.submit(score("a")))
+        await until(lambda: len(rt.started) == 1)
+        b = asyncio.create_task(s.submit(beam("b")))
+        await until(lambda: s.stats()["admitted"] == 2)
+        assert await s.drain(timeout_s=0.1) is False
+        with pytest.raises(Overloaded) as e:
+            await b
+        assert e.value.reason == "draining"
+        rt.gate.set()
+        assert isinstance((await a).result, ScoreResult)  # the in-flight batch still completes
+        assert rt.ran == ["a"] and s.stats()["drained"] == 1
+        await s.close()
+
+    asyncio.run(main())

@@ -262,6 +262,8 @@ class Scheduler:
         answered Overloaded("draining") (in-flight batches still complete)."""
         self.admission.start_draining()
         self._wake.set()
+        if not self.admission.depth() and not self._inflight:
+            return True  # idle already (wait_for with a zero timeout would not even look)
         try:
             await asyncio.wait_for(self._until_idle(), timeout_s)
             return True

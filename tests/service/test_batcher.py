@@ -393,6 +393,7 @@ def test_drain_finishes_inflight_and_queued_work_and_refuses_new(art):
         assert await drain is True
         assert isinstance((await a).result, ScoreResult) and isinstance((await b).result, BeamResult)
         assert rt.ran == ["a", "b"] and s.stats()["refused"]["draining"] == 1
+        assert await s.drain(timeout_s=0.0) is True  # nothing left: done even with no time to wait
         await s.close()
 
     asyncio.run(main())

@@ -108,7 +108,7 @@ void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const 
     }
     mark(k);
     if (host_ms) host_ms->push_back(ms_between(start, now_ns()));
-    if (trace && trace_buffers) {
+    if (trace && trace_buffers && !trace_buffers->empty()) {
       TraceEntry entry{spec.name, {}};
       for (const auto& name : *trace_buffers) {
         auto it = env.find(name);

@@ -6,6 +6,7 @@ Padding tokens get seg = -1 (they attend only to each other) and never reach a r
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,6 +16,13 @@ from .buckets import BeamBucket, BucketTable, ScoreBucket
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 NO_CONTEXT = -2  # ctx of a token that has no shared prefix (never equal to any seg)
+
+
+def _i64(values: list[int]) -> torch.Tensor:
+    # ~3x faster than torch.tensor(list): this runs on the event loop for every batch
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 @dataclass
@@ -80,13 +88,14 @@ def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: in
     if len(tokens) > t_max or len(last) > s_max:
         raise ValueError(f"batch of {len(tokens)} tokens / {len(last)} samples does not fit {bucket.key}")
     pad_t, pad_s = t_max - len(tokens), s_max - len(last)
+    flat_labels = [t for row in labels for t in row] + [0] * (num_labels * pad_s)
     inputs = {
-        "tokens": torch.tensor(tokens + [0] * pad_t, dtype=torch.int64),
-        "positions": torch.tensor(positions + [0] * pad_t, dtype=torch.int64),
-        "seg": torch.tensor(seg + [-1] * pad_t, dtype=torch.int64),
-        "ctx": torch.tensor(ctx + [NO_CONTEXT] * pad_t, dtype=torch.int64),
-        "last": torch.tensor(last + [0] * pad_s, dtype=torch.int64),
-        "labels": torch.tensor(labels + [[0] * num_labels] * pad_s, dtype=torch.int64).reshape(s_max, num_labels),
+        "tokens": _i64(tokens + [0] * pad_t),
+        "positions": _i64(positions + [0] * pad_t),
+        "seg": _i64(seg + [-1] * pad_t),
+        "ctx": _i64(ctx + [NO_CONTEXT] * pad_t),
+        "last": _i64(last + [0] * pad_s),
+        "labels": _i64(flat_labels).reshape(s_max, num_labels),
     }
     return ScoreBatch(requests, bucket, num_labels, inputs)
 
@@ -120,13 +129,13 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
     widths += [0] * pad_r  # a padding request has no live beam
     prompt_len += [0] * pad_r
     inputs = {
-        "tokens": torch.tensor(tokens + [0] * pad_n, dtype=torch.int64),
-        "positions": torch.tensor(positions + [0] * pad_n, dtype=torch.int64),
-        "seg": torch.tensor(seg + [-1] * pad_n, dtype=torch.int64),
-        "last": torch.tensor(last + [0] * pad_r, dtype=torch.int64),
-        "beam_width": torch.tensor(widths, dtype=torch.int64),
+        "tokens": _i64(tokens + [0] * pad_n),
+        "positions": _i64(positions + [0] * pad_n),
+        "seg": _i64(seg + [-1] * pad_n),
+        "last": _i64(last + [0] * pad_r),
+        "beam_width": _i64(widths),
         "beam_req": torch.arange(r_max, dtype=torch.int64).repeat_interleave(b),
-        "beam_pos": torch.tensor(prompt_len, dtype=torch.int64).repeat_interleave(b),
+        "beam_pos": _i64(prompt_len).repeat_interleave(b),
     }
     return BeamBatch(requests, bucket, inputs)
 

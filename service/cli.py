@@ -105,6 +105,106 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .server import ServerConfig, load_model, serve
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[slmrank] %(message)s")
+    config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
+    target_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]", "") else args.host
+
+    def announce(line: str) -> None:
+        print(f"[slmrank] {line}", flush=True)
+
+    def on_ready(server) -> None:
+        target = f"{target_host}:{server.port}"
+        tok, vocab = server.model.tokenizer, server.model.artifact.config.vocab_size
+        labels = [i for w in (" yes", " no") for i in tok.encode(w)[:1] if i < vocab] or [0, 1]
+        announce(f"serving {args.model} ({args.runtime} runtime, {args.device}) on {target}; send a request with:")
+        announce(f"  slmrank client score --target {target} --prefix 'Query: running shoes. Relevant?' "
+                 f"--samples ' Trail runner' ' Garden hose' --labels {' '.join(map(str, labels))}")
+        announce(f"  slmrank client beam --target {target} --prompt 'The best running shoes are' "
+                 "--beam-width 4 --new-tokens 3")
+
+    def loader():
+        return load_model(args.model, args.runtime, args.device, args.dtype, quiet=args.quiet)
+
+    return serve(config, loader, announce, on_ready)
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    import json
+
+    import grpc
+
+    from .client import RankerClient, describe_error, parse_ids, to_json
+
+    with RankerClient(args.target, timeout_s=args.timeout) as client:
+        try:
+            if args.kind == "score":
+                samples = args.samples or [parse_ids(s) for s in args.sample_ids]
+                prefix = parse_ids(args.prefix_ids) if args.prefix_ids is not None else args.prefix
+                response = client.score(samples, args.labels, prefix, args.priority)
+            else:
+                prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+                response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority)
+        except grpc.RpcError as e:
+            print(f"slmrank client: {describe_error(e)}", file=sys.stderr)
+            return 1
+    print(json.dumps(to_json(response), ensure_ascii=False))
+    return 0
+
+
+def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve Score / BeamSearch over gRPC (health, reflection, graceful drain)")
+    s.add_argument("--model", required=True, help="an artifact directory, an embedded spec or a checkpoint directory")
+    s.add_argument("--port", type=int, default=50051, help="0: any free port (the bound one is printed)")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--runtime", default="python", choices=["python", "cpp"])
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
+    s.add_argument("--grace-s", type=float, default=20.0,
+                   help="SIGTERM/SIGINT: finish in-flight requests for at most this long, then exit")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=_cmd_serve)
+
+    c = sub.add_parser("client", help="send one Score or BeamSearch request to a server; prints JSON")
+    kinds = c.add_subparsers(dest="kind", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
+    common.add_argument("--priority", default="unspecified", choices=["unspecified", "online", "normal", "background"])
+    common.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    sc = kinds.add_parser("score", parents=[common], help="Score: label log-probs per sample")
+    samples = sc.add_mutually_exclusive_group(required=True)
+    samples.add_argument("--samples", nargs="+", metavar="TEXT")
+    samples.add_argument("--sample-ids", nargs="+", metavar="IDS", help="one '1,2,3' list per sample")
+    prefix = sc.add_mutually_exclusive_group()
+    prefix.add_argument("--prefix", metavar="TEXT")
+    prefix.add_argument("--prefix-ids", metavar="IDS")
+    sc.add_argument("--labels", nargs="*", type=int, default=[], metavar="ID", help="label token ids")
+    bm = kinds.add_parser("beam", parents=[common], help="BeamSearch: best sequences of new tokens")
+    prompt = bm.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT")
+    prompt.add_argument("--prompt-ids", metavar="IDS")
+    bm.add_argument("--beam-width", type=int, required=True)
+    bm.add_argument("--new-tokens", type=int, required=True)
+    c.set_defaults(func=_cmd_client)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .trace_report import report
+
+    print(report(args.file))
+    return 0
+
+
+def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("trace", help="latency breakdown of a Chrome trace file written by the server: where the time went")
+    t.add_argument("file", help="a Chrome/Perfetto trace JSON (the server's /trace, or ChromeTraceWriter.write)")
+    t.set_defaults(func=_cmd_trace)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slmrank", description="Bounded Score / BeamSearch serving for small Qwen models.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -127,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_run)
+    _add_serve_parsers(sub)
+    _add_trace_parser(sub)
 
     args = p.parse_args(argv)
     try:

@@ -1,0 +1,82 @@
+"""A small synchronous client of the Ranker service; `slmrank client` runs it.
+
+    with RankerClient("127.0.0.1:50051") as c:
+        c.score(["a sample", [9707, 11]], label_ids=[9454, 2753], prefix="Is it relevant? ")
+        c.beam("The best running shoes are", beam_width=4, new_tokens=3, priority="online")
+
+A segment is text (tokenized by the server) or a list of token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import grpc
+import numpy as np
+
+from .proto_gen import load as load_stubs
+
+PRIORITIES = ("unspecified", "online", "normal", "background")  # the proto enum's order
+SegmentValue = str | Sequence[int]
+
+
+class RankerClient:
+    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+        stubs = load_stubs()
+        self.pb2 = stubs.pb2
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(target)
+        self.stub = stubs.pb2_grpc.RankerStub(self.channel)
+
+    def score(self, samples: Sequence[SegmentValue], label_ids: Sequence[int] = (), prefix: SegmentValue | None = None,
+              priority: str = "unspecified", timeout_s: float | None = None) -> Any:
+        pb2 = self.pb2
+        msg = pb2.ScoreRequest(samples=[segment(pb2, s) for s in samples], label_ids=label_ids,
+                               priority=PRIORITIES.index(priority))
+        if prefix is not None:
+            msg.prefix.CopyFrom(segment(pb2, prefix))
+        return self.stub.Score(msg, timeout=timeout_s or self.timeout_s)
+
+    def beam(self, prompt: SegmentValue, beam_width: int, new_tokens: int, priority: str = "unspecified",
+             timeout_s: float | None = None) -> Any:
+        msg = self.pb2.BeamSearchRequest(prompt=segment(self.pb2, prompt), beam_width=beam_width,
+                                         new_tokens=new_tokens, priority=PRIORITIES.index(priority))
+        return self.stub.BeamSearch(msg, timeout=timeout_s or self.timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "RankerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def segment(pb2: Any, value: SegmentValue) -> Any:
+    if isinstance(value, str):
+        return pb2.Segment(text=value)
+    return pb2.Segment(ids=list(value))
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1,2, 3' or '1 2 3' -> [1, 2, 3]."""
+    return [int(t) for t in text.replace(",", " ").split()]
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal that reads back as the same float32 (proto floats are float32)."""
+    return float(str(np.float32(x)))
+
+
+def to_json(response: Any) -> dict[str, Any]:
+    if hasattr(response, "beams"):
+        return {"beams": [{"ids": list(b.ids), "logprob": _f32(b.logprob), "text": b.text} for b in response.beams]}
+    return {"samples": [{"logprobs": [_f32(x) for x in s.logprobs]} for s in response.samples]}
+
+
+def describe_error(e: grpc.RpcError) -> str:
+    """'UNAVAILABLE: overloaded (...); retry after 12 ms' and the retry-after-ms trailer when sent."""
+    text = f"{e.code().name}: {e.details()}"
+    retry = [v for k, v in (e.trailing_metadata() or ()) if k == "retry-after-ms"]
+    return f"{text} [retry-after-ms: {retry[0]}]" if retry else text

@@ -1,0 +1,176 @@
+"""Proto messages <-> request types, for the gRPC server.
+
+Every field of a request message is checked before any work, cheapest first (priority, counts,
+label ids, beam sizes) and text segments are tokenized last; a bad field raises RequestError named
+by its proto path (`samples[2].ids[5]`, `prompt.text`, `beam_width`) with the limit it breaks.
+The engine's own validation (validate_score / validate_beam) runs last, its field names mapped to
+the proto's.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .admission import Priority
+from .artifact import Artifact
+from .proto_gen import load as load_stubs
+from .requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
+                       validate_score)
+from .tokenizer import Tokenizer
+
+# PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
+PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}
+_PRIORITY_NAMES = "PRIORITY_UNSPECIFIED (0), ONLINE (1), NORMAL (2), BACKGROUND (3)"
+
+# validate_score / validate_beam name fields after the request dataclasses; the client wrote protos.
+_ENGINE_TO_PROTO = [
+    (re.compile(r"^prefix_ids\["), "prefix.ids["),
+    (re.compile(r"^prefix_ids$"), "prefix"),
+    (re.compile(r"^samples\[(\d+)\]\["), r"samples[\1].ids["),
+    (re.compile(r"^prompt_ids\["), "prompt.ids["),
+    (re.compile(r"^prompt_ids$"), "prompt"),
+]
+
+
+@dataclass
+class TokenizeStats:
+    """Per text segment (sample, prefix or prompt): how long tokenizing it took."""
+
+    num_segments: int = 0
+    total_ns: int = 0
+    max_ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.num_segments += 1
+        self.total_ns += ns
+        self.max_ns = max(self.max_ns, ns)
+
+    def as_dict(self) -> dict[str, float]:
+        mean_us = self.total_ns / self.num_segments / 1e3 if self.num_segments else 0.0
+        return {"num_segments": self.num_segments, "mean_us": round(mean_us, 3), "max_us": round(self.max_ns / 1e3, 3)}
+
+
+class Codec:
+    def __init__(self, artifact: Artifact, tokenizer: Tokenizer) -> None:
+        self.pb2 = load_stubs().pb2
+        self.model = artifact.config
+        self.limits = artifact.limits
+        self.tokenizer = tokenizer
+        self.tokenize_stats = TokenizeStats()
+
+    # -- requests -------------------------------------------------------------------------------
+    def score_request(self, msg: Any) -> tuple[ScoreRequest, Priority]:
+        priority = priority_of(msg.priority)
+        _check_count("samples", len(msg.samples), self.limits.max_samples)
+        label_ids = self._ids("label_ids", msg.label_ids)
+        if len(label_ids) > self.limits.max_labels:
+            raise RequestError("label_ids", f"{len(label_ids)} label ids exceed the maximum of {self.limits.max_labels}")
+        segments = [("prefix", msg.prefix)] if msg.HasField("prefix") else []
+        segments += [(f"samples[{i}]", s) for i, s in enumerate(msg.samples)]
+        for field, seg in segments:  # every structural check before the first tokenization
+            self._check_segment(field, seg)
+        max_tokens, num_tokens = self.limits.max_score_tokens, 0
+        ids: list[tuple[int, ...]] = []
+        for field, seg in segments:
+            ids.append(self._segment_ids(field, seg, cached=field == "prefix"))
+            num_tokens += len(ids[-1])
+            if num_tokens > max_tokens:  # stop tokenizing as soon as the request is too long
+                raise RequestError(field, f"the request exceeds the maximum of {max_tokens} tokens "
+                                          f"(prefix + samples) at this segment")
+        prefix = ids.pop(0) if msg.HasField("prefix") else ()
+        req = ScoreRequest(samples=tuple(ids), label_ids=label_ids, prefix_ids=prefix)
+        _engine_check(validate_score, req, self)
+        return req, priority
+
+    def beam_request(self, msg: Any) -> tuple[BeamRequest, Priority]:
+        priority = priority_of(msg.priority)
+        for field, hi in (("beam_width", self.limits.max_beam_width), ("new_tokens", self.limits.max_new_tokens)):
+            value = getattr(msg, field)
+            if not 1 <= value <= hi:
+                raise RequestError(field, f"{value} is outside the allowed range [1, {hi}]")
+        if not msg.HasField("prompt"):
+            raise RequestError("prompt", "is required")
+        self._check_segment("prompt", msg.prompt)
+        req = BeamRequest(prompt_ids=self._segment_ids("prompt", msg.prompt), beam_width=msg.beam_width,
+                          new_tokens=msg.new_tokens)
+        _engine_check(validate_beam, req, self)
+        return req, priority
+
+    # -- responses ------------------------------------------------------------------------------
+    def score_response(self, result: ScoreResult) -> Any:
+        pb2 = self.pb2
+        return pb2.ScoreResponse(samples=[pb2.SampleScore(logprobs=row) for row in result.scores])
+
+    def beam_response(self, result: BeamResult) -> Any:
+        pb2 = self.pb2
+        return pb2.BeamSearchResponse(beams=[pb2.Beam(ids=b.ids, logprob=b.logprob, text=self.text(b.ids))
+                                             for b in result.beams])
+
+    def text(self, ids: Sequence[int]) -> str:
+        """The tokenizer's decoding; an id it does not know (a model's padded embedding rows) is U+FFFD."""
+        known = self.tokenizer.vocab_size
+        if all(t < known for t in ids):
+            return self.tokenizer.decode(ids)
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t < known:
+                run.append(t)
+                continue
+            parts += [self.tokenizer.decode(run), "\ufffd"]
+            run = []
+        return "".join(parts) + self.tokenizer.decode(run)
+
+    # -- fields ---------------------------------------------------------------------------------
+    def _ids(self, field: str, ids: Sequence[int]) -> tuple[int, ...]:
+        vocab = self.model.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise RequestError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+        return tuple(ids)
+
+    @staticmethod
+    def _check_segment(field: str, seg: Any) -> None:
+        has_text, has_ids = bool(seg.text), len(seg.ids) > 0
+        if has_text and has_ids:
+            raise RequestError(field, "both text and ids are set: set exactly one of text or ids")
+        if not has_text and not has_ids:
+            raise RequestError(field, "empty segment: set exactly one of text or ids")
+
+    def _segment_ids(self, field: str, seg: Any, cached: bool = False) -> tuple[int, ...]:
+        if seg.ids:
+            return self._ids(f"{field}.ids", seg.ids)
+        t0 = time.perf_counter_ns()
+        ids = self.tokenizer.encode_cached(seg.text) if cached else self.tokenizer.encode(seg.text)
+        self.tokenize_stats.add(time.perf_counter_ns() - t0)
+        vocab = self.model.vocab_size
+        if ids and max(ids) >= vocab:  # a checkpoint whose model vocabulary is smaller than its tokenizer's
+            raise RequestError(f"{field}.text", f"tokenizes to id {max(ids)}, outside the model's "
+                                                f"vocabulary [0, {vocab})")
+        return tuple(ids)
+
+
+def priority_of(value: int) -> Priority:
+    if value not in PRIORITIES:
+        raise RequestError("priority", f"{value} is not one of {_PRIORITY_NAMES}")
+    return PRIORITIES[value]
+
+
+def _check_count(field: str, n: int, hi: int) -> None:
+    if n == 0:
+        raise RequestError(field, "at least one is required")
+    if n > hi:
+        raise RequestError(field, f"{n} exceed the maximum of {hi}")
+
+
+def _engine_check(validate: Callable[..., None], req: ScoreRequest | BeamRequest, codec: Codec) -> None:
+    try:
+        validate(req, codec.model, codec.limits)
+    except RequestError as e:
+        field = e.field
+        for pattern, repl in _ENGINE_TO_PROTO:
+            field = pattern.sub(repl, field)
+        raise RequestError(field, str(e).removeprefix(f"{e.field}: ")) from None

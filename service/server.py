@@ -1,0 +1,333 @@
+"""The gRPC server: grpc.aio on uvloop, one event loop per process, created inside it.
+
+Handlers are a few lines each (proto -> request -> Scheduler.submit -> proto); exceptions become
+status codes in StatusInterceptor and nowhere else. Also served: grpc.health.v1 (NOT_SERVING until
+the model is loaded and its graphs captured, and again while draining) and server reflection.
+
+Lifecycle: bind and answer health checks at once; load the model in a worker thread; SERVING.
+On SIGTERM/SIGINT: NOT_SERVING, refuse new work (UNAVAILABLE, so clients go to another replica),
+finish the requests in flight, exit 0, all within `grace_s` (shorter than Kubernetes' 30 s); a
+batch that outlasts the grace does not hold the process (it exits 1). A second signal skips what
+is left of the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .admission import AdmissionConfig, Overloaded
+from .artifact import Artifact
+from .batcher import BatcherConfig, DeadlineExpired, Scheduler
+from .grpc_codec import Codec
+from .proto_gen import load as load_stubs
+from .requests import ExecutionError, RequestError
+from .tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("slmrank.server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+RANKER = "slmrank.v1.Ranker"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0: any free port
+    grace_s: float = 20.0  # SIGTERM -> exit, at most; Kubernetes kills after 30 s by default
+    max_receive_message_bytes: int = 1 << 20  # a Score at its limits is ~10 KiB of ids
+    max_send_message_bytes: int = 4 << 20
+    admission: AdmissionConfig | None = None
+    # the codec has run the engine's validation already: the scheduler need not repeat it
+    batcher: BatcherConfig = field(default_factory=lambda: BatcherConfig(validate_requests=False))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is outside [0, 65535]")
+        if not self.grace_s > 0:
+            raise ValueError(f"grace_s: must be > 0, got {self.grace_s}")
+        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
+            if getattr(self, name) < 1024:
+                raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Model:
+    artifact: Artifact
+    runtime: Any  # PythonRuntime | CppRuntime
+    tokenizer: Tokenizer
+
+
+def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
+               quiet: bool = True) -> Model:
+    """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU), tokenizer."""
+    from .cli import make_runtime, resolve_artifact
+
+    artifact = resolve_artifact(spec, quiet=quiet)
+    rt = make_runtime(runtime, artifact, device, dtype)
+    if hasattr(rt, "capture"):
+        rt.capture(quiet=quiet)
+    return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir))
+
+
+class NotServing(Exception):
+    """The model is still loading, or the server is draining."""
+
+
+# ---- errors -> status codes, in one place ----------------------------------------------------------
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    if isinstance(e, RequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
+    if isinstance(e, Overloaded):
+        retry_ms = max(1, round(e.retry_after_s * 1000))
+        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry after {retry_ms} ms", (("retry-after-ms", str(retry_ms)),)
+    if isinstance(e, NotServing):
+        return grpc.StatusCode.UNAVAILABLE, str(e), ()
+    if isinstance(e, DeadlineExpired):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline expired before the request ran", ()
+    if isinstance(e, ExecutionError):
+        return grpc.StatusCode.INTERNAL, str(e), ()
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", ()
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps every exception a Ranker handler raises to a status code, and counts the codes."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()  # (method, code name)
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None or not details.method.startswith(f"/{RANKER}/"):
+            return handler  # health and reflection are left as they are
+        method, behavior = details.method.rsplit("/", 1)[1], handler.unary_unary
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                response = await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- the one place where errors become status codes
+                code, message, trailers = status_of(e)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", method)
+                self.counts[method, code.name] += 1
+                await context.abort(code, message, trailing_metadata=trailers)
+            self.counts[method, "OK"] += 1
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+# ---- the service ------------------------------------------------------------------------------------
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+@dataclass
+class RankerServicer:
+    codec: Codec | None = None
+    scheduler: Scheduler | None = None
+    is_draining: bool = False
+
+    def _serving(self) -> tuple[Codec, Scheduler]:
+        if self.is_draining:
+            raise NotServing("the server is draining; send to another replica")
+        if self.codec is None or self.scheduler is None:
+            raise NotServing("the model is still loading; retry shortly")
+        return self.codec, self.scheduler
+
+    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        codec, scheduler = self._serving()
+        req, priority = codec.score_request(request)
+        done = await scheduler.submit(req, priority, _deadline(context))
+        return codec.score_response(done.result)
+
+    async def BeamSearch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        codec, scheduler = self._serving()
+        req, priority = codec.beam_request(request)
+        done = await scheduler.submit(req, priority, _deadline(context))
+        return codec.beam_response(done.result)
+
+
+@dataclass
+class RankerServer:
+    config: ServerConfig
+    loader: Callable[[], Model]  # runs in a worker thread while health says NOT_SERVING
+    port: int = 0
+    model: Model | None = None
+    servicer: RankerServicer = field(default_factory=RankerServicer)
+    interceptor: StatusInterceptor = field(default_factory=StatusInterceptor)
+    health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
+    _server: grpc.aio.Server | None = None
+    _loading: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Binds, answers health checks (NOT_SERVING) and starts loading the model. Returns the port."""
+        stubs = load_stubs()
+        self._server = grpc.aio.server(interceptors=[self.interceptor], options=[
+            ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_send_message_bytes)])
+        stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            [RANKER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self._server)
+        await self._set_health(NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+        self._loading = asyncio.create_task(self._load())
+        return self.port
+
+    async def _load(self) -> None:
+        t0 = time.monotonic()
+        self.model = await _in_daemon_thread(self.loader)
+        scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher)
+        await scheduler.start()
+        self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler
+        await self._set_health(SERVING)
+        log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
+
+    async def wait_ready(self) -> None:
+        """Returns once SERVING; raises what the loader raised."""
+        assert self._loading is not None, "start() first"
+        await asyncio.shield(self._loading)
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", RANKER):
+            await self.health.set(service, status)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, refuse new work, finish what is in flight, stop; within grace_s."""
+        grace_s = self.config.grace_s if grace_s is None else grace_s
+        end = time.monotonic() + grace_s
+        margin_s = min(2.0, 0.1 * grace_s)  # for the last answers to go out and the process to exit
+        await self.health.enter_graceful_shutdown()
+        self.servicer.is_draining = True
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        try:
+            if self.servicer.scheduler is not None:
+                is_drained = await self.servicer.scheduler.drain(max(end - margin_s - time.monotonic(), 0.0))
+                log.info("drain %s after %.2f s", "complete" if is_drained else "cut short by the grace",
+                         grace_s - (end - time.monotonic()))
+        finally:
+            if self._server is not None:  # answers sent, then the listener closes
+                await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))
+            if self.servicer.scheduler is not None:
+                await self.servicer.scheduler.close()
+            if self.model is not None and hasattr(self.model.runtime, "shutdown"):
+                self.model.runtime.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        codec, scheduler = self.servicer.codec, self.servicer.scheduler
+        return {
+            "statuses": {f"{m}.{c}": n for (m, c), n in sorted(self.interceptor.counts.items())},
+            "tokenize": codec.tokenize_stats.as_dict() if codec else {},
+            "scheduler": scheduler.stats() if scheduler else {},
+        }
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """asyncio.to_thread, but on a daemon thread: a SIGTERM during a long load exits without waiting for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting task
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is gone: the server stopped while loading
+            pass
+
+    threading.Thread(target=run, name="slmrank-load", daemon=True).start()
+    return await future
+
+
+# ---- the process --------------------------------------------------------------------------------
+
+def serve(config: ServerConfig, loader: Callable[[], Model], announce: Callable[[str], None] = print,
+          on_ready: Callable[[RankerServer], None] | None = None) -> int:
+    """Runs the server on a uvloop event loop created here, until SIGTERM/SIGINT. Returns the exit code."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_serve_until_signal(config, loader, announce, on_ready))
+
+
+def _exit_after(grace_s: float) -> None:
+    """The grace is a promise: should a batch outlast it, the process exits anyway (code 1)."""
+    def force_exit() -> None:
+        log.error("the %.0f s grace is over with work still running: exiting now", grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(grace_s, force_exit)
+    timer.daemon = True
+    timer.start()
+
+
+async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model], announce: Callable[[str], None],
+                              on_ready: Callable[[RankerServer], None] | None) -> int:
+    loop = asyncio.get_running_loop()
+    server = RankerServer(config, loader)
+    stop = asyncio.Event()
+    shutting_down: list[asyncio.Task] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("%s: draining (grace %.0f s)", sig.name, config.grace_s)
+            stop.set()
+            _exit_after(config.grace_s)
+        elif shutting_down:
+            log.warning("%s again: stopping now", sig.name)
+            shutting_down[0].cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    port = await server.start()
+    announce(f"listening on {config.host}:{port} (health NOT_SERVING until the model is loaded)")
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if ready.done() and ready.exception() is not None:
+        log.error("loading the model failed", exc_info=ready.exception())
+        code = 1
+    elif ready.done() and on_ready is not None:
+        on_ready(server)
+    if code == 0:
+        await stopped
+    stopped.cancel()
+    shutting_down.append(asyncio.ensure_future(server.shutdown()))
+    try:
+        await shutting_down[0]
+    except asyncio.CancelledError:
+        await server.shutdown(grace_s=0.001)
+        return 1
+    log.info("stopped: %s", server.stats()["statuses"])
+    return code

@@ -1,0 +1,363 @@
+"""The gRPC server over real gRPC on loopback: the server runs in this process on its own uvloop
+event loop (a background thread), the tests are a synchronous client. Model: embedded:tiny on the
+Python runtime.
+
+Results equal engine.execute (what `slmrank run` runs) after the float32 round trip of proto
+floats; every invalid field is INVALID_ARGUMENT naming it; a fuzz of request messages yields only
+OK or INVALID_ARGUMENT; health goes NOT_SERVING -> SERVING; reflection lists the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+import pytest
+import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.admission import AdmissionConfig, Overloaded
+from service.batcher import DeadlineExpired
+from service.client import RankerClient
+from service.engine import execute
+from service.proto_gen import load as load_stubs
+from service.python_runtime import PythonRuntime
+from service.requests import BeamRequest, ExecutionError, RequestError, ScoreRequest
+from service.server import Model, NotServing, RankerServer, ServerConfig, status_of
+from service.tokenizer import load_tokenizer
+
+pb2 = load_stubs().pb2
+VOCAB = 151936  # embedded:tiny: the Qwen vocabulary
+
+
+class ServerThread:
+    """A RankerServer on its own uvloop event loop in a daemon thread."""
+
+    def __init__(self, config: ServerConfig, loader: Callable[[], Model]) -> None:
+        self.config, self.loader = config, loader
+        self._bound = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
+        self.thread.start()
+        assert self._bound.wait(30), "the server did not bind"
+
+    def _main(self) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.server = RankerServer(self.config, self.loader)
+        self.port = await self.server.start()
+        self._bound.set()
+        await self._stop.wait()
+        await self.server.shutdown()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(30)
+
+
+def health_status(target: str, service: str = "") -> str:
+    with grpc.insecure_channel(target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(target: str, timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    while health_status(target) != "SERVING":
+        assert time.monotonic() < end, "the server never became SERVING"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def model(embedded_tiny) -> Model:
+    art = embedded_tiny[1]
+    return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = ServerThread(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model)
+    wait_serving(srv.target)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RankerClient(server.target, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def run_ref(embedded_tiny, embedded_tiny_runtime):
+    """engine.execute on one request, as `slmrank run` does."""
+    art = embedded_tiny[1]
+
+    def run(req):
+        (result,) = execute(art, embedded_tiny_runtime, [req])
+        assert not isinstance(result, Exception), result
+        return result
+    return run
+
+
+def f32(xs) -> list[float]:
+    return [float(np.float32(x)) for x in xs]
+
+
+def rng_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def assert_score_equal(resp, ref) -> None:
+    assert [list(s.logprobs) for s in resp.samples] == [f32(row) for row in ref.scores]
+
+
+def assert_beam_equal(resp, ref, tokenizer) -> None:
+    assert [list(b.ids) for b in resp.beams] == [b.ids for b in ref.beams]
+    assert [b.logprob for b in resp.beams] == f32(b.logprob for b in ref.beams)
+    known = [b for b in resp.beams if max(b.ids) < tokenizer.vocab_size]
+    assert all(b.text == tokenizer.decode(list(b.ids)) for b in known)
+
+
+# ---- results equal the engine's ------------------------------------------------------------------
+
+@pytest.mark.parametrize("priority", ["unspecified", "online", "normal", "background"])
+def test_score_ids_equal_engine(client, run_ref, priority):
+    prefix, samples, labels = rng_ids(1, 9), [rng_ids(2, 3), rng_ids(3, 6), rng_ids(4, 1)], rng_ids(5, 4)
+    resp = client.score(samples, labels, prefix=prefix, priority=priority)
+    assert_score_equal(resp, run_ref(ScoreRequest(tuple(map(tuple, samples)), tuple(labels), tuple(prefix))))
+    no_prefix = client.score(samples[:2], labels[:1], priority=priority)
+    assert_score_equal(no_prefix, run_ref(ScoreRequest(tuple(map(tuple, samples[:2])), tuple(labels[:1]))))
+
+
+@pytest.mark.parametrize("priority", ["unspecified", "online", "normal", "background"])
+@pytest.mark.parametrize("width,new_tokens", [(1, 2), (4, 3)])
+def test_beam_ids_equal_engine(client, run_ref, model, priority, width, new_tokens):
+    prompt = rng_ids(width + new_tokens, 12)
+    resp = client.beam(prompt, width, new_tokens, priority=priority)
+    assert len(resp.beams) == width and all(len(b.ids) == new_tokens for b in resp.beams)
+    assert_beam_equal(resp, run_ref(BeamRequest(tuple(prompt), width, new_tokens)), model.tokenizer)
+
+
+def test_text_inputs_are_tokenized_like_the_tokenizer(client, run_ref, model, server):
+    tok = model.tokenizer
+    prefix, samples = "Query: trail running shoes. Is this item relevant?", [" Trail runner 3", " Garden hose, 20 m"]
+    labels = tok.encode(" yes") + tok.encode(" no")
+    resp = client.score(samples, labels, prefix=prefix)
+    ref_req = ScoreRequest(tuple(tuple(tok.encode(s)) for s in samples), tuple(labels), tuple(tok.encode(prefix)))
+    assert_score_equal(resp, run_ref(ref_req))
+    mixed = client.score([samples[0], tok.encode(samples[1])], labels, prefix=tok.encode(prefix))
+    assert_score_equal(mixed, run_ref(ref_req))
+
+    prompt = "The best running shoes for a marathon are"
+    beam = client.beam(prompt, 3, 2, priority="online")
+    assert_beam_equal(beam, run_ref(BeamRequest(tuple(tok.encode(prompt)), 3, 2)), tok)
+
+    stats = server.on_loop(server.server.stats)["tokenize"]
+    assert stats["num_segments"] >= 4 and stats["mean_us"] > 0
+
+
+# ---- invalid requests ----------------------------------------------------------------------------
+
+def _score(**kw) -> Any:
+    base = dict(samples=[pb2.Segment(ids=[1, 2])], label_ids=[3])
+    base.update(kw)
+    return pb2.ScoreRequest(**base)
+
+
+def _beam(**kw) -> Any:
+    base = dict(prompt=pb2.Segment(ids=[1, 2, 3]), beam_width=2, new_tokens=1)
+    base.update(kw)
+    return pb2.BeamSearchRequest(**base)
+
+
+S = pb2.Segment
+INVALID = [
+    # (name, message, the start of the error message: the field, then words or limits it must name)
+    ("no_samples", _score(samples=[]), "samples:", []),
+    ("empty_sample", _score(samples=[S(ids=[1]), S()]), "samples[1]:", ["exactly one of text or ids"]),
+    ("sample_both", _score(samples=[S(text="a", ids=[1])]), "samples[0]:", ["exactly one of text or ids"]),
+    ("empty_prefix", _score(prefix=S()), "prefix:", ["exactly one"]),
+    ("prefix_both", _score(prefix=S(text="q", ids=[4])), "prefix:", ["exactly one"]),
+    ("sample_id_over_vocab", _score(samples=[S(ids=[1]), S(ids=[1, 2, VOCAB])]), "samples[1].ids[2]:",
+     [str(VOCAB), "vocabulary"]),
+    ("negative_sample_id", _score(samples=[S(ids=[-1])]), "samples[0].ids[0]:", ["-1"]),
+    ("prefix_id_over_vocab", _score(prefix=S(ids=[5, VOCAB + 9])), "prefix.ids[1]:", [str(VOCAB)]),
+    ("too_many_samples", _score(samples=[S(ids=[1])] * 65), "samples:", ["65", "64"]),
+    ("too_many_tokens", _score(prefix=S(ids=[1] * 2000), samples=[S(ids=[2] * 30)] * 2), "samples[1]:", ["2048"]),
+    ("too_many_text_tokens", _score(samples=[S(text="word " * 2100)]), "samples[0]:", ["2048"]),
+    ("no_labels", _score(label_ids=[]), "label_ids:", ["at least one"]),
+    ("label_over_vocab", _score(label_ids=[1, VOCAB]), "label_ids[1]:", [str(VOCAB)]),
+    ("negative_label", _score(label_ids=[-5]), "label_ids[0]:", ["-5"]),
+    ("too_many_labels", _score(label_ids=list(range(17))), "label_ids:", ["17", "16"]),
+    ("score_priority", _score(priority=7), "priority:", ["7", "ONLINE"]),
+    ("beam_width_zero", _beam(beam_width=0), "beam_width:", ["[1, 400]"]),
+    ("beam_width_over", _beam(beam_width=401), "beam_width:", ["401", "400"]),
+    ("beam_width_negative", _beam(beam_width=-3), "beam_width:", ["-3"]),
+    ("new_tokens_zero", _beam(new_tokens=0), "new_tokens:", ["[1, 5]"]),
+    ("new_tokens_over", _beam(new_tokens=6), "new_tokens:", ["6", "5"]),
+    ("no_prompt", pb2.BeamSearchRequest(beam_width=2, new_tokens=1), "prompt:", ["required"]),
+    ("empty_prompt", _beam(prompt=S()), "prompt:", ["exactly one"]),
+    ("prompt_both", _beam(prompt=S(text="hi", ids=[1])), "prompt:", ["exactly one"]),
+    ("prompt_id_over_vocab", _beam(prompt=S(ids=[1, 2, 3, VOCAB])), "prompt.ids[3]:", [str(VOCAB), "vocabulary"]),
+    ("prompt_too_long", _beam(prompt=S(ids=[7] * 513)), "prompt:", ["513", "512"]),
+    ("text_prompt_too_long", _beam(prompt=S(text="word " * 600)), "prompt:", ["512"]),
+    ("beam_priority", _beam(priority=-1), "priority:", ["-1"]),
+]
+
+
+@pytest.mark.parametrize("name,msg,field,words", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_request_names_the_field(client, name, msg, field, words):
+    call = client.stub.Score if isinstance(msg, pb2.ScoreRequest) else client.stub.BeamSearch
+    with pytest.raises(grpc.RpcError) as err:
+        call(msg, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    details = err.value.details()
+    assert details.startswith(field), details
+    for w in words:
+        assert w in details, details
+    ok = call(_score() if isinstance(msg, pb2.ScoreRequest) else _beam(), timeout=30)  # still serving
+    assert len(getattr(ok, "samples", None) or ok.beams) >= 1
+
+
+def test_message_size_limit(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.score(["x" * (2 << 20)], [1])  # over the 1 MiB default: refused before it is parsed
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.score([[1]], [2]).samples
+
+
+# ---- fuzz ----------------------------------------------------------------------------------------
+
+# Valid pieces are drawn as often as anything-goes ones, so that about half the requests run.
+_valid_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)
+_any_ids = st.lists(st.one_of(st.integers(-3, VOCAB + 3), st.sampled_from([-2**31, VOCAB, 2**31 - 1])), max_size=5)
+_valid_segments = st.one_of(st.builds(lambda t: pb2.Segment(text=t), st.text(min_size=1, max_size=12)),
+                            st.builds(lambda ids: pb2.Segment(ids=ids), _valid_ids))
+_any_segments = st.builds(lambda text, ids: pb2.Segment(text=text, ids=ids), st.text(max_size=12), _any_ids)
+_segments = st.one_of(_valid_segments, _valid_segments, _any_segments)
+_priorities = st.one_of(st.integers(0, 3), st.integers(0, 3), st.integers(-2, 9))
+_scores = st.builds(
+    lambda prefix, samples, labels, priority: pb2.ScoreRequest(
+        prefix=prefix, samples=samples, label_ids=labels, priority=priority),
+    st.one_of(st.none(), _segments), st.lists(_segments, max_size=4), st.one_of(_valid_ids, _any_ids), _priorities)
+_beams = st.builds(
+    lambda prompt, width, new_tokens, priority: pb2.BeamSearchRequest(
+        prompt=prompt, beam_width=width, new_tokens=new_tokens, priority=priority),
+    st.one_of(st.none(), _valid_segments, _valid_segments, _segments),
+    st.one_of(st.integers(1, 3), st.integers(1, 3), st.integers(-1, 3), st.sampled_from([401, -2**31, 2**31 - 1])),
+    st.one_of(st.integers(1, 2), st.integers(1, 2), st.integers(-1, 2), st.sampled_from([6, 2**31 - 1])), _priorities)
+
+
+def _ok_or_invalid_argument(call: Callable[..., Any], msg: Any) -> None:
+    try:
+        call(msg, timeout=60)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), msg)
+
+
+_FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@_FUZZ
+@given(msg=_scores)
+def test_fuzz_score_is_ok_or_invalid_argument(client, msg):
+    _ok_or_invalid_argument(client.stub.Score, msg)
+
+
+@_FUZZ
+@given(msg=_beams)
+def test_fuzz_beam_search_is_ok_or_invalid_argument(client, msg):
+    _ok_or_invalid_argument(client.stub.BeamSearch, msg)
+
+
+def test_server_healthy_after_fuzz_and_errors(client, server):
+    assert health_status(server.target) == "SERVING"
+    assert health_status(server.target, "slmrank.v1.Ranker") == "SERVING"
+    stats = server.on_loop(server.server.stats)
+    assert not any(k.endswith("INTERNAL") for k in stats["statuses"]), stats["statuses"]
+    assert client.score([[1, 2]], [3]).samples
+
+
+# ---- health, reflection, admission refusals ------------------------------------------------------
+
+def test_health_not_serving_until_loaded_then_serving(model):
+    gate = threading.Event()
+
+    def slow_loader() -> Model:
+        assert gate.wait(30)
+        return model
+
+    # τ assumed 10 s before any measurement: a request with a 2 s deadline is refused at once
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, admission=AdmissionConfig(default_service_s=10.0))
+    srv = ServerThread(config, slow_loader)
+    try:
+        assert health_status(srv.target) == "NOT_SERVING"
+        assert health_status(srv.target, "slmrank.v1.Ranker") == "NOT_SERVING"
+        with RankerClient(srv.target) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                c.score([[1]], [2], timeout_s=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+            gate.set()
+            wait_serving(srv.target, 30)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                c.score([[1]], [2], timeout_s=2.0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert time.monotonic() - t0 < 1.0, "refused at once, not run late"
+            trailers = dict(err.value.trailing_metadata())
+            assert int(trailers["retry-after-ms"]) > 0 and "retry after" in err.value.details()
+            assert c.score([[1]], [2], timeout_s=None).samples  # no deadline: admitted and served
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def test_reflection_lists_and_describes_ranker(server):
+    with grpc.insecure_channel(server.target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reqs = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="slmrank.v1.Ranker")]
+        responses = list(stub.ServerReflectionInfo(iter(reqs), timeout=10))
+    names = [s.name for s in responses[0].list_services_response.service]
+    assert "slmrank.v1.Ranker" in names and "grpc.health.v1.Health" in names
+    assert responses[1].file_descriptor_response.file_descriptor_proto  # what grpcurl needs
+
+
+def test_status_of_maps_every_error():
+    cases = [
+        (RequestError("samples[2]", "empty"), grpc.StatusCode.INVALID_ARGUMENT, "samples[2]: empty"),
+        (Overloaded("queue_full", 0.0123, "ONLINE lane holds 128"), grpc.StatusCode.UNAVAILABLE, "retry after 12 ms"),
+        (NotServing("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
+        (DeadlineExpired("deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"),
+        (ExecutionError("batch of 2 failed"), grpc.StatusCode.INTERNAL, "batch of 2 failed"),
+        (KeyError("secret internals"), grpc.StatusCode.INTERNAL, "internal error (KeyError)"),
+    ]
+    for exc, code, text in cases:
+        got_code, message, trailers = status_of(exc)
+        assert got_code == code and text in message, (exc, message)
+        assert ("retry-after-ms" in dict(trailers)) == isinstance(exc, Overloaded)
+    assert "secret" not in status_of(KeyError("secret internals"))[1]
+    assert dict(status_of(Overloaded("draining", 0.0))[2])["retry-after-ms"] == "1"

@@ -66,8 +66,9 @@ class Codec:
         priority = priority_of(msg.priority)
         _check_count("samples", len(msg.samples), self.limits.max_samples)
         label_ids = self._ids("label_ids", msg.label_ids)
-        if len(label_ids) > self.limits.max_labels:
-            raise RequestError("label_ids", f"{len(label_ids)} label ids exceed the maximum of {self.limits.max_labels}")
+        max_labels = self.limits.max_labels
+        if len(label_ids) > max_labels:
+            raise RequestError("label_ids", f"{len(label_ids)} label ids exceed the maximum of {max_labels}")
         segments = [("prefix", msg.prefix)] if msg.HasField("prefix") else []
         segments += [(f"samples[{i}]", s) for i, s in enumerate(msg.samples)]
         for field, seg in segments:  # every structural check before the first tokenization

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -115,10 +116,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.unary_unary is None or not details.method.startswith(f"/{RANKER}/"):
             return handler  # health and reflection are left as they are
         method, behavior = details.method.rsplit("/", 1)[1], handler.unary_unary
+        deserialize = handler.request_deserializer
 
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                response = await behavior(request, context)
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:  # parsed here, not by grpc: corrupt bytes are the client's error, INVALID_ARGUMENT
+                response = await behavior(_parse(deserialize, raw, method), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 -- the one place where errors become status codes
@@ -130,8 +132,14 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             self.counts[method, "OK"] += 1
             return response
 
-        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(call, response_serializer=handler.response_serializer)
+
+
+def _parse(deserialize: Callable[[bytes], Any], raw: bytes, method: str) -> Any:
+    try:
+        return deserialize(raw)
+    except DecodeError as e:
+        raise RequestError("request", f"not a valid {method} request message ({e})") from None
 
 
 # ---- the service ------------------------------------------------------------------------------------

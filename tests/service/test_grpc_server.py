@@ -241,6 +241,15 @@ def test_invalid_request_names_the_field(client, name, msg, field, words):
     assert len(getattr(ok, "samples", None) or ok.beams) >= 1
 
 
+def test_corrupt_message_is_invalid_argument(server):
+    with grpc.insecure_channel(server.target) as ch:
+        call = ch.unary_unary("/slmrank.v1.Ranker/Score", request_serializer=bytes, response_deserializer=bytes)
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x12\x02\x0a\xff", timeout=10)  # samples[0].text: invalid UTF-8
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("request: not a valid Score request message")
+
+
 def test_message_size_limit(client):
     with pytest.raises(grpc.RpcError) as err:
         client.score(["x" * (2 << 20)], [1])  # over the 1 MiB default: refused before it is parsed
@@ -291,6 +300,20 @@ def test_fuzz_score_is_ok_or_invalid_argument(client, msg):
 @given(msg=_beams)
 def test_fuzz_beam_search_is_ok_or_invalid_argument(client, msg):
     _ok_or_invalid_argument(client.stub.BeamSearch, msg)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(raw=st.one_of(st.binary(max_size=48), st.just(b"\xff\xff\xff\x0f"), st.just(b"\x12\x02\x0a\xff")))
+def test_fuzz_raw_bytes_are_ok_or_invalid_argument(server, raw):
+    with grpc.insecure_channel(server.target) as ch:
+        for method in ("Score", "BeamSearch"):
+            call = ch.unary_unary(f"/slmrank.v1.Ranker/{method}", request_serializer=bytes,
+                                  response_deserializer=bytes)
+            try:
+                call(raw, timeout=60)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), raw)
 
 
 def test_server_healthy_after_fuzz_and_errors(client, server):

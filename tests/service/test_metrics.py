@@ -1,0 +1,244 @@
+"""Prometheus metrics: the text exposition parses and shows what was observed (requests by kind
+and code, latency and stage histograms, node time, a real Scheduler's queue, batch and bucket
+numbers), and /metrics answers over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from typing import Any
+
+import pytest
+
+from service.admission import Priority
+from service.batcher import Completed, RequestTimings
+from service.chrome_trace import ChromeTraceWriter
+from service.metrics import LATENCY_BUCKETS_S, Histogram, MetricsServer, ServerMetrics, scheduler_families
+from service.tracing import RequestTrace, build_records
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def parse(text: str) -> dict[str, dict[str, Any]]:
+    """A strict reader of the text format: every sample under its family's HELP and TYPE, names and
+    labels well formed, values floats, histogram buckets cumulative and ending in +Inf = _count."""
+    families: dict[str, dict[str, Any]] = {}
+    current: dict[str, Any] | None = None
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split()[2]
+            assert name not in families, f"{name} twice"
+            current = families[name] = {"help": line.split(" ", 3)[3], "type": None, "samples": []}
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert current is families[name] and kind in SUFFIXES
+            current["type"] = kind
+        else:
+            m = SAMPLE.match(line)
+            assert m and current is not None, line
+            name, labels, value = m.group(1), dict(LABEL.findall(m.group(2) or "")), float(m.group(3))
+            family = next(f for f in families if current is families[f])
+            assert name in {family + s for s in SUFFIXES[current["type"]]}, line
+            current["samples"].append((name, labels, value))
+    for name, f in families.items():
+        if f["type"] == "histogram":
+            series: dict[tuple, list[tuple[float, float]]] = {}
+            for n, labels, v in f["samples"]:
+                key = tuple(sorted((k, x) for k, x in labels.items() if k != "le"))
+                if n.endswith("_bucket"):
+                    series.setdefault(key, []).append((float(labels["le"]), v))
+            for key, buckets in series.items():
+                assert [b for b, _ in buckets] == sorted(b for b, _ in buckets) and buckets[-1][0] == math.inf
+                assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), name
+                count = value_of(families, f"{name}_count", dict(key))
+                assert buckets[-1][1] == count
+    return families
+
+
+def value_of(families: dict[str, dict[str, Any]], sample: str, labels: dict[str, str] | None = None) -> float:
+    labels = labels or {}
+    for f in families.values():
+        for name, ls, v in f["samples"]:
+            if name == sample and {k: x for k, x in ls.items() if k != "le" or "le" in labels} == labels:
+                return v
+    raise KeyError((sample, labels))
+
+
+def finished(kind: str, status: str, latency_ms: float, stages: dict[str, float] | None = None) -> RequestTrace:
+    start = time.monotonic_ns()
+    tr = RequestTrace(kind, start)
+    at = start
+    for name, ms in (stages or {}).items():
+        tr.add_stage(name, at, at + round(ms * 1e6))
+        at += round(ms * 1e6)
+    tr.end_ns, tr.status = start + round(latency_ms * 1e6), status
+    return tr
+
+
+def test_exposition_shows_known_observations() -> None:
+    m = ServerMetrics()
+    for ms in (0.5, 1.0, 4.0, 4.0, 150.0):  # 1.0 lies on a bound: counted in le="0.001"
+        m.observe(finished("Score", "OK", ms, {"decode": 0.2, "encode": 0.05}))
+    m.observe(finished("Score", "INVALID_ARGUMENT", 0.3, {"decode": 0.1}))
+    m.observe(finished("BeamSearch", "OK", 30.0))
+    fam = parse(m.exposition())
+
+    assert fam["slmrank_requests_total"]["type"] == "counter"
+    assert value_of(fam, "slmrank_requests_total", {"kind": "Score", "code": "OK"}) == 5
+    assert value_of(fam, "slmrank_requests_total", {"kind": "Score", "code": "INVALID_ARGUMENT"}) == 1
+    assert value_of(fam, "slmrank_requests_total", {"kind": "BeamSearch", "code": "OK"}) == 1
+    lat = "slmrank_request_latency_seconds"
+    assert value_of(fam, f"{lat}_count", {"kind": "Score"}) == 6
+    assert value_of(fam, f"{lat}_sum", {"kind": "Score"}) == pytest.approx((0.5 + 1 + 4 + 4 + 150 + 0.3) / 1e3)
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.001"}) == 3
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.005"}) == 5
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.1"}) == 5
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.2"}) == 6
+    assert value_of(fam, f"{lat}_bucket", {"kind": "BeamSearch", "le": "0.03"}) == 1
+    assert value_of(fam, f"{lat}_bucket", {"kind": "BeamSearch", "le": "0.02"}) == 0
+    assert {float(ls["le"]) for n, ls, _ in fam[lat]["samples"] if n.endswith("_bucket")} == {*LATENCY_BUCKETS_S,
+                                                                                            math.inf}
+    stage = "slmrank_request_stage_seconds"
+    assert value_of(fam, f"{stage}_count", {"kind": "Score", "stage": "decode"}) == 6
+    assert value_of(fam, f"{stage}_sum", {"kind": "Score", "stage": "encode"}) == pytest.approx(5 * 0.05e-3)
+
+
+NODES = [("embed", 0.01, 0.05), ("layer.0", 0.01, 1.0), ("layer.1", 0.01, 1.0), ("step1.lm_head", 0.01, 0.5)]
+
+
+def executed(batch_id: int, batch_index: int, graph: bool) -> RequestTrace:
+    """A 1 ms request whose batch ran NODES (device times in graph mode, host times eager)."""
+    start = time.monotonic_ns()
+    nodes = NODES if graph else [(n, d, -1.0) for n, _, d in NODES]
+    ex = dict(submit_ns=start, start_ns=start, h2d_end_ns=start, launch_ns=start, d2h_end_ns=start + 3_000_000,
+              done_ns=start + 3_000_000, graph=graph, nodes=nodes)
+    timings = RequestTimings(Priority.NORMAL, start / 1e9, start / 1e9, start / 1e9, (start + 3_000_000) / 1e9,
+                             batch_id, 2, batch_index, "score.t64.s64", ex)
+    tr = RequestTrace("Score", start)
+    tr.completed(Completed(None, timings))
+    tr.end_ns = start + 4_000_000
+    return tr
+
+
+def test_node_time_by_category_once_per_batch() -> None:
+    m = ServerMetrics()
+    m.observe(executed(7, 0, graph=True))
+    m.observe(executed(7, 1, graph=True))  # the same batch: its nodes are not counted again
+    m.observe(executed(8, 0, graph=False))
+    fam = parse(m.exposition())
+    node = "slmrank_node_seconds_total"
+    assert value_of(fam, node, {"category": "layers", "clock": "device"}) == pytest.approx(2.0e-3)
+    assert value_of(fam, node, {"category": "layers", "clock": "host"}) == pytest.approx(2.0e-3)  # the eager batch
+    assert value_of(fam, node, {"category": "decode lm_head", "clock": "device"}) == pytest.approx(0.5e-3)
+    assert value_of(fam, "slmrank_node_batches_total", {"mode": "graph"}) == 1
+    assert value_of(fam, "slmrank_node_batches_total", {"mode": "eager"}) == 1
+    assert value_of(fam, "slmrank_request_stage_seconds_count", {"kind": "Score", "stage": "queue"}) == 3
+
+
+def test_label_values_are_escaped() -> None:
+    m = ServerMetrics()
+    m.observe(finished('we"ird\\kind\n', "OK", 1.0))
+    fam = parse(m.exposition())
+    assert value_of(fam, "slmrank_requests_total", {"kind": 'we\\"ird\\\\kind\\n', "code": "OK"}) == 1
+
+
+def test_histogram_refuses_unordered_buckets() -> None:
+    with pytest.raises(ValueError):
+        Histogram("x", "y", (0.1, 0.01))
+
+
+async def _run_scheduler(art: Any, runtime: Any) -> dict[str, Any]:
+    from service.batcher import Scheduler
+    from service.requests import ScoreRequest
+
+    sched = Scheduler(art, runtime)
+    await sched.start()
+    try:
+        reqs = [ScoreRequest(samples=((5, 6, 7),) * (i + 1), label_ids=(1, 2)) for i in range(3)]
+        await asyncio.gather(*(sched.submit(r, Priority.ONLINE if i else Priority.BACKGROUND)
+                               for i, r in enumerate(reqs)))
+        return sched.stats()
+    finally:
+        await sched.close()
+
+
+def test_scheduler_numbers(embedded_tiny, embedded_tiny_runtime) -> None:
+    stats = asyncio.run(_run_scheduler(embedded_tiny[1], embedded_tiny_runtime))
+    m = ServerMetrics(stats_source=lambda: stats)
+    fam = parse(m.exposition())
+    for lane in ("ONLINE", "NORMAL", "BACKGROUND"):
+        assert value_of(fam, "slmrank_queue_depth", {"lane": lane}) == 0
+    assert value_of(fam, "slmrank_admitted_total", {"priority": "ONLINE"}) == 2
+    assert value_of(fam, "slmrank_admitted_total", {"priority": "BACKGROUND"}) == 1
+    for reason in ("queue_full", "deadline", "draining"):
+        assert value_of(fam, "slmrank_refused_total", {"reason": reason}) == 0
+    for reason in ("expired", "cancelled", "drained"):
+        assert value_of(fam, "slmrank_dropped_total", {"reason": reason}) == 0
+    batches = stats["batches"]
+    assert batches >= 1 and value_of(fam, "slmrank_batches_total", {"outcome": "ok"}) == batches
+    assert value_of(fam, "slmrank_batch_size_count") == batches
+    assert value_of(fam, "slmrank_batch_size_sum") == 3  # whole requests
+    for key, b in stats["buckets"].items():
+        occupancy = value_of(fam, "slmrank_bucket_occupancy", {"bucket": key})
+        assert occupancy == pytest.approx(b["occupancy_mean"]) and 0 < occupancy <= 1
+    assert value_of(fam, "slmrank_batch_service_seconds") > 0
+
+
+def test_scheduler_families_count_refusals() -> None:
+    stats = {"queue_depth": {"ONLINE": 3, "NORMAL": 0, "BACKGROUND": 7}, "inflight": 2,
+             "admitted_by_priority": {"ONLINE": 10, "NORMAL": 0, "BACKGROUND": 7},
+             "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 0, "drained": 0,
+             "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
+             "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
+    text = "".join(f.render() for f in scheduler_families(stats))
+    fam = parse(text)
+    assert value_of(fam, "slmrank_queue_depth", {"lane": "BACKGROUND"}) == 7
+    assert value_of(fam, "slmrank_refused_total", {"reason": "deadline"}) == 2
+    assert value_of(fam, "slmrank_dropped_total", {"reason": "expired"}) == 1
+    assert value_of(fam, "slmrank_batches_total", {"outcome": "failed"}) == 1
+    assert value_of(fam, "slmrank_batch_size_bucket", {"le": "2"}) == 2
+    assert value_of(fam, "slmrank_batch_size_bucket", {"le": "4"}) == 4
+    assert value_of(fam, "slmrank_batch_size_bucket", {"le": "32"}) == 4
+    assert value_of(fam, "slmrank_batch_size_bucket", {"le": "64"}) == 5
+    assert value_of(fam, "slmrank_batch_size_sum") == 2 + 6 + 64
+
+
+async def _get(port: int, path: str, method: str = "GET") -> tuple[str, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, body = raw.split(b"\r\n\r\n", 1)
+    status, *headers = head.decode().split("\r\n")
+    return status, {k.lower(): v.strip() for k, v in (h.split(":", 1) for h in headers)}, body
+
+
+def test_metrics_endpoint_answers() -> None:
+    async def run() -> None:
+        m = ServerMetrics()
+        m.observe(finished("Score", "OK", 2.0))
+        chrome = ChromeTraceWriter()
+        chrome.add(build_records(executed(1, 0, graph=True)))
+        server = MetricsServer(m, "127.0.0.1", 0, chrome=chrome)
+        port = await server.start()
+        try:
+            status, headers, body = await _get(port, "/metrics")
+            assert status == "HTTP/1.1 200 OK" and headers["content-type"].startswith("text/plain; version=0.0.4")
+            assert int(headers["content-length"]) == len(body)
+            fam = parse(body.decode())
+            assert value_of(fam, "slmrank_requests_total", {"kind": "Score", "code": "OK"}) == 1
+            status, headers, body = await _get(port, "/trace")
+            assert status.endswith("200 OK") and json.loads(body)["otherData"]["requests"] == 1
+            assert (await _get(port, "/nope"))[0].endswith("404 Not Found")
+            assert (await _get(port, "/metrics", "POST"))[0].endswith("405 Method Not Allowed")
+        finally:
+            await server.close()
+
+    asyncio.run(run())

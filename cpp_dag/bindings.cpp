@@ -3,12 +3,17 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "artifact_loader.h"
 #include "attention_merge.h"
 #include "executor.h"
+#include "msgpack_reader.h"
+#include "safetensors_reader.h"
+#include "sha256.h"
 
 namespace py = pybind11;
 
@@ -147,6 +152,70 @@ struct PyCallback {
   }
 };
 
+// ---- the artifact, read in C++ (from_artifact; read_msgpack / read_safetensors for tests) --
+
+py::object to_python(const slmrank::Value& v) {
+  using T = slmrank::Value::Type;
+  switch (v.type()) {
+    case T::kNil: return py::none();
+    case T::kBool: return py::bool_(v.as_bool());
+    case T::kInt: return py::int_(v.raw_int());
+    case T::kUint: return py::int_(v.raw_uint());
+    case T::kFloat32:
+    case T::kFloat64: return py::float_(v.as_double());
+    case T::kStr: return py::str(v.as_str());
+    case T::kBin: return py::bytes(v.as_bin());
+    case T::kArray: {
+      py::list out;
+      for (const auto& item : v.as_array()) out.append(to_python(item));
+      return std::move(out);
+    }
+    case T::kMap: {
+      py::dict out;
+      for (const auto& [key, item] : v.as_map()) out[py::str(key)] = to_python(item);
+      return std::move(out);
+    }
+  }
+  return py::none();
+}
+
+std::optional<at::ScalarType> dtype_arg(const std::optional<std::string>& name) {
+  return name ? std::optional<at::ScalarType>(slmrank::dtype_from_name(*name)) : std::nullopt;
+}
+
+// What load_artifact produced, as plain Python data (tests compare it with the Python loader's).
+py::dict loaded_to_dict(slmrank::LoadedArtifact& a) {
+  auto nodes = [](const std::vector<slmrank::NodeSpec>& specs) {
+    py::list out;
+    for (const auto& s : specs) {
+      out.append(py::dict(py::arg("name") = s.name, py::arg("type") = s.type, py::arg("inputs") = s.inputs,
+                          py::arg("outputs") = s.outputs, py::arg("layer") = s.layer, py::arg("step") = s.step,
+                          py::arg("mode") = s.mode, py::arg("weight") = s.weight));
+    }
+    return out;
+  };
+  const slmrank::ModelConfig& c = a.cfg;
+  py::dict config(py::arg("vocab_size") = c.vocab_size, py::arg("hidden_size") = c.hidden_size,
+                  py::arg("num_layers") = c.num_layers, py::arg("num_heads") = c.num_heads,
+                  py::arg("num_kv_heads") = c.num_kv_heads, py::arg("head_dim") = c.head_dim,
+                  py::arg("intermediate_size") = c.intermediate_size, py::arg("num_labels") = c.num_labels,
+                  py::arg("rms_norm_eps") = c.rms_norm_eps, py::arg("qk_norm") = c.qk_norm);
+  py::dict weights;
+  for (auto& [name, t] : a.weights) weights[py::str(name)] = t;
+  return py::dict(py::arg("config") = config, py::arg("weights") = weights, py::arg("num_positions") = a.num_positions,
+                  py::arg("rope_cos") = a.rope_cos, py::arg("rope_sin") = a.rope_sin,
+                  py::arg("score_dag") = nodes(a.score_dag), py::arg("beam_dag") = nodes(a.beam_dag));
+}
+
+std::unique_ptr<slmrank::Executor> executor_from_artifact(const std::string& path, const std::string& device,
+                                                          const std::optional<std::string>& dtype, bool use_graphs,
+                                                          bool verify, int num_lanes) {
+  py::gil_scoped_release nogil;
+  slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify);
+  return std::make_unique<slmrank::Executor>(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
+                                             a.beam_dag, use_graphs, num_lanes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -168,6 +237,11 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("config"), py::arg("weights"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("score_dag"),
            py::arg("beam_dag"), py::arg("use_graphs") = true, py::arg("num_lanes") = 0)
+      .def_static("from_artifact", &executor_from_artifact, py::arg("path"), py::arg("device") = "cpu",
+                  py::arg("dtype") = py::none(), py::arg("use_graphs") = true, py::arg("verify") = true,
+                  py::arg("num_lanes") = 0,
+                  "Loads the artifact directory in C++ (manifest, weights, RoPE tables; GIL released).\n"
+                  "dtype: float32 | bfloat16 | float16 (default: the weights'); verify: check the weights' sha256.")
       .def(
           "prepare",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
@@ -217,6 +291,38 @@ PYBIND11_MODULE(_core, m) {
       .def("node_names", [](const slmrank::Executor& ex, const std::string& kind) {
         return ex.node_names(kind == "beam" ? slmrank::Kind::kBeam : slmrank::Kind::kScore);
       });
+  m.def(
+      "read_msgpack", [](const std::string& path) { return to_python(slmrank::read_msgpack_file(path)); },
+      py::arg("path"), "Decodes a MessagePack file with the C++ reader (tests).");
+  m.def("sha256_file", &slmrank::sha256_file, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+        "Hex SHA-256 of a file, computed in C++ (tests).");
+  m.def(
+      "read_safetensors",
+      [](const std::string& path, const std::string& device, const std::optional<std::string>& dtype) {
+        slmrank::SafetensorsFile f;
+        {
+          py::gil_scoped_release nogil;
+          f = slmrank::read_safetensors(path, at::Device(device), dtype_arg(dtype));
+        }
+        py::dict tensors;
+        for (auto& [name, t] : f.tensors) tensors[py::str(name)] = t;
+        return py::make_tuple(tensors, f.metadata);
+      },
+      py::arg("path"), py::arg("device") = "cpu", py::arg("dtype") = py::none(),
+      "Reads a .safetensors file with the C++ reader: ({name: tensor}, metadata) (tests).");
+  m.def(
+      "load_artifact",
+      [](const std::string& path, const std::string& device, const std::optional<std::string>& dtype, bool verify) {
+        slmrank::LoadedArtifact a;
+        {
+          py::gil_scoped_release nogil;
+          a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify);
+        }
+        return loaded_to_dict(a);
+      },
+      py::arg("path"), py::arg("device") = "cpu", py::arg("dtype") = py::none(), py::arg("verify") = true,
+      "What Executor.from_artifact loads, as a dict: config, weights, num_positions, rope_cos,\n"
+      "rope_sin, score_dag, beam_dag (tests).");
   m.def("build_info", &build_info,
         "How this extension was built: torch_version, with_cuda, cxx_standard, cxx11_abi.");
 }

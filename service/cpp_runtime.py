@@ -1,5 +1,6 @@
-"""The C++ DAG runtime, driven from Python: the artifact is verified and loaded here, then the
-C++ executor (cpp_dag) runs every node with no Python and no GIL between hand-off and results.
+"""The C++ DAG runtime, driven from Python: the C++ executor (cpp_dag) loads the artifact
+directory itself (manifest, weights, RoPE tables) and runs every node with no Python and no GIL
+between hand-off and results.
 
 Same contract as PythonRuntime (run_score / run_beam), plus asynchronous submission and the
 per-node timings of the last run.
@@ -15,7 +16,6 @@ import torch
 from .artifact import Artifact
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
 from .buckets import BeamBucket, ScoreBucket
-from .layers import rope_table
 from .progress import Progress
 
 
@@ -38,13 +38,10 @@ class CppRuntime:
         self.cfg = artifact.config
         self.device = torch.device(device)
         self.dtype = dtype or artifact.weight_dtype
-        weights = artifact.load_weights(self.device, self.dtype)
-        limits = artifact.limits
-        num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
-        cos, sin = rope_table(self.cfg, num_positions, self.device)  # the same table as PythonRuntime
-        self._executor = core.Executor(self.cfg.to_dict(), weights, cos.to(self.dtype), sin.to(self.dtype),
-                                       [n.to_dict() for n in artifact.score_dag],
-                                       [n.to_dict() for n in artifact.beam_dag], use_graphs, num_lanes)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        # verify=False: load_artifact already checked every hash once, at start-up.
+        self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
+                                                     verify=False, num_lanes=num_lanes)
         self.last_timings: dict[str, Any] | None = None
 
     @staticmethod

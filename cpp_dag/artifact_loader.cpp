@@ -1,0 +1,306 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "artifact_loader.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/reciprocal.h>
+#include <ATen/ops/sin.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <stdexcept>
+
+#include "msgpack_reader.h"
+#include "safetensors_reader.h"
+#include "sha256.h"
+
+namespace slmrank {
+namespace {
+
+const char* kManifest = "manifest.msgpack";
+
+// Typed access to the manifest with errors that name the file and the field ("model.vocab_size").
+class Manifest {
+ public:
+  Manifest(std::string path, Value root) : path_(std::move(path)), root_(std::move(root)) {}
+
+  [[noreturn]] void fail(const std::string& what) const { throw std::invalid_argument(path_ + ": " + what); }
+
+  const Value& get(const std::string& dotted) const {
+    const Value* v = &root_;
+    size_t start = 0;
+    while (start <= dotted.size()) {
+      const size_t dot = std::min(dotted.find('.', start), dotted.size());
+      const std::string key = dotted.substr(start, dot - start);
+      if (v->type() != Value::Type::kMap) fail("malformed manifest (" + dotted.substr(0, start) + " is not a map)");
+      v = v->find(key);
+      if (!v) fail("malformed manifest (no " + dotted.substr(0, dot) + ")");
+      start = dot + 1;
+    }
+    return *v;
+  }
+
+  // Applies an accessor, turning a type mismatch into an error naming the field.
+  template <typename F>
+  auto as(const Value& v, const std::string& field, F&& accessor) const {
+    try {
+      return accessor(v);
+    } catch (const std::runtime_error& e) {
+      fail("malformed manifest (" + field + ": " + e.what() + ")");
+    }
+  }
+  int64_t integer(const std::string& f) const { return as(get(f), f, [](const Value& v) { return v.as_int64(); }); }
+  double number(const std::string& f) const { return as(get(f), f, [](const Value& v) { return v.as_double(); }); }
+  bool boolean(const std::string& f) const { return as(get(f), f, [](const Value& v) { return v.as_bool(); }); }
+  std::string str(const std::string& f) const { return as(get(f), f, [](const Value& v) { return v.as_str(); }); }
+
+  const Value& root() const { return root_; }
+
+ private:
+  std::string path_;
+  Value root_;
+};
+
+std::string shown(const Value* v) {
+  if (!v) return "(missing)";
+  if (v->type() == Value::Type::kUint) return std::to_string(v->raw_uint());
+  if (v->type() == Value::Type::kInt) return std::to_string(v->raw_int());
+  if (v->type() == Value::Type::kStr) return "'" + v->as_str() + "'";
+  return std::string("(a ") + v->type_name() + ")";
+}
+
+Manifest read_manifest(const std::string& dir) {
+  const std::string path = dir + "/" + kManifest;
+  if (!std::ifstream(path).good()) {
+    throw std::invalid_argument(dir + ": not an artifact (no " + kManifest + "); build one with `slmrank build`");
+  }
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw std::invalid_argument(path + ": read error");
+  Value root;
+  try {
+    root = decode_msgpack(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(path + ": corrupted manifest (" + e.what() + ")");
+  }
+  Manifest m(path, std::move(root));
+  if (m.root().type() != Value::Type::kMap) m.fail(std::string("not a ") + kArtifactFormat + " manifest");
+  const Value* format = m.root().find("format");
+  if (!format || format->type() != Value::Type::kStr || format->as_str() != kArtifactFormat) {
+    m.fail(std::string("not a ") + kArtifactFormat + " manifest");
+  }
+  const Value* version = m.root().find("format_version");
+  const bool is_supported = version && version->type() == Value::Type::kUint &&
+                            version->raw_uint() == static_cast<uint64_t>(kArtifactFormatVersion);
+  if (!is_supported) {
+    m.fail("format_version " + shown(version) + " is not supported (this slmrank reads version " +
+           std::to_string(kArtifactFormatVersion) + "); rebuild the artifact");
+  }
+  return m;
+}
+
+// service/config.py::ModelConfig, including its checks.
+ModelConfig model_config(const Manifest& m) {
+  ModelConfig c;
+  const std::string arch = m.str("model.arch");
+  if (arch != "qwen2" && arch != "qwen3") m.fail("model.arch: '" + arch + "' is not one of qwen2, qwen3");
+  c.vocab_size = m.integer("model.vocab_size");
+  c.hidden_size = m.integer("model.hidden_size");
+  c.num_layers = m.integer("model.num_layers");
+  c.num_heads = m.integer("model.num_heads");
+  c.num_kv_heads = m.integer("model.num_kv_heads");
+  c.head_dim = m.integer("model.head_dim");
+  c.intermediate_size = m.integer("model.intermediate_size");
+  c.num_labels = m.integer("model.num_labels");
+  c.rms_norm_eps = m.number("model.rms_norm_eps");
+  c.qk_norm = arch == "qwen3";
+  const std::pair<const char*, int64_t> positive[] = {
+      {"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size}, {"num_layers", c.num_layers},
+      {"num_heads", c.num_heads},   {"num_kv_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
+      {"intermediate_size", c.intermediate_size}};
+  for (const auto& [name, value] : positive) {
+    if (value <= 0) m.fail(std::string("model.") + name + ": must be > 0, got " + std::to_string(value));
+  }
+  if (c.num_heads % c.num_kv_heads) m.fail("model.num_heads must be a multiple of model.num_kv_heads");
+  if (c.head_dim % 2) m.fail("model.head_dim: RoPE needs an even head_dim");
+  if (c.num_labels < 0) m.fail("model.num_labels: must be >= 0");
+  return c;
+}
+
+std::vector<std::string> strings(const Manifest& m, const Value& v, const std::string& field) {
+  std::vector<std::string> out;
+  for (const Value& s : m.as(v, field, [](const Value& x) { return x.as_array(); })) {
+    out.push_back(m.as(s, field, [](const Value& x) { return x.as_str(); }));
+  }
+  return out;
+}
+
+// service/dag.py::Node.to_dict -> NodeSpec.
+std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
+  const std::string field = "dags." + which;
+  std::vector<NodeSpec> nodes;
+  const auto& items = m.as(m.get(field), field, [](const Value& x) { return x.as_array(); });
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::string at = field + "[" + std::to_string(i) + "]";
+    const Value& d = items[i];
+    auto need = [&](const char* key) -> const Value& {
+      const Value* v = d.type() == Value::Type::kMap ? d.find(key) : nullptr;
+      if (!v) m.fail("malformed manifest (no " + at + "." + key + ")");
+      return *v;
+    };
+    NodeSpec s;
+    s.name = m.as(need("name"), at + ".name", [](const Value& x) { return x.as_str(); });
+    s.type = m.as(need("type"), at + ".type", [](const Value& x) { return x.as_str(); });
+    s.inputs = strings(m, need("inputs"), at + ".inputs");
+    s.outputs = strings(m, need("outputs"), at + ".outputs");
+    const Value& attrs = need("attrs");
+    auto attr = [&](const char* key) {
+      return m.as(attrs, at + ".attrs", [&](const Value& x) { return x.find(key); });
+    };
+    const std::string af = at + ".attrs.";
+    if (const Value* v = attr("layer")) s.layer = m.as(*v, af + "layer", [](const Value& x) { return x.as_int64(); });
+    if (const Value* v = attr("step")) s.step = m.as(*v, af + "step", [](const Value& x) { return x.as_int64(); });
+    if (const Value* v = attr("mode")) s.mode = m.as(*v, af + "mode", [](const Value& x) { return x.as_str(); });
+    if (const Value* v = attr("weight")) s.weight = m.as(*v, af + "weight", [](const Value& x) { return x.as_str(); });
+    nodes.push_back(std::move(s));
+  }
+  return nodes;
+}
+
+// service/checkpoint.py::expected_shapes.
+std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c, bool tied, bool bias) {
+  const int64_t d = c.hidden_size, f = c.intermediate_size, qkv = c.q_size() + 2 * c.kv_size();
+  std::map<std::string, std::vector<int64_t>> shapes = {{"embed", {c.vocab_size, d}}, {"final_norm", {d}}};
+  if (c.num_labels > 0) {
+    shapes["cls_head"] = {c.num_labels, d};
+  } else if (!tied) {
+    shapes["lm_head"] = {c.vocab_size, d};
+  }
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    shapes[p + "attn_norm"] = {d};
+    shapes[p + "wqkv"] = {qkv, d};
+    if (bias) shapes[p + "bqkv"] = {qkv};
+    if (c.qk_norm) {
+      shapes[p + "q_norm"] = {c.head_dim};
+      shapes[p + "k_norm"] = {c.head_dim};
+    }
+    shapes[p + "wo"] = {d, c.q_size()};
+    shapes[p + "mlp_norm"] = {d};
+    shapes[p + "wgu"] = {2 * f, d};
+    shapes[p + "wdown"] = {d, f};
+  }
+  return shapes;
+}
+
+void check_weights(const std::string& path, const WeightMap& weights,
+                   const std::map<std::string, std::vector<int64_t>>& want) {
+  std::vector<std::string> missing, extra;
+  for (const auto& [name, shape] : want) {
+    if (!weights.count(name)) missing.push_back(name);
+  }
+  for (const auto& [name, t] : weights) {
+    if (!want.count(name)) extra.push_back(name);
+  }
+  std::sort(extra.begin(), extra.end());
+  auto first = [](const std::vector<std::string>& names) {
+    std::string s;
+    for (size_t i = 0; i < names.size() && i < 5; ++i) s += (i ? ", " : "") + names[i];
+    return "[" + s + (names.size() > 5 ? ", ..." : "") + "]";
+  };
+  if (!missing.empty() || !extra.empty()) {
+    throw std::invalid_argument(path + ": weights do not match the model config: missing " + first(missing) +
+                                ", unexpected " + first(extra));
+  }
+  for (const auto& [name, shape] : want) {
+    if (weights.at(name).sizes().vec() != shape) {
+      throw std::invalid_argument(path + ": weight " + name + ": shape " + c10::str(weights.at(name).sizes()) +
+                                  " != expected " + c10::str(at::IntArrayRef(shape)));
+    }
+  }
+}
+
+void verify_file(const std::string& path, const std::string& digest) {
+  if (!std::ifstream(path).good()) throw std::invalid_argument(path + ": missing artifact file");
+  const std::string actual = sha256_file(path);
+  if (actual != digest) {
+    throw std::invalid_argument(path + ": sha256 mismatch (manifest " + digest.substr(0, 12) + "…, file " +
+                                actual.substr(0, 12) + "…): the artifact is corrupted or was modified");
+  }
+}
+
+}  // namespace
+
+at::ScalarType dtype_from_name(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw std::invalid_argument("dtype: '" + name + "' is not one of float32, bfloat16, float16");
+}
+
+std::pair<at::Tensor, at::Tensor> rope_table(int64_t head_dim, const at::Scalar& theta, int64_t num_positions,
+                                             at::Device device) {
+  // inv_freq = 1.0 / (theta ** (arange(0, e, 2, int64).float() / e)); Python's `1.0 / t` is
+  // t.reciprocal() * 1.0 (Tensor.__rdiv__), and `theta ** t` is pow(Scalar, Tensor).
+  const auto on = at::TensorOptions().device(device);
+  const at::Tensor exponent = at::arange(0, head_dim, 2, on.dtype(at::kLong)).to(at::kFloat).div(head_dim);
+  const at::Tensor inv_freq = at::mul(at::reciprocal(at::pow(theta, exponent)), 1.0);
+  const at::Tensor pos = at::arange(num_positions, on.dtype(at::kFloat));
+  const at::Tensor freqs = at::mul(pos.unsqueeze(1), inv_freq.unsqueeze(0));  // [P, E/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {at::cos(emb), at::sin(emb)};
+}
+
+LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
+                             bool verify) {
+  const Manifest m = read_manifest(dir);
+  LoadedArtifact a;
+  a.dir = dir;
+  a.cfg = model_config(m);
+  const Value& theta = m.get("model.rope_theta");
+  if (theta.type() == Value::Type::kInt) {
+    a.rope_theta = theta.raw_int();
+  } else if (theta.type() == Value::Type::kUint) {
+    a.rope_theta = m.integer("model.rope_theta");
+  } else {
+    a.rope_theta = m.number("model.rope_theta");
+  }
+  a.score_dag = dag(m, "score");
+  a.beam_dag = dag(m, "beam");
+
+  const std::string file = m.str("weights.file");
+  if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+    m.fail("weights.file: '" + file + "' must be a file name inside the artifact directory");
+  }
+  const std::string weights_path = dir + "/" + file;
+  if (verify) verify_file(weights_path, m.str("weights.sha256"));
+  const std::string weights_dtype = m.str("weights.dtype");
+  try {
+    a.dtype = dtype.value_or(dtype_from_name(weights_dtype));  // an unknown name is refused even so
+  } catch (const std::invalid_argument& e) {
+    m.fail(std::string("weights.") + e.what());
+  }
+  try {
+    for (auto& [name, t] : read_safetensors(weights_path, device, a.dtype).tensors) a.weights[name] = std::move(t);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(e.what());  // already names the file
+  }
+  check_weights(weights_path, a.weights,
+                expected_shapes(a.cfg, m.boolean("model.tie_word_embeddings"), m.boolean("model.attention_bias")));
+
+  // The positions any request can reach (service/cpp_runtime.py computed the same).
+  const int64_t prompt = m.integer("limits.max_prompt_tokens"), new_tokens = m.integer("limits.max_new_tokens");
+  a.num_positions = std::max(prompt + new_tokens, m.integer("limits.max_score_tokens"));
+  auto [cos, sin] = rope_table(a.cfg.head_dim, a.rope_theta, a.num_positions, device);
+  a.rope_cos = cos.to(a.dtype);
+  a.rope_sin = sin.to(a.dtype);
+  return a;
+}
+
+}  // namespace slmrank

@@ -1,0 +1,48 @@
+// Loads an artifact directory (service/artifact.py writes it) with no Python: the msgpack
+// manifest, the model config and both DAGs, the safetensors weights (sha256-verified on request)
+// and the RoPE tables, computed with the same ATen ops as service/layers.py::rope_table so that
+// they are byte-identical to the Python runtime's.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Scalar.h>
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dag.h"
+
+namespace slmrank {
+
+inline constexpr const char* kArtifactFormat = "slmrank-artifact";
+inline constexpr int64_t kArtifactFormatVersion = 1;
+
+struct LoadedArtifact {
+  std::string dir;
+  ModelConfig cfg;
+  at::Scalar rope_theta;  // as the manifest stores it (int or float), as Python would use it
+  at::ScalarType dtype = at::kFloat;  // the compute dtype: the requested one, else the weights'
+  WeightMap weights;                   // on the device, in dtype
+  int64_t num_positions = 0;           // rows of the RoPE tables
+  at::Tensor rope_cos, rope_sin;       // [num_positions, head_dim] in dtype
+  std::vector<NodeSpec> score_dag, beam_dag;
+};
+
+// Throws std::invalid_argument naming the file for a missing, corrupted or mismatched artifact
+// (unsupported format_version, sha256 mismatch, malformed manifest, weights that do not match
+// the config). verify: check the weights file's sha256 against the manifest.
+LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
+                             bool verify);
+
+// service/layers.py::rope_table, op for op: cos, sin [num_positions, head_dim] float32.
+std::pair<at::Tensor, at::Tensor> rope_table(int64_t head_dim, const at::Scalar& theta, int64_t num_positions,
+                                             at::Device device);
+
+// "float32" | "bfloat16" | "float16" (the manifest's names); throws std::invalid_argument otherwise.
+at::ScalarType dtype_from_name(const std::string& name);
+
+}  // namespace slmrank

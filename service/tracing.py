@@ -418,6 +418,8 @@ def otlp_exporter(endpoint: str, protocol: str = "grpc") -> SpanExporter:
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """Traces every unary RPC of `service`: receive (deserialization) -> handler -> send
     (serialization), with the final status code; then the tracer and the metrics see it.
+    When the inner handler takes raw bytes (it parses them itself), the parse should be timed
+    there as `with current_trace().stage("receive"): ...`.
 
     Put it first in the server's interceptor list, so that it wraps the interceptor that turns
     exceptions into status codes and reads the code from the context. A response that never
@@ -439,10 +441,13 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 
         def receive(raw: bytes) -> Any:
             start = time.monotonic_ns()
-            message = deserialize(raw) if deserialize else raw
             trace = RequestTrace(kind, start, traceparent if isinstance(traceparent, str) else None)
-            trace.add_stage("receive", start, time.monotonic_ns())
             trace.attrs["request_bytes"] = len(raw)
+            if deserialize is None:  # an inner interceptor parses: it records "receive" itself
+                message = raw
+            else:
+                message = deserialize(raw)
+                trace.add_stage("receive", start, time.monotonic_ns())
             _CURRENT.set(trace)  # the same task runs the handler and the serializer
             return message
 

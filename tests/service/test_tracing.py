@@ -317,9 +317,12 @@ def _fake_done(start_ns: int, end_ns: int) -> Completed:
                                           1, 1, 0, "score.t64.s64", ex))
 
 
-async def _serve_and_call(tracer: RequestTracer, metrics: ServerMetrics) -> list[grpc.StatusCode]:
+async def _serve_and_call(tracer: RequestTracer, metrics: ServerMetrics, inner_parses: bool) -> list[grpc.StatusCode]:
     async def score(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         trace = current_trace()  # what a Ranker handler does
+        if inner_parses:  # raw bytes in: the handler (the server's status interceptor) parses them
+            with trace.stage("receive"):
+                request = bytes(request)
         with trace.stage("decode"):
             if request == b"bad":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "samples: too many")
@@ -330,7 +333,8 @@ async def _serve_and_call(tracer: RequestTracer, metrics: ServerMetrics) -> list
             return request.upper()
 
     server = grpc.aio.server(interceptors=[TracingInterceptor(tracer, metrics)])
-    handler = grpc.unary_unary_rpc_method_handler(score, request_deserializer=bytes, response_serializer=bytes)
+    handler = grpc.unary_unary_rpc_method_handler(score, request_deserializer=None if inner_parses else bytes,
+                                                  response_serializer=bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("slmrank.v1.Ranker", {"Score": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -349,10 +353,11 @@ async def _serve_and_call(tracer: RequestTracer, metrics: ServerMetrics) -> list
     return codes
 
 
-def test_interceptor_traces_rpcs_with_their_status() -> None:
+@pytest.mark.parametrize("inner_parses", [False, True], ids=["grpc-parses", "handler-parses"])
+def test_interceptor_traces_rpcs_with_their_status(inner_parses: bool) -> None:
     exporter = InMemorySpanExporter()
     tracer, metrics = keep_all(exporter), ServerMetrics()
-    codes = asyncio.run(_serve_and_call(tracer, metrics))
+    codes = asyncio.run(_serve_and_call(tracer, metrics, inner_parses))
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.parent is None]
@@ -362,6 +367,7 @@ def test_interceptor_traces_rpcs_with_their_status() -> None:
         "Score", "receive", "decode", "queue", "batch", "execute", "h2d", "embed", "lm_head", "d2h", "unpack",
         "encode", "send"}
     assert {s.name for s in spans if s.context.trace_id == roots[1].context.trace_id} == {"Score", "receive", "decode"}
+    assert all("slmrank.count" not in s.attributes for s in spans if s.name == "receive")  # recorded once
     assert metrics.requests.value("Score", "OK") == 2 and metrics.requests.value("Score", "INVALID_ARGUMENT") == 1
 
 

@@ -1,0 +1,109 @@
+"""Fixtures of the C++-runtime tests: tiny random Hugging Face checkpoints with a small vocabulary
+(fast on a CPU), their artifacts, and Python / C++ runtimes over them; plus byte-comparison helpers.
+
+Everything is built fresh from fixed seeds in pytest's tmp dirs; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+VOCAB = 512
+MAX_POS = 96  # small limits: prompt buckets of r x 91 tokens keep the CPU runs quick
+
+
+@dataclass
+class Model:
+    ckpt: Path  # the Hugging Face checkpoint directory (config.json + model.safetensors)
+    artifact: Any
+    python: Any  # PythonRuntime
+    cpp: Any  # CppRuntime (CPU, eager)
+
+
+def _make(root: Path, name: str, arch: str, cls_name: str, seed: int, **extra: Any) -> Model:
+    import transformers
+
+    from service.artifact import build_artifact, load_artifact
+    from service.cpp_runtime import CppRuntime
+    from service.python_runtime import PythonRuntime
+
+    cfg_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+    kw: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=MAX_POS, initializer_range=0.3, rope_theta=10000.0,
+                              rms_norm_eps=1e-6)
+    kw.update(extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg_cls(**kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # random norm gains: a mis-wired norm must show
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    ckpt = root / name
+    model.save_pretrained(ckpt)
+    art = load_artifact(build_artifact(str(ckpt), root / f"{name}.art", quiet=True))
+    return Model(ckpt, art, PythonRuntime(art), CppRuntime(art))
+
+
+@pytest.fixture(scope="session")
+def cpp_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cpp_tiny_models")
+
+
+@pytest.fixture(scope="session")
+def qwen2_small(cpp_models_root: Path) -> Model:
+    """Qwen2 (q/k/v bias, tied embeddings), vocab 512, 2 layers, 96 positions."""
+    return _make(cpp_models_root, "qwen2", "qwen2", "Qwen2ForCausalLM", seed=101, tie_word_embeddings=True,
+                 rope_theta=50000.0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_small(cpp_models_root: Path) -> Model:
+    """Qwen3 (q/k RMSNorm, no bias, untied LM head), vocab 512, 2 layers."""
+    return _make(cpp_models_root, "qwen3", "qwen3", "Qwen3ForCausalLM", seed=202, tie_word_embeddings=False,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def qwen2_cls_small(cpp_models_root: Path) -> Model:
+    """Qwen2ForSequenceClassification with 3 labels: Score only."""
+    return _make(cpp_models_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification", seed=303,
+                 num_labels=3, tie_word_embeddings=False)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal byte for byte: same dtype, same shape, same bits (NaN == NaN, -0.0 != 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def describe_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf"))
+    n = int((a.reshape(-1).contiguous().view(torch.uint8) != b.reshape(-1).contiguous().view(torch.uint8)).sum())
+    return f"{n} differing bytes, max |diff| {diff.max().item():.3g}"
+
+
+def rand_ids(rng: random.Random, n: int, vocab: int = VOCAB) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+@pytest.fixture(scope="session")
+def helpers() -> SimpleNamespace:
+    """Helpers as a fixture (test modules cannot import conftest under --import-mode=importlib)."""
+    return SimpleNamespace(same_bytes=same_bytes, describe_diff=describe_diff, rand_ids=rand_ids, vocab=VOCAB)

@@ -207,13 +207,27 @@ py::dict loaded_to_dict(slmrank::LoadedArtifact& a) {
                   py::arg("score_dag") = nodes(a.score_dag), py::arg("beam_dag") = nodes(a.beam_dag));
 }
 
-std::unique_ptr<slmrank::Executor> executor_from_artifact(const std::string& path, const std::string& device,
+// Destroying an Executor joins its workers, whose completion callbacks need the GIL: release it
+// first, or dropping a runtime with batches still queued would deadlock.
+struct ExecutorDeleter {
+  void operator()(slmrank::Executor* executor) const noexcept {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete executor;
+    } else {
+      delete executor;
+    }
+  }
+};
+using ExecutorPtr = std::unique_ptr<slmrank::Executor, ExecutorDeleter>;
+
+ExecutorPtr executor_from_artifact(const std::string& path, const std::string& device,
                                                           const std::optional<std::string>& dtype, bool use_graphs,
                                                           bool verify, int num_lanes) {
   py::gil_scoped_release nogil;
   slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify);
-  return std::make_unique<slmrank::Executor>(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
-                                             a.beam_dag, use_graphs, num_lanes);
+  return ExecutorPtr(new slmrank::Executor(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
+                                           a.beam_dag, use_graphs, num_lanes));
 }
 
 }  // namespace
@@ -226,14 +240,14 @@ PYBIND11_MODULE(_core, m) {
         "Merge two partial attention results over disjoint keys through their LSEs.\n"
         "out_*: [N, H, E] float dtype; lse_*: [N, H] float32 (-inf = no keys).\n"
         "Returns (out [N, H, E] in out_a's dtype, lse [N, H] float32).");
-  py::class_<slmrank::Executor>(m, "Executor",
+  py::class_<slmrank::Executor, ExecutorPtr>(m, "Executor",
                                  "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
       .def(py::init([](const py::dict& config, std::unordered_map<std::string, at::Tensor> weights,
                        at::Tensor rope_cos, at::Tensor rope_sin, const py::list& score_dag,
                        const py::list& beam_dag, bool use_graphs, int num_lanes) {
-             return std::make_unique<slmrank::Executor>(config_from(config), std::move(weights), std::move(rope_cos),
-                                                        std::move(rope_sin), dag_from(score_dag), dag_from(beam_dag),
-                                                        use_graphs, num_lanes);
+             return ExecutorPtr(new slmrank::Executor(config_from(config), std::move(weights), std::move(rope_cos),
+                                                      std::move(rope_sin), dag_from(score_dag), dag_from(beam_dag),
+                                                      use_graphs, num_lanes));
            }),
            py::arg("config"), py::arg("weights"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("score_dag"),
            py::arg("beam_dag"), py::arg("use_graphs") = true, py::arg("num_lanes") = 0)

@@ -111,7 +111,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, load_model, serve
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[slmrank] %(message)s")
-    config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
+    config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
+                          trace_sample_rate=args.trace_sample_rate, trace_slow_ms=args.trace_slow_ms,
+                          otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file)
+    _check_tracing(config)
     target_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]", "") else args.host
 
     def announce(line: str) -> None:
@@ -131,6 +134,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return load_model(args.model, args.runtime, args.device, args.dtype, quiet=args.quiet)
 
     return serve(config, loader, announce, on_ready)
+
+
+def _check_tracing(config) -> None:
+    """Bad tracing settings (flags or environment) fail before the model loads, as a usage error."""
+    import importlib
+
+    from .tracing import OTLP_PACKAGES
+
+    tracing = config.tracing()  # ValueError: a value out of range
+    if tracing.otlp_endpoint:
+        module, package = OTLP_PACKAGES[tracing.otlp_protocol]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ValueError(f"OTLP export to {tracing.otlp_endpoint} ({tracing.otlp_protocol}) needs the Python "
+                             f"package {package}, which is not installed: pip install {package}") from None
+    if config.trace_file is not None:
+        parent = Path(config.trace_file).resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"--trace-file: the directory {parent} does not exist")
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -166,6 +189,20 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
     s.add_argument("--grace-s", type=float, default=20.0,
                    help="SIGTERM/SIGINT: finish in-flight requests for at most this long, then exit")
+    o = s.add_argument_group("observability", "tracing flags override SLMRANK_TRACE_SAMPLE_RATE, "
+                             "SLMRANK_TRACE_SLOW_MS and OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT")
+    o.add_argument("--metrics-port", type=int, default=None,
+                   help="serve GET /metrics (Prometheus) and GET /trace (Chrome trace) on this port; "
+                        "0: any free port (printed); default: not served")
+    o.add_argument("--trace-sample-rate", type=float, default=None,
+                   help="share of the requests that are not slow whose trace is kept (default 0.01)")
+    o.add_argument("--trace-slow-ms", type=float, default=None,
+                   help="a request at least this long is always traced (default 20; 0: every request)")
+    o.add_argument("--otlp-endpoint", default=None,
+                   help="export the kept traces as OpenTelemetry spans over OTLP to this endpoint")
+    o.add_argument("--trace-file", default=None,
+                   help="write the Chrome/Perfetto trace of the kept requests here when the server stops "
+                        "(read it with `slmrank trace FILE`)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_serve)
 

@@ -20,6 +20,7 @@ from .proto_gen import load as load_stubs
 from .requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
                        validate_score)
 from .tokenizer import Tokenizer
+from .tracing import current_trace
 
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
 PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}
@@ -144,9 +145,11 @@ class Codec:
     def _segment_ids(self, field: str, seg: Any, cached: bool = False) -> tuple[int, ...]:
         if seg.ids:
             return self._ids(f"{field}.ids", seg.ids)
-        t0 = time.perf_counter_ns()
+        t0 = time.monotonic_ns()
         ids = self.tokenizer.encode_cached(seg.text) if cached else self.tokenizer.encode(seg.text)
-        self.tokenize_stats.add(time.perf_counter_ns() - t0)
+        t1 = time.monotonic_ns()
+        current_trace().add_stage("tokenize", t0, t1)  # inside the request's decode stage
+        self.tokenize_stats.add(t1 - t0)
         vocab = self.model.vocab_size
         if ids and max(ids) >= vocab:  # a checkpoint whose model vocabulary is smaller than its tokenizer's
             raise RequestError(f"{field}.text", f"tokenizes to id {max(ids)}, outside the model's "

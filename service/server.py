@@ -9,6 +9,12 @@ On SIGTERM/SIGINT: NOT_SERVING, refuse new work (UNAVAILABLE, so clients go to a
 finish the requests in flight, exit 0, all within `grace_s` (shorter than Kubernetes' 30 s); a
 batch that outlasts the grace does not hold the process (it exits 1). A second signal skips what
 is left of the grace.
+
+Observability (service/tracing.py, service/metrics.py): TracingInterceptor, outside StatusInterceptor,
+traces every Ranker RPC (receive, decode, tokenize, queue, batch, execute with the executor's
+phases and DAG nodes, encode, send) and feeds ServerMetrics; with `metrics_port` set, GET /metrics
+(Prometheus) and GET /trace (the Chrome trace of the kept requests) are served on their own port;
+`trace_file` gets the Chrome trace when the server stops.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from .admission import AdmissionConfig, Overloaded
 from .artifact import Artifact
 from .batcher import BatcherConfig, DeadlineExpired, Scheduler
 from .grpc_codec import Codec
+from .metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
 from .requests import ExecutionError, RequestError
 from .tokenizer import Tokenizer, load_tokenizer
+from .tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
 
 log = logging.getLogger("slmrank.server")
 
@@ -53,15 +61,28 @@ class ServerConfig:
     admission: AdmissionConfig | None = None
     # the codec has run the engine's validation already: the scheduler need not repeat it
     batcher: BatcherConfig = field(default_factory=lambda: BatcherConfig(validate_requests=False))
+    # observability; None: the SLMRANK_TRACE_* / OTEL_EXPORTER_OTLP_* environment, else TracingConfig's default
+    metrics_port: int | None = None  # GET /metrics and /trace on this port (0: any free one); None: not served
+    trace_sample_rate: float | None = None
+    trace_slow_ms: float | None = None
+    otlp_endpoint: str | None = None
+    trace_file: str | None = None  # the Chrome trace of the kept requests, written when the server stops
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: {self.port} is outside [0, 65535]")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name}: {value} is outside [0, 65535]")
         if not self.grace_s > 0:
             raise ValueError(f"grace_s: must be > 0, got {self.grace_s}")
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
+
+    def tracing(self) -> TracingConfig:
+        """The environment's tracing settings, these options over them (raises ValueError)."""
+        return TracingConfig.from_env(sample_rate=self.trace_sample_rate, slow_ms=self.trace_slow_ms,
+                                      otlp_endpoint=self.otlp_endpoint)
 
 
 @dataclass(frozen=True)
@@ -120,7 +141,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:  # parsed here, not by grpc: corrupt bytes are the client's error, INVALID_ARGUMENT
-                response = await behavior(_parse(deserialize, raw, method), context)
+                with current_trace().stage("receive"):
+                    request = _parse(deserialize, raw, method)
+                response = await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 -- the one place where errors become status codes
@@ -164,15 +187,25 @@ class RankerServicer:
 
     async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         codec, scheduler = self._serving()
-        req, priority = codec.score_request(request)
+        trace = current_trace()
+        with trace.stage("decode"):
+            req, priority = codec.score_request(request)
+        trace.set_request(req, priority)
         done = await scheduler.submit(req, priority, _deadline(context))
-        return codec.score_response(done.result)
+        trace.completed(done)
+        with trace.stage("encode"):
+            return codec.score_response(done.result)
 
     async def BeamSearch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         codec, scheduler = self._serving()
-        req, priority = codec.beam_request(request)
+        trace = current_trace()
+        with trace.stage("decode"):
+            req, priority = codec.beam_request(request)
+        trace.set_request(req, priority)
         done = await scheduler.submit(req, priority, _deadline(context))
-        return codec.beam_response(done.result)
+        trace.completed(done)
+        with trace.stage("encode"):
+            return codec.beam_response(done.result)
 
 
 @dataclass
@@ -184,13 +217,22 @@ class RankerServer:
     servicer: RankerServicer = field(default_factory=RankerServicer)
     interceptor: StatusInterceptor = field(default_factory=StatusInterceptor)
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
+    span_exporter: Any = None  # an OTel SpanExporter instead of OTLP (tests: InMemorySpanExporter)
+    tracer: RequestTracer | None = None  # set by start()
+    metrics: ServerMetrics | None = None
+    metrics_server: MetricsServer | None = None  # with config.metrics_port; .port is the bound one
     _server: grpc.aio.Server | None = None
     _loading: asyncio.Task | None = None
+    _observability_closed: bool = False
 
     async def start(self) -> int:
         """Binds, answers health checks (NOT_SERVING) and starts loading the model. Returns the port."""
         stubs = load_stubs()
-        self._server = grpc.aio.server(interceptors=[self.interceptor], options=[
+        self.tracer = RequestTracer(self.config.tracing(), exporter=self.span_exporter)
+        self.metrics = ServerMetrics()
+        # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
+        interceptors = [TracingInterceptor(self.tracer, self.metrics), self.interceptor]
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
             ("grpc.max_send_message_length", self.config.max_send_message_bytes)])
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
@@ -200,6 +242,10 @@ class RankerServer:
             self._server)
         await self._set_health(NOT_SERVING)
         self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.config.host, self.config.metrics_port,
+                                                chrome=self.tracer.chrome)
+            await self.metrics_server.start()  # GET /metrics, GET /trace
         await self._server.start()
         self._loading = asyncio.create_task(self._load())
         return self.port
@@ -209,6 +255,8 @@ class RankerServer:
         self.model = await _in_daemon_thread(self.loader)
         scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher)
         await scheduler.start()
+        if self.metrics is not None:
+            self.metrics.stats_source = scheduler.stats
         self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler
         await self._set_health(SERVING)
         log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
@@ -243,13 +291,37 @@ class RankerServer:
                 await self.servicer.scheduler.close()
             if self.model is not None and hasattr(self.model.runtime, "shutdown"):
                 self.model.runtime.shutdown()
+            await self._close_observability()
+
+    async def _close_observability(self) -> None:
+        """The metrics port closes, the exporter flushes, the Chrome trace file is written (once)."""
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+        if self.tracer is None or self._observability_closed:
+            return
+        self._observability_closed = True
+        self.tracer.shutdown()
+        path = self.config.trace_file
+        if path is None:
+            return
+        if self.tracer.chrome is None:
+            log.warning("no Chrome trace to write to %s: SLMRANK_TRACE_CHROME_MAX_EVENTS is 0", path)
+            return
+        try:
+            num_events = self.tracer.chrome.write(path)
+        except OSError as e:
+            log.error("writing the Chrome trace to %s failed: %s", path, e)
+            return
+        log.info("Chrome trace of %d kept requests (%d events) written to %s", self.tracer.num_kept, num_events, path)
 
     def stats(self) -> dict[str, Any]:
-        codec, scheduler = self.servicer.codec, self.servicer.scheduler
+        codec, scheduler, tracer = self.servicer.codec, self.servicer.scheduler, self.tracer
         return {
             "statuses": {f"{m}.{c}": n for (m, c), n in sorted(self.interceptor.counts.items())},
             "tokenize": codec.tokenize_stats.as_dict() if codec else {},
             "scheduler": scheduler.stats() if scheduler else {},
+            "tracing": {"finished": tracer.num_finished, "kept": tracer.num_kept,
+                        "over_budget": tracer.num_over_budget} if tracer else {},
         }
 
 
@@ -319,6 +391,9 @@ async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model],
         loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
     announce(f"listening on {config.host}:{port} (health NOT_SERVING until the model is loaded)")
+    if server.metrics_server is not None:
+        announce(f"metrics on http://{config.host}:{server.metrics_server.port}/metrics "
+                 "(Chrome trace of the kept requests: /trace)")
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)

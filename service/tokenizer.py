@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from abc import ABC, abstractmethod
 import hashlib
 import importlib.resources
 import json
@@ -210,7 +211,7 @@ class CacheInfo:
     max_chars: int
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Text -> token ids. See the module docstring for the exact semantics.
 
     Subclasses implement :meth:`_encode_uncached`, :meth:`decode` and :meth:`files`, and set
@@ -239,22 +240,23 @@ class Tokenizer:
         self._hits = 0
         self._misses = 0
 
-    # -- to implement -------------------------------------------------------------------------
+    # -- each backend implements these ---------------------------------------------------------
+    @abstractmethod
     def _encode_uncached(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Text -> ids, no cache."""
 
     def _encode_batch_uncached(self, texts: list[str]) -> list[list[int]]:
         return [self._encode_uncached(t) for t in texts]
 
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text (special tokens rendered as their text; bad UTF-8 as U+FFFD)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def files(self) -> dict[str, bytes]:
         """Files to copy into a deployment artifact directory (name -> content), such that
         :func:`load_tokenizer` on that directory gives an equal tokenizer. Includes the licence
         notice of any third-party file that needs one."""
-        raise NotImplementedError
 
     def notice(self) -> str | None:
         """The third-party licence notice that goes with :meth:`files`, if any."""

@@ -1,0 +1,398 @@
+"""Closed-loop gRPC benchmark of `slmrank serve`, and of the Hugging Face peer on the same weights
+(BENCHMARKS.md's procedure).
+
+  python ops/bench_grpc.py --workload W1 --levels 1,2,4,8,16,32 --warmup-s 2 --measure-s 10 --out DIR \
+      [--peer] [--device cuda|cpu] [--model embedded:qwen3-0.6b | CHECKPOINT_DIR | ARTIFACT_DIR]
+
+Each system runs as its own subprocess on 127.0.0.1 (`python -m service.cli serve --port 0 ...`,
+`python -m service.hf_peer ...`): its bound port is read from its output, then health is polled
+until SERVING. Per level N: N asyncio tasks on one grpc.aio channel, each sending its next request
+as soon as its last one completes; warm-up, then a measured window: QPS = RPCs completed OK in the
+window / its length; latency = client send -> response, of those RPCs; errors counted by status.
+Capacity = the highest QPS of a level with mean < 20 ms and P99 < 80 ms; effective MFU = logical
+FLOPs per request (service/flops.py) x capacity / 989e12 (H200 dense BF16).
+
+With --peer and an embedded spec, the artifact's weights are written as an HF checkpoint
+(ops/bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
+A few fixed requests go to both first; their largest difference is reported ("agreement").
+
+Workloads: W1..W6 (BENCHMARKS.md), or custom: "score,prefix=0,samples=3,len=8,labels=2" /
+"beam,prompt=16,beam=4,new=3". Token ids are uniform in [0, min(150000, vocab)), fixed seed.
+Writes DIR/bench_grpc.json; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.flops import beam_flops, score_flops  # noqa: E402
+from service.proto_gen import load as load_stubs  # noqa: E402
+
+PEAK_BF16 = 989e12
+SLO_MEAN_MS, SLO_P99_MS = 20.0, 80.0
+ID_HIGH = 150000
+
+# BENCHMARKS.md's workload table
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "W1": dict(kind="score", prefix=0, samples=15, len=64, labels=2, model="embedded:qwen3-0.6b"),
+    "W2": dict(kind="beam", prompt=128, beam=100, new=5, model="embedded:qwen2.5-0.5b"),
+    "W3": dict(kind="beam", prompt=480, beam=100, new=5, model="embedded:qwen2.5-0.5b"),
+    "W4": dict(kind="score", prefix=384, samples=15, len=24, labels=2, model="embedded:qwen3-0.6b"),
+    "W5": dict(kind="beam", prompt=480, beam=400, new=5, model="embedded:qwen3-0.6b"),
+    "W6": dict(kind="beam", prompt=1000, beam=256, new=3, model="embedded:qwen3-1.7b", levels="1"),
+}
+
+
+def parse_workload(text: str) -> dict[str, Any]:
+    if text in WORKLOADS:
+        return dict(WORKLOADS[text], name=text)
+    kind, *parts = text.split(",")
+    if kind not in ("score", "beam"):
+        raise SystemExit(f"--workload: {text!r} is not W1..W6 nor 'score,...' / 'beam,...'")
+    w: dict[str, Any] = dict(kind="score", prefix=0, samples=15, len=64, labels=2) if kind == "score" \
+        else dict(kind="beam", prompt=128, beam=100, new=5)
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in w or key == "kind":
+            raise SystemExit(f"--workload: unknown key {key!r} for {kind}")
+        w[key] = int(value)
+    w["name"] = text
+    return w
+
+
+class Requests:
+    """Every request different: ids uniform in [0, high) from one seeded generator."""
+
+    def __init__(self, w: dict[str, Any], high: int, seed: int = 7) -> None:
+        self.w, self.high = w, high
+        self.rng = np.random.default_rng(seed)
+        self.pb2 = load_stubs().pb2
+        # label ids: fixed per run, as a ranking task's " yes"/" no" would be
+        self.label_ids = self.ids(w["labels"]) if w["kind"] == "score" else []
+
+    def ids(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.high, n).tolist()
+
+    def next(self) -> Any:
+        w, pb2 = self.w, self.pb2
+        if w["kind"] == "score":
+            msg = pb2.ScoreRequest(samples=[pb2.Segment(ids=self.ids(w["len"])) for _ in range(w["samples"])],
+                                   label_ids=self.label_ids)
+            if w["prefix"]:
+                msg.prefix.CopyFrom(pb2.Segment(ids=self.ids(w["prefix"])))
+            return msg
+        return pb2.BeamSearchRequest(prompt=pb2.Segment(ids=self.ids(w["prompt"])), beam_width=w["beam"],
+                                     new_tokens=w["new"])
+
+
+def flops_per_request(cfg: Any, w: dict[str, Any]) -> int:
+    if w["kind"] == "score":
+        return score_flops(cfg, w["prefix"], [w["len"]] * w["samples"])
+    return beam_flops(cfg, w["prompt"], w["beam"], w["new"])
+
+
+# ---- the systems under test, as subprocesses -------------------------------------------------------
+
+class Proc:
+    """A server subprocess; its bound port read from a 'listening on HOST:PORT' line of its stdout."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, start_timeout_s: float) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        self.name, self.log_path = name, log_path
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=log_path.open("w"), text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.port = self._port(start_timeout_s)
+        self.target = f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.put(line)
+
+    def _port(self, timeout_s: float) -> int:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.log_path.read_text()[-3000:]}")
+                continue
+            if m := re.search(r"listening on [^\s]*:(\d+)", line):
+                return int(m.group(1))
+        self.stop()
+        raise RuntimeError(f"{self.name} did not announce its port within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+async def wait_serving(target: str, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"{target}: not SERVING within {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+
+
+# ---- the closed loop --------------------------------------------------------------------------------
+
+def _pct(sorted_ms: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(sorted_ms), q)) if sorted_ms else float("nan")
+
+
+async def run_level(target: str, w: dict[str, Any], reqs: Requests, level: int, warmup_s: float,
+                    measure_s: float, rpc_timeout_s: float) -> dict[str, Any]:
+    stubs = load_stubs()
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        stub = stubs.pb2_grpc.RankerStub(ch)
+        call = stub.Score if w["kind"] == "score" else stub.BeamSearch
+        t_begin = time.perf_counter()
+        t_start, t_end = t_begin + warmup_s, t_begin + warmup_s + measure_s
+        lat_ms: list[float] = []
+        errors: Counter[str] = Counter()
+        sent = [0]
+
+        async def worker() -> None:
+            while time.perf_counter() < t_end:
+                msg = reqs.next()
+                s = time.perf_counter()
+                sent[0] += 1
+                try:
+                    await call(msg, timeout=rpc_timeout_s)
+                    code = "OK"
+                except grpc.aio.AioRpcError as e:
+                    code = e.code().name
+                done = time.perf_counter()
+                if t_start <= done <= t_end:  # completed inside the measured window
+                    if code == "OK":
+                        lat_ms.append((done - s) * 1e3)
+                    else:
+                        errors[code] += 1
+
+        await asyncio.gather(*(worker() for _ in range(level)))
+        tail_s = time.perf_counter() - t_end  # the last requests in flight finishing after the window
+    lat_ms.sort()
+    return {"level": level, "completed": len(lat_ms), "qps": len(lat_ms) / measure_s,
+            "mean_ms": float(np.mean(lat_ms)) if lat_ms else float("nan"), "p50_ms": _pct(lat_ms, 50),
+            "p99_ms": _pct(lat_ms, 99), "max_ms": lat_ms[-1] if lat_ms else float("nan"),
+            "errors": dict(errors), "num_errors": sum(errors.values()), "sent": sent[0],
+            "warmup_s": warmup_s, "measure_s": measure_s, "tail_s": round(tail_s, 3)}
+
+
+def capacity(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in levels if r["completed"] and r["mean_ms"] < SLO_MEAN_MS and r["p99_ms"] < SLO_P99_MS]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: r["qps"])
+    return {"qps": best["qps"], "level": best["level"], "mean_ms": best["mean_ms"], "p99_ms": best["p99_ms"]}
+
+
+async def bench_system(name: str, target: str, w: dict[str, Any], high: int, args: argparse.Namespace,
+                       flops: int) -> dict[str, Any]:
+    reqs = Requests(w, high, seed=args.seed)
+    rows: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    for level in args.levels:
+        if rows and rows[-1]["mean_ms"] > args.stop_above_ms:
+            skipped.append(level)  # bounded in time: past this the loop only measures a queue
+            continue
+        r = await run_level(target, w, reqs, level, args.warmup_s, args.measure_s, args.rpc_timeout_s)
+        rows.append(r)
+        print(f"  {name:8s} level {level:4d}: {r['qps']:9.1f} req/s  mean {r['mean_ms']:8.2f} ms  "
+              f"p50 {r['p50_ms']:8.2f}  p99 {r['p99_ms']:8.2f}  errors {r['errors'] or 0}", flush=True)
+    cap = capacity(rows)
+    out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": skipped, "capacity": cap}
+    out["eff_mfu_bf16"] = cap["qps"] * flops / PEAK_BF16 if cap else 0.0
+    out["max_qps"] = max((r["qps"] for r in rows), default=0.0)
+    return out
+
+
+async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: int) -> dict[str, Any]:
+    """The same n requests to every system: the largest logprob difference, and whether beam ids agree."""
+    reqs = Requests(w, high, seed=12345)
+    msgs = [reqs.next() for _ in range(n)]
+    stubs = load_stubs()
+    answers: dict[str, list[Any]] = {}
+    for name, target in targets.items():
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = stubs.pb2_grpc.RankerStub(ch)
+            call = stub.Score if w["kind"] == "score" else stub.BeamSearch
+            answers[name] = [await call(m, timeout=120) for m in msgs]
+    a, b = answers["slmrank"], answers["hf_peer"]
+    max_diff, ids_equal = 0.0, True
+    for x, y in zip(a, b):
+        if w["kind"] == "score":
+            for sx, sy in zip(x.samples, y.samples):
+                max_diff = max(max_diff, float(np.max(np.abs(np.array(sx.logprobs) - np.array(sy.logprobs)))))
+        else:
+            ids_equal &= [list(bx.ids) for bx in x.beams] == [list(by.ids) for by in y.beams]
+            max_diff = max(max_diff, max(abs(bx.logprob - by.logprob) for bx, by in zip(x.beams, y.beams)))
+    from service.client import to_json
+
+    return {"requests": n, "max_abs_logprob_diff": max_diff, "beam_ids_equal": ids_equal,
+            "first": {k: to_json(v[0]) for k, v in answers.items()}}
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from service.cli import resolve_artifact
+
+    w = parse_workload(args.workload)
+    model = args.model or w.get("model") or "embedded:tiny"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    artifact = resolve_artifact(model, quiet=True)
+    cfg = artifact.config
+    high = min(ID_HIGH, cfg.vocab_size)
+    flops = flops_per_request(cfg, w)
+    runtime = args.runtime or ("cpp" if args.device == "cuda" else "python")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "git": _git_commit(),
+        "workload": w, "model": model, "device": args.device, "runtime": runtime, "dtype": dtype,
+        "levels": args.levels, "warmup_s": args.warmup_s, "measure_s": args.measure_s,
+        "slo": {"mean_ms": SLO_MEAN_MS, "p99_ms": SLO_P99_MS}, "logical_flops_per_request": flops,
+        "peak_flops": PEAK_BF16, "id_range": [0, high], "systems": {}}
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-grpc-"))
+    served_model, ckpt = model, None
+    if args.peer:
+        ckpt_path = Path(model)
+        if ckpt_path.is_dir() and (ckpt_path / "config.json").exists():
+            ckpt = str(ckpt_path)  # an HF checkpoint already: both systems load it
+        else:
+            sys.path.insert(0, str(ROOT / "ops"))
+            from bench_executor import save_hf_checkpoint
+
+            ckpt = save_hf_checkpoint(artifact, str(tmp / "hf"))
+            served_model = ckpt  # slmrank serves the checkpoint too: the same (bf16-rounded) weights
+        result["hf_checkpoint"] = ckpt
+    result["served_model"] = served_model
+
+    procs: dict[str, Proc] = {}
+    try:
+        procs["slmrank"] = Proc("slmrank", [
+            sys.executable, "-m", "service.cli", "serve", "--model", served_model, "--host", "127.0.0.1",
+            "--port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "5"],
+            out / "slmrank_server.log", args.start_timeout_s)
+        if args.peer:
+            procs["hf_peer"] = Proc("hf_peer", [
+                sys.executable, "-m", "service.hf_peer", "--checkpoint", ckpt, "--host", "127.0.0.1",
+                "--port", "0", "--device", args.device], out / "hf_peer.log", args.start_timeout_s)
+        for p in procs.values():
+            await wait_serving(p.target, args.start_timeout_s)
+        result["startup_s"] = round(time.perf_counter() - t0, 2)
+        if args.peer:
+            result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high, args.check_requests)
+        for name, p in procs.items():
+            print(f"{name} on {p.target}:", flush=True)
+            result["systems"][name] = await bench_system(name, p.target, w, high, args, flops)
+    finally:
+        for name, p in procs.items():
+            rc = p.stop()
+            if name in result["systems"]:
+                result["systems"][name]["exit_code"] = rc
+        shutil.rmtree(tmp, ignore_errors=True)
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    (out / "bench_grpc.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n== {result['workload']['name']} on {result['model']} ({result['device']}, {result['dtype']}); "
+          f"{result['logical_flops_per_request'] / 1e12:.4f} TFLOP/request ==")
+    print(f"{'system':8s} {'level':>5s} {'req/s':>9s} {'mean ms':>9s} {'p50 ms':>9s} {'p99 ms':>9s} {'errors':>6s}")
+    for name, s in result["systems"].items():
+        for r in s["levels"]:
+            print(f"{name:8s} {r['level']:5d} {r['qps']:9.1f} {r['mean_ms']:9.2f} {r['p50_ms']:9.2f} "
+                  f"{r['p99_ms']:9.2f} {r['num_errors']:6d}")
+        cap = s["capacity"]
+        print(f"{name:8s} capacity: " + (f"{cap['qps']:.1f} req/s at level {cap['level']}, eff. MFU "
+                                         f"{s['eff_mfu_bf16']:.2%}" if cap else "none within the SLO"))
+    if "agreement" in result:
+        a = result["agreement"]
+        print(f"agreement on {a['requests']} requests: max |logprob diff| {a['max_abs_logprob_diff']:.2e}, "
+              f"beam ids equal: {a['beam_ids_equal']}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", required=True, help="W1..W6, or 'score,prefix=0,samples=3,len=8,labels=2' / "
+                                                     "'beam,prompt=16,beam=4,new=3'")
+    p.add_argument("--levels", default=None, help="requests in flight, comma list (default 1,2,...,64; W6: 1)")
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--measure-s", type=float, default=10.0)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_grpc"))
+    p.add_argument("--peer", action="store_true", help="also the Hugging Face peer, on the same weights")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--model", default=None, help="embedded spec, HF checkpoint or artifact dir (default: the workload's)")
+    p.add_argument("--runtime", default=None, choices=["python", "cpp"], help="default: cpp on cuda, python on cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--check-requests", type=int, default=2, help="requests sent to both systems to compare answers")
+    p.add_argument("--stop-above-ms", type=float, default=2000.0,
+                   help="skip the higher levels once a level's mean latency exceeds this")
+    p.add_argument("--rpc-timeout-s", type=float, default=60.0)
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    w = parse_workload(args.workload)
+    args.levels = [int(x) for x in (args.levels or w.get("levels") or "1,2,4,8,16,32,64").split(",")]
+    if args.warmup_s < 0 or args.measure_s <= 0 or min(args.levels) < 1:
+        raise SystemExit("--warmup-s >= 0, --measure-s > 0, levels >= 1")
+    result = asyncio.run(run(args))
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""ops/bench_grpc.py end to end on the CPU: `slmrank serve` and the Hugging Face peer as
+subprocesses on loopback, a tiny random Qwen2 checkpoint (vocab 512) that both load, a small Score
+workload, levels 1 and 2. The numbers are not judged, only that the report is whole and sane; and
+the two systems' answers on the same requests agree within 1e-4 (same weights, float32).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.3, tie_word_embeddings=True)
+    out = tmp_path_factory.mktemp("bench_grpc") / "qwen2_tiny"
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("workload", ["score,prefix=5,samples=3,len=7,labels=2"])
+def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              workload: str) -> None:
+    import bench_grpc
+
+    monkeypatch.setenv("SLMRANK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    bench_grpc.main(["--workload", workload, "--levels", "1,2", "--warmup-s", "0.2", "--measure-s", "1",
+                     "--out", str(out), "--peer", "--device", "cpu", "--model", str(tiny_checkpoint),
+                     "--check-requests", "3", "--start-timeout-s", "60"])
+    result = json.loads((out / "bench_grpc.json").read_text())
+
+    assert set(result["systems"]) == {"slmrank", "hf_peer"}
+    assert result["logical_flops_per_request"] > 0
+    assert result["id_range"] == [0, 512]
+    for name, system in result["systems"].items():
+        assert [r["level"] for r in system["levels"]] == [1, 2], name
+        for r in system["levels"]:
+            assert r["qps"] > 0 and r["completed"] > 0, (name, r)
+            assert r["mean_ms"] > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0, (name, r)
+            assert r["num_errors"] == 0 and r["errors"] == {}, (name, r)
+        assert system["exit_code"] == 0, name
+        cap = system["capacity"]
+        if cap is not None:
+            assert cap["mean_ms"] < 20 and cap["p99_ms"] < 80
+            assert system["eff_mfu_bf16"] > 0
+
+    agree = result["agreement"]
+    assert agree["requests"] == 3
+    assert agree["max_abs_logprob_diff"] < 1e-4, agree
+    first = agree["first"]
+    assert len(first["slmrank"]["samples"]) == len(first["hf_peer"]["samples"]) == 3
+    for a, b in zip(first["slmrank"]["samples"], first["hf_peer"]["samples"]):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)

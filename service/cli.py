@@ -131,7 +131,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  "--beam-width 4 --new-tokens 3")
 
     def loader():
-        return load_model(args.model, args.runtime, args.device, args.dtype, quiet=args.quiet)
+        return load_model(args.model, args.runtime, args.device, args.dtype, quiet=args.quiet,
+                          capture_graphs=args.capture_graphs == "all")
 
     return serve(config, loader, announce, on_ready)
 
@@ -187,6 +188,9 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--runtime", default="python", choices=["python", "cpp"])
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
+    s.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
+                   help="C++ runtime on a GPU: capture every bucket's CUDA graph before SERVING (all), "
+                        "or each one at its first batch (lazy: faster start, slower first requests)")
     s.add_argument("--grace-s", type=float, default=20.0,
                    help="SIGTERM/SIGINT: finish in-flight requests for at most this long, then exit")
     o = s.add_argument_group("observability", "tracing flags override SLMRANK_TRACE_SAMPLE_RATE, "

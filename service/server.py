@@ -93,13 +93,14 @@ class Model:
 
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
-               quiet: bool = True) -> Model:
-    """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU), tokenizer."""
+               quiet: bool = True, capture_graphs: bool = True) -> Model:
+    """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
+    capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
     from .cli import make_runtime, resolve_artifact
 
     artifact = resolve_artifact(spec, quiet=quiet)
     rt = make_runtime(runtime, artifact, device, dtype)
-    if hasattr(rt, "capture"):
+    if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir))
 

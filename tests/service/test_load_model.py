@@ -1,0 +1,35 @@
+"""load_model: the runtime's graphs are captured before SERVING unless the server asked for lazy capture."""
+
+from __future__ import annotations
+
+import pytest
+
+import service.cli as cli
+from service.server import load_model
+
+
+class _RecordingRuntime:
+    """Wraps the real Python runtime and records capture() calls (CppRuntime's start-up hook)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.captures = inner, 0
+
+    def capture(self, quiet: bool = True) -> list:
+        self.captures += 1
+        return []
+
+
+@pytest.mark.parametrize("capture_graphs, expected", [(True, 1), (False, 0)])
+def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_graphs, expected):
+    real_make_runtime = cli.make_runtime
+    made: list[_RecordingRuntime] = []
+
+    def make_runtime(name, artifact, device, dtype):
+        made.append(_RecordingRuntime(real_make_runtime(name, artifact, device, dtype)))
+        return made[-1]
+
+    monkeypatch.setattr(cli, "make_runtime", make_runtime)
+    model = load_model(str(qwen2_tiny.artifact.path), "python", capture_graphs=capture_graphs)
+    assert model.runtime is made[0]
+    assert made[0].captures == expected
+    assert model.tokenizer.vocab_size > 0

@@ -85,23 +85,26 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
-                         max_beam_rows: int = 1600) -> BucketTable:
+                         max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128,)) -> BucketTable:
     """Powers-of-two tiers (padding waste < 2x) up to the limits.
 
     max_batch_tokens bounds a Score batch (several whole requests); max_beam_rows bounds
-    requests x beam_width of a BeamSearch batch.
+    requests x beam_width of a BeamSearch batch; a BeamSearch bucket holds requests x a prompt
+    tier (prompt_tiers below the limit, and the limit) packed prompt tokens, so a short prompt is
+    not padded to the longest one.
     """
     max_batch_tokens = max(max_batch_tokens, limits.max_score_tokens)
     score = [ScoreBucket(t, max(limits.max_samples, t // 8))
              for t in _powers_of_two(min(64, max_batch_tokens), max_batch_tokens)]
     widths = sorted({w for w in (1, 4, 16, 64, 128, 256) if w < limits.max_beam_width}
                     | {limits.max_beam_width})
+    prompts = sorted({p for p in prompt_tiers if p < limits.max_prompt_tokens} | {limits.max_prompt_tokens})
     beam = []
     for n in range(1, limits.max_new_tokens + 1):
         for w in widths:
             r = 1
             while r * w <= max(max_beam_rows, w):
-                beam.append(BeamBucket(n, r, r * limits.max_prompt_tokens, w))
+                beam.extend(BeamBucket(n, r, r * p, w) for p in prompts)
                 r *= 2
                 if r > 8:
                     break

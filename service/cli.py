@@ -8,9 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .artifact import DTYPES, MANIFEST, Artifact, ArtifactError, build_artifact, load_artifact
-from .config import ConfigError
+if TYPE_CHECKING:
+    from .artifact import Artifact
+
+# torch (behind .artifact) is imported only by the commands that run a model: `slmrank client`
+# and `slmrank trace` start in a fraction of a second.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def cache_dir() -> Path:
@@ -30,6 +35,8 @@ def _checkpoint_fingerprint(ckpt: Path) -> str:
 
 def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
     """An artifact directory as it is; an embedded spec or a checkpoint is built once into the cache."""
+    from .artifact import MANIFEST, ArtifactError, build_artifact, load_artifact
+
     path = Path(model)
     if path.is_dir() and (path / MANIFEST).exists():
         return load_artifact(path)
@@ -47,6 +54,8 @@ def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    from .artifact import build_artifact, load_artifact
+
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet)
     art = load_artifact(out)
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}, "
@@ -55,6 +64,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None):
+    from .artifact import DTYPES
+
     torch_dtype = DTYPES[dtype] if dtype else None
     if name == "python":
         from .python_runtime import PythonRuntime
@@ -187,7 +198,7 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--runtime", default="python", choices=["python", "cpp"])
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    s.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
+    s.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
     s.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="C++ runtime on a GPU: capture every bucket's CUDA graph before SERVING (all), "
                         "or each one at its first batch (lazy: faster start, slower first requests)")
@@ -254,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", required=True, help="embedded:tiny | embedded:qwen2.5-0.5b | embedded:qwen3-0.6b | "
                                                   "embedded:qwen3-1.7b | a local HF checkpoint directory")
     b.add_argument("--out", required=True, help="artifact directory to write")
-    b.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: the source's)")
+    b.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="weight dtype (auto: the source's)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--requests", required=True, help="input JSONL, one request per line")
     r.add_argument("--out", required=True, help="output JSONL, one result per line, in input order")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    r.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights')")
+    r.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_run)
     _add_serve_parsers(sub)
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.func(args)
-    except (ArtifactError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ArtifactError, ConfigError, RequestError are ValueErrors
         print(f"slmrank {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

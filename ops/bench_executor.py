@@ -7,7 +7,8 @@
 2. graph replay vs eager: per-node device time of one batch in both modes;
 3. throughput of W1/W2/W3 (BENCHMARKS.md), batches submitted directly, for cpp-graph, cpp-eager
    and python, beside Hugging Face transformers one request at a time, with effective MFU;
-4. a soak: 10,000 consecutive mixed requests through the executor, host RSS and GPU memory.
+4. lanes: async submit with 1 lane / 1 batch in flight vs 2 lanes / 2 in flight;
+5. a soak: 10,000 consecutive mixed requests through the executor, host RSS and GPU memory.
 Writes DIR/bench.json and DIR/log.txt; prints a short table last.
 """
 
@@ -98,6 +99,47 @@ def time_runtime(rt, art, name, per_batch, seconds, g) -> dict:
     times.sort()
     return {"batches": n, "req_per_s": n * per_batch / elapsed, "batch_ms_p50": times[len(times) // 2],
             "batch_ms_max": times[-1], "requests_per_batch": per_batch, "bucket": batches[0][1].bucket.key}
+
+
+def time_submit(rt, art, name, per_batch, seconds, g, inflight: int) -> dict:
+    """Like time_runtime, but `inflight` batches kept submitted through the async API (the lanes)."""
+    import asyncio
+
+    batches = [make_batch(art, [workload(name, g) for _ in range(per_batch)]) for _ in range(4)]
+
+    async def go() -> tuple[int, float]:
+        for _, b in batches:
+            await rt.submit(b)
+        n, t0 = 0, time.perf_counter()
+
+        async def worker(k: int) -> None:
+            nonlocal n
+            i = k
+            while time.perf_counter() - t0 < seconds:
+                await rt.submit(batches[i % len(batches)][1])
+                n += 1
+                i += inflight
+        await asyncio.gather(*(worker(k) for k in range(inflight)))
+        return n, time.perf_counter() - t0
+
+    n, elapsed = asyncio.run(go())
+    return {"batches": n, "req_per_s": n * per_batch / elapsed, "requests_per_batch": per_batch,
+            "in_flight": inflight, "bucket": batches[0][1].bucket.key}
+
+
+def lanes(arts, seconds, g) -> dict:
+    """Executor throughput with 1 lane / 1 batch in flight vs 2 lanes / 2 in flight (cpp graphs)."""
+    rows = {}
+    for name, art, per_batch in (("W1", arts["qwen3-0.6b"], 8), ("W2", arts["qwen2.5-0.5b"], 8)):
+        for num_lanes in (1, 2):
+            rt = CppRuntime(art, device="cuda", use_graphs=True, num_lanes=num_lanes)
+            r = time_submit(rt, art, name, per_batch, seconds, g, inflight=num_lanes)
+            rows[f"{name}/lanes{num_lanes}/x{per_batch}"] = r
+            log(f"{name} cpp_graph lanes={num_lanes} in flight={num_lanes} x{per_batch}: {r['req_per_s']:.1f} req/s")
+            rt.shutdown()
+            del rt
+            torch.cuda.empty_cache()
+    return rows
 
 
 def hf_peer(ckpt_dir: str, name: str, n: int, g) -> dict:
@@ -251,9 +293,16 @@ def soak(art, num_requests: int, g) -> dict:
         if done == warmup or (done > warmup and (done - warmup) % 1000 == 0):
             samples.append({"requests": done - warmup, "rss_mib": round(rss_mib(), 1),
                             "gpu_alloc_mib": round(torch.cuda.memory_allocated() / 2**20, 1),
-                            "gpu_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1)})
+                            "gpu_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
+                            "seconds": round(time.perf_counter() - t0, 1)})
+            log(f"soak {samples[-1]}")
     rt.shutdown()
     return {"requests": done - warmup, "seconds": round(time.perf_counter() - t0, 1), "samples": samples}
+
+
+def save(out: Path, result: dict) -> None:
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    (out / "log.txt").write_text("\n".join(LOG))
 
 
 def main() -> None:
@@ -261,7 +310,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
-    p.add_argument("--skip", default="", help="comma list of: identity,nodes,breakdown,throughput,hf,soak")
+    p.add_argument("--skip", default="", help="comma list of: identity,soak,nodes,breakdown,lanes,throughput,hf")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -278,13 +327,26 @@ def main() -> None:
 
     if "identity" not in skip:
         result["identity"] = identity_check(m05, g)
+        save(out, result)
         log(f"identity (M05 bf16 cuda): {result['identity']}")
+    if "soak" not in skip:
+        result["soak"] = soak(m05, args.soak, g)
+        save(out, result)
+        first, last = result["soak"]["samples"][0], result["soak"]["samples"][-1]
+        log(f"soak: {result['soak']['requests']} requests in {result['soak']['seconds']} s; after warm-up "
+            f"RSS {first['rss_mib']} MiB, GPU {first['gpu_alloc_mib']}/{first['gpu_reserved_mib']} MiB; at the end "
+            f"RSS {last['rss_mib']} MiB, GPU {last['gpu_alloc_mib']}/{last['gpu_reserved_mib']} MiB")
     if "nodes" not in skip:
         result["nodes"] = node_breakdown(m05, g)
+        save(out, result)
         log(f"graph vs eager (W2 x4): {json.dumps(result['nodes'])}")
     if "breakdown" not in skip:
         result["breakdown"] = breakdown(arts, g)
+        save(out, result)
         log(f"device ms by node category, x1 graph: {json.dumps(result['breakdown'])}")
+    if "lanes" not in skip:
+        result["lanes"] = lanes(arts, args.seconds, g)
+        save(out, result)
     if "throughput" not in skip:
         rows = {}
         for name, art, per_batch in (("W1", m06, 8), ("W2", m05, 8), ("W3", m05, 4)):
@@ -310,20 +372,15 @@ def main() -> None:
                 r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
                 rows[f"{name}/hf/x1"] = r
                 log(f"{name} hf x1: {r['req_per_s']:.1f} req/s, {r['ms_per_req']:.1f} ms/req, MFU {r['eff_mfu_bf16']:.1%}")
+            result["throughput"] = rows
+            save(out, result)
         result["throughput"] = rows
-    if "soak" not in skip:
-        result["soak"] = soak(m05, args.soak, g)
-        first, last = result["soak"]["samples"][0], result["soak"]["samples"][-1]
-        log(f"soak: {result['soak']['requests']} requests in {result['soak']['seconds']} s; after warm-up "
-            f"RSS {first['rss_mib']} MiB, GPU {first['gpu_alloc_mib']}/{first['gpu_reserved_mib']} MiB; at the end "
-            f"RSS {last['rss_mib']} MiB, GPU {last['gpu_alloc_mib']}/{last['gpu_reserved_mib']} MiB")
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
-    (out / "log.txt").write_text("\n".join(LOG))
+    save(out, result)
     print("\n== summary ==")
     if "identity" in result:
         print("identity:", result["identity"]["equal_to_python"])
-    for k, v in result.get("throughput", {}).items():
-        print(f"{k:24s} {v['req_per_s']:8.1f} req/s  MFU {v['eff_mfu_bf16']:6.1%}")
+    for k, v in {**result.get("lanes", {}), **result.get("throughput", {})}.items():
+        print(f"{k:24s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}")
     if "nodes" in result:
         for k, v in result["nodes"].items():
             print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")

@@ -111,7 +111,7 @@ struct CapturedGraph::Impl {
 
 CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_names,
                              std::vector<std::string> output_names, size_t num_nodes, const Body& body,
-                             std::pair<uint64_t, uint64_t> pool_id, int lane)
+                             std::pair<uint64_t, uint64_t> pool_id, int lane, bool warm_up)
     : impl_(new Impl) {
   Impl& g = *impl_;
   g.input_names = std::move(input_names);
@@ -123,12 +123,11 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   g.stream = lane_stream(device, lane);
   c10::cuda::CUDAStreamGuard stream_guard(*g.stream);
 
-  // Warm-up on the capture stream: initialises cuBLAS handles and workspaces outside the graph.
-  {
+  if (warm_up) {  // on the capture stream: initialises cuBLAS handles and workspaces outside the graph
     Env warm = static_env;
     body(warm, [](size_t) {});
+    check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");
   }
-  check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");
 
   g.env = std::move(static_env);
   auto record = [&g](size_t k) {
@@ -147,6 +146,13 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
     throw;
   }
   g.graph.capture_end();
+  {  // keep the inputs and outputs only
+    Env kept;
+    for (const auto& names : {&g.input_names, &g.output_names}) {
+      for (const auto& name : *names) kept[name] = g.env.at(name);
+    }
+    g.env = std::move(kept);
+  }
 
   for (const auto& name : g.input_names) {
     const at::Tensor& t = g.env.at(name);
@@ -206,7 +212,7 @@ void CudaNodeTimer::mark(size_t) {}
 std::vector<double> CudaNodeTimer::elapsed_ms(size_t) { return {}; }
 struct CapturedGraph::Impl {};
 CapturedGraph::CapturedGraph(Env, std::vector<std::string>, std::vector<std::string>, size_t, const Body&,
-                             std::pair<uint64_t, uint64_t>, int) {
+                             std::pair<uint64_t, uint64_t>, int, bool) {
   throw std::runtime_error("CUDA graphs: this extension was built without CUDA");
 }
 CapturedGraph::~CapturedGraph() = default;

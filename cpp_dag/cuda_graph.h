@@ -50,12 +50,17 @@ class CapturedGraph {
   // Runs the nodes of one bucket, calling mark(k) after node k (k = 0..num_nodes-1).
   using Body = std::function<void(Env& env, const std::function<void(size_t)>& mark)>;
 
-  // static_env: device buffers of the bucket (inputs and beam state), allocated before capture.
-  // Runs body once eagerly (warm-up), then captures it into a graph drawing on `pool_id`
-  // (graphs that never run concurrently share one pool), on lane `lane`'s stream, which also
-  // runs its replays. Throws on any failure, the capture ended cleanly.
+  // static_env: the bucket's input buffers on the device, allocated before capture (outside the pool).
+  // With warm_up, runs body once eagerly first (initialises cuBLAS handles and workspaces for the
+  // lane's stream; needed by a lane's first capture only). Then captures body into a graph drawing
+  // on `pool_id` (graphs that never run concurrently share one pool), on lane `lane`'s stream,
+  // which also runs its replays. After capture only the inputs and outputs stay referenced: every
+  // intermediate buffer goes back to the pool, for the next capture of the lane to reuse (the
+  // outputs are copied out right after each replay, before the lane replays anything else).
+  // Throws on any failure, the capture ended cleanly.
   CapturedGraph(Env static_env, std::vector<std::string> input_names, std::vector<std::string> output_names,
-                size_t num_nodes, const Body& body, std::pair<uint64_t, uint64_t> pool_id, int lane);
+                size_t num_nodes, const Body& body, std::pair<uint64_t, uint64_t> pool_id, int lane,
+                bool warm_up = true);
   ~CapturedGraph();
 
   struct Replay {

@@ -122,21 +122,23 @@ void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const 
 Env Executor::device_env(const BatchSpec& batch) const {
   Env env;
   for (const auto& [name, tensor] : batch.inputs) env[name] = tensor.to(device_, /*non_blocking=*/false);
-  if (batch.kind == Kind::kBeam) {
-    const auto& cfg = ctx_.cfg;
-    const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
-    if (r < 1 || b < 1 || n < 1) {
-      throw std::invalid_argument("beam batch: num_requests, beam_width and new_tokens must be >= 1");
-    }
-    auto state = at::TensorOptions().dtype(ctx_.rope_cos.scalar_type()).device(device_);
-    env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
-    for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
-      for (const char* kv : {"suffix_k.", "suffix_v."}) {
-        env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim}, state);
-      }
-    }
+  if (batch.kind == Kind::kBeam && (batch.num_requests < 1 || batch.beam_width < 1 || batch.new_tokens < 1)) {
+    throw std::invalid_argument("beam batch: num_requests, beam_width and new_tokens must be >= 1");
   }
   return env;
+}
+
+void Executor::add_beam_state(Env& env, const BatchSpec& batch) const {
+  if (batch.kind != Kind::kBeam) return;
+  const auto& cfg = ctx_.cfg;
+  const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
+  auto state = at::TensorOptions().dtype(ctx_.rope_cos.scalar_type()).device(device_);
+  env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
+    for (const char* kv : {"suffix_k.", "suffix_v."}) {
+      env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim}, state);
+    }
+  }
 }
 
 namespace {
@@ -180,11 +182,15 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   std::vector<const Node*> nodes = plan(batch);
   std::vector<std::string> inputs;
   for (const auto& [name, t] : batch.inputs) inputs.push_back(name);
-  auto body = [this, &nodes](Env& env, const std::function<void(size_t)>& mark) {
+  // The beam state is allocated inside the body: during capture it comes from the lane's pool and
+  // is handed back to it afterwards, like every other intermediate buffer of the graph.
+  auto body = [this, &nodes, &batch](Env& env, const std::function<void(size_t)>& mark) {
+    add_beam_state(env, batch);
     run_nodes(nodes, env, mark, nullptr);
   };
   auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), nodes.size(),
-                                               body, lane.graph_pool, lane.index);
+                                               body, lane.graph_pool, lane.index,
+                                               /*warm_up=*/lane.graphs.empty());
   if (capture_ms) *capture_ms = ms_between(start, now_ns());
   return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }
@@ -230,6 +236,7 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
     return out;
   }
   Env env = device_env(batch);
+  add_beam_state(env, batch);
   t.h2d_end_ns = now_ns();
   t.launch_ns = t.h2d_end_ns;
   std::vector<double> host_ms;

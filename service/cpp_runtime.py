@@ -39,6 +39,8 @@ class CppRuntime:
         self.device = torch.device(device)
         self.dtype = dtype or artifact.weight_dtype
         dtype_name = str(self.dtype).removeprefix("torch.")
+        if self.device.type == "cuda":
+            torch.cuda.init()  # else torch.cuda.memory_* report 0 for memory the executor allocates
         # verify=False: load_artifact already checked every hash once, at start-up.
         self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
                                                      verify=False, num_lanes=num_lanes)
@@ -103,8 +105,10 @@ class CppRuntime:
                     ms = self._executor.prepare("beam", pack_beam([], bucket).inputs, num_requests=bucket.max_requests,
                                                 beam_width=bucket.beam_width, new_tokens=bucket.new_tokens)
                 reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-                log.append({"bucket": bucket.key, "capture_ms": ms, "reserved_bytes": reserved})
-                bar.advance(1, f"{bucket.key} {ms:.0f} ms, {reserved / 2**30:.2f} GiB reserved")
+                used = _device_used(self.device)
+                log.append({"bucket": bucket.key, "capture_ms": ms, "reserved_bytes": reserved, "device_used_bytes": used})
+                bar.advance(1, f"{bucket.key} {ms:.0f} ms, {reserved / 2**30:.2f} GiB reserved by torch, "
+                               f"{used / 2**30:.2f} GiB used on the device")
         return log
 
     def node_names(self, kind: str) -> list[str]:
@@ -112,6 +116,14 @@ class CppRuntime:
 
     def shutdown(self) -> None:
         self._executor.shutdown()
+
+
+def _device_used(device: torch.device) -> int:
+    """Bytes in use on the whole device (every process), 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 def _bucket_size(bucket: ScoreBucket | BeamBucket) -> int:

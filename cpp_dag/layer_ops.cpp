@@ -3,6 +3,8 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/silu.h>
 
 #include <limits>
@@ -81,6 +83,21 @@ std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const a
   at::Tensor p = s.sub(lse.unsqueeze(-1)).exp().masked_fill(hidden, 0.0);
   at::Tensor out = p.to(v.scalar_type()).matmul(vx.transpose(0, 1));  // [H, N, E]
   return {out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()};
+}
+
+at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype) {
+  at::Tensor bias = at::zeros(mask.sizes(), mask.options().dtype(dtype)).masked_fill(mask.bitwise_not(), kNegInf);
+  return bias.view({1, 1, mask.size(0), mask.size(1)});
+}
+
+at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            double scale) {
+  const int64_t h = q.size(1);
+  at::Tensor q4 = q.transpose(0, 1).unsqueeze(0);
+  at::Tensor k4 = expand_kv(k, h).transpose(0, 1).unsqueeze(0);
+  at::Tensor v4 = expand_kv(v, h).transpose(0, 1).unsqueeze(0);
+  at::Tensor out = at::scaled_dot_product_attention(q4, k4, v4, bias, 0.0, false, scale);
+  return out.squeeze(0).transpose(0, 1).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

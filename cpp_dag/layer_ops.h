@@ -28,6 +28,13 @@ at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& 
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& mask, double scale);
 
+// mask [N, M] bool -> additive bias [1, 1, N, M] in `dtype`: 0 where visible, -inf elsewhere
+at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype);
+
+// q [N, H, E]; k, v [M, G, E]; bias from attention_bias -> out [N, H, E] (fused SDPA; the CUDA path)
+at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            double scale);
+
 // q [N, H, E]; k, v [N, T, G, E] (each row its own keys) -> out [N, H, E], lse [N, H] float32
 std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      double scale);

@@ -37,10 +37,15 @@ class DecoderLayer final : public Node {
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
       const at::Tensor& pos = env.at("positions");
       auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos));
-      if (mode_ == Mode::kScore) {
+      auto bias = env.find("attn_bias");  // on CUDA: one fused attention over the batch
+      if (bias != env.end()) {
+        attn = biased_attention(q, k, v, bias->second, ctx.scale);
+      } else if (mode_ == Mode::kScore) {
         attn = two_part_attention(q, k, v, env.at("mask_ctx"), k, v, env.at("mask_self"), ctx.scale);
       } else {
         attn = std::get<0>(masked_attention(q, k, v, env.at("mask_self"), ctx.scale));
+      }
+      if (mode_ == Mode::kPrefill) {
         env["prompt_k." + i_] = k;
         env["prompt_v." + i_] = v;
       }

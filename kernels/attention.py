@@ -3,6 +3,11 @@
 Plain-torch references. Shared-prefix attention is two calls merged through their log-sum-exp
 (kernels.attention_merge): the prefix/prompt part, whose K/V is stored once and shared by every
 sample/beam of a request, and the per-sequence suffix part.
+
+On CUDA, attention over a whole packed batch (Score, BeamSearch prefill) goes through
+`biased_attention` instead: torch's fused scaled_dot_product_attention with one additive bias
+built once per batch (`attention_bias`), so the [H, T, T] float32 scores of the reference are
+never materialised. The C++ runtime calls the same op (cpp_dag/layer_ops.cpp).
 """
 
 from __future__ import annotations
@@ -15,6 +20,24 @@ def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
     # expand + reshape, not repeat_interleave: no host sync, so it can live in a CUDA graph.
     *lead, g, e = k.shape
     return k.unsqueeze(-2).expand(*lead, g, num_heads // g, e).reshape(*lead, num_heads, e)
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask [N, M] bool (True = visible) -> additive bias [1, 1, N, M]: 0 where visible, -inf elsewhere."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return bias.view(1, 1, *mask.shape)
+
+
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [N, H, E]; k, v: [M, G, E]; bias [1, 1, N, M] from attention_bias (every row must see at
+    least one key). Returns out [N, H, E] through torch's fused SDPA kernels."""
+    h = q.shape[1]
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    k4 = _expand_kv(k, h).transpose(0, 1).unsqueeze(0)
+    v4 = _expand_kv(v, h).transpose(0, 1).unsqueeze(0)
+    out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale)
+    return out.squeeze(0).transpose(0, 1).contiguous()
 
 
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -310,6 +310,8 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
+    p.add_argument("--workloads", default="W1,W2,W3", help="throughput: comma list of W1,W2,W3")
+    p.add_argument("--runtimes", default="cpp_graph,cpp_eager,python", help="throughput: comma list")
     p.add_argument("--skip", default="", help="comma list of: identity,soak,nodes,breakdown,lanes,throughput,hf")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -349,12 +351,17 @@ def main() -> None:
         save(out, result)
     if "throughput" not in skip:
         rows = {}
+        wanted, runtimes = args.workloads.split(","), args.runtimes.split(",")
         for name, art, per_batch in (("W1", m06, 8), ("W2", m05, 8), ("W3", m05, 4)):
+            if name not in wanted:
+                continue
             cfg = art.config
             flops = flops_of(cfg, workload(name, g))
             for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
                                   ("cpp_eager", lambda a: CppRuntime(a, device="cuda", use_graphs=False)),
                                   ("python", lambda a: PythonRuntime(a, device="cuda"))):
+                if rt_name not in runtimes:
+                    continue
                 rt = make(art)
                 for bs in sorted({1, per_batch}):
                     r = time_runtime(rt, art, name, bs, args.seconds, g)

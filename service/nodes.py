@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import masked_attention_ref
+from kernels.attention import attention_bias, biased_attention, masked_attention_ref
 
 from .config import ModelConfig
 from .dag import Node
@@ -42,6 +42,8 @@ def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     same = seg.unsqueeze(1) == seg.unsqueeze(0)  # [T, T]
     env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a segment
     env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
+    if seg.is_cuda:  # one fused attention over the union (every row sees at least itself)
+        env["attn_bias"] = attention_bias(env["mask_self"] | env["mask_ctx"], ctx.rope_cos.dtype)
 
 
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -49,6 +51,8 @@ def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     same = seg.unsqueeze(1) == seg.unsqueeze(0)
     env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a prompt
     env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
+    if seg.is_cuda:
+        env["attn_bias"] = attention_bias(env["mask_self"], ctx.rope_cos.dtype)
 
 
 def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -62,11 +66,17 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     if mode == "score":
         cos, sin = ctx.rope_at(env["positions"])
         q, k, v = qkv_projection(cfg, w, x, cos, sin)
-        attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
+        if "attn_bias" in env:
+            attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
+        else:
+            attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
     elif mode == "prefill":
         cos, sin = ctx.rope_at(env["positions"])
         q, k, v = qkv_projection(cfg, w, x, cos, sin)
-        attn, _ = masked_attention_ref(q, k, v, env["mask_self"], ctx.scale)
+        if "attn_bias" in env:
+            attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
+        else:
+            attn, _ = masked_attention_ref(q, k, v, env["mask_self"], ctx.scale)
         env[f"prompt_k.{i}"], env[f"prompt_v.{i}"] = k, v
     else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
         t = node.step

@@ -28,19 +28,13 @@ def _segments(g: torch.Generator, n: int, with_prefix: bool) -> torch.Tensor:
     return mask
 
 
-def _check(device: str, dtype: torch.dtype, atol: float, seed: int, heads: int, kv_heads: int, dim: int,
-           n: int, with_prefix: bool) -> None:
+def _inputs(device: str, dtype: torch.dtype, seed: int, heads: int, kv_heads: int, dim: int, n: int,
+            with_prefix: bool):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n, heads, dim, generator=g).to(device, dtype)
     k = torch.randn(n, kv_heads, dim, generator=g).to(device, dtype)
     v = torch.randn(n, kv_heads, dim, generator=g).to(device, dtype)
-    mask = _segments(g, n, with_prefix).to(device)
-    scale = dim ** -0.5
-    want, _ = masked_attention_ref(q, k, v, mask, scale)
-    got = biased_attention(q, k, v, attention_bias(mask, dtype), scale)
-    assert got.shape == want.shape == (n, heads, dim) and got.dtype == dtype
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    return q, k, v, _segments(g, n, with_prefix).to(device)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -48,7 +42,11 @@ def _check(device: str, dtype: torch.dtype, atol: float, seed: int, heads: int, 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (14, 2, 64)])
 def test_biased_attention_matches_reference_cpu(seed: int, with_prefix: bool, heads: int, kv_heads: int,
                                                 dim: int) -> None:
-    _check("cpu", torch.float32, 2e-5, seed, heads, kv_heads, dim, 96, with_prefix)
+    q, k, v, mask = _inputs("cpu", torch.float32, seed, heads, kv_heads, dim, 96, with_prefix)
+    want, _ = masked_attention_ref(q, k, v, mask, dim ** -0.5)
+    got = biased_attention(q, k, v, attention_bias(mask, torch.float32), dim ** -0.5)
+    assert got.shape == want.shape == (96, heads, dim) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
 def test_bias_is_zero_where_visible_and_minus_inf_elsewhere() -> None:
@@ -64,6 +62,16 @@ def test_bias_is_zero_where_visible_and_minus_inf_elsewhere() -> None:
 @pytest.mark.parametrize("heads,kv_heads,dim,n", [(14, 2, 64, 512), (16, 8, 128, 1024)])
 def test_biased_attention_matches_reference_cuda(seed: int, with_prefix: bool, heads: int, kv_heads: int,
                                                  dim: int, n: int) -> None:
-    # bf16 inputs; the reference rounds its probabilities to bf16 before P@V, SDPA keeps them in
-    # float32 on chip: differences of a few bf16 ulps of values |out| < ~3
-    _check("cuda", torch.bfloat16, 3e-2, seed, heads, kv_heads, dim, n, with_prefix)
+    """In bf16 neither is exact: the reference rounds its probabilities to bf16 before P@V, SDPA
+    keeps them in float32 on chip. Both are measured against the float64 result on the same bf16
+    inputs; the fused kernel must be no less accurate than the reference (up to 1e-3)."""
+    q, k, v, mask = _inputs("cuda", torch.bfloat16, seed, heads, kv_heads, dim, n, with_prefix)
+    scale = dim ** -0.5
+    truth, _ = masked_attention_ref(q.double(), k.double(), v.double(), mask, scale)
+    ref, _ = masked_attention_ref(q, k, v, mask, scale)
+    got = biased_attention(q, k, v, attention_bias(mask, torch.bfloat16), scale)
+    assert got.shape == ref.shape == (n, heads, dim) and got.dtype == torch.bfloat16
+    assert torch.isfinite(got).all()
+    err_got, err_ref = (got.double() - truth).abs(), (ref.double() - truth).abs()
+    assert err_got.max() <= err_ref.max() + 1e-3, (err_got.max().item(), err_ref.max().item())
+    assert err_got.mean() <= err_ref.mean() + 1e-4, (err_got.mean().item(), err_ref.mean().item())

@@ -19,7 +19,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 1;
+inline constexpr int64_t kArtifactFormatVersion = 2;  // service/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;

@@ -87,17 +87,17 @@ std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const a
 
 at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype) {
   at::Tensor bias = at::zeros(mask.sizes(), mask.options().dtype(dtype)).masked_fill(mask.bitwise_not(), kNegInf);
-  return bias.view({1, 1, mask.size(0), mask.size(1)});
+  return bias.view({-1, 1, mask.size(-2), mask.size(-1)});
 }
 
 at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                             double scale) {
-  const int64_t h = q.size(1);
-  at::Tensor q4 = q.transpose(0, 1).unsqueeze(0);
-  at::Tensor k4 = expand_kv(k, h).transpose(0, 1).unsqueeze(0);
-  at::Tensor v4 = expand_kv(v, h).transpose(0, 1).unsqueeze(0);
+  const int64_t h = q.size(1), r = bias.size(0), n = bias.size(-1);
+  at::Tensor q4 = q.view({r, n, h, -1}).transpose(1, 2);
+  at::Tensor k4 = expand_kv(k, h).view({r, n, h, -1}).transpose(1, 2);
+  at::Tensor v4 = expand_kv(v, h).view({r, n, h, -1}).transpose(1, 2);
   at::Tensor out = at::scaled_dot_product_attention(q4, k4, v4, bias, 0.0, false, scale);
-  return out.squeeze(0).transpose(0, 1).contiguous();
+  return out.transpose(1, 2).reshape(q.sizes());
 }
 
 std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

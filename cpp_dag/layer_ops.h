@@ -28,10 +28,11 @@ at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& 
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& mask, double scale);
 
-// mask [N, M] bool -> additive bias [1, 1, N, M] in `dtype`: 0 where visible, -inf elsewhere
+// mask [N, M] or [R, N, M] bool -> additive bias [1 or R, 1, N, M] in `dtype`: 0 where visible, -inf elsewhere
 at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype);
 
-// q [N, H, E]; k, v [M, G, E]; bias from attention_bias -> out [N, H, E] (fused SDPA; the CUDA path)
+// Block-diagonal: q [R*N, H, E]; k, v [R*N, G, E]; bias [R, 1, N, N] from attention_bias
+// -> out [R*N, H, E] (fused SDPA; the CUDA path)
 at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                             double scale);
 

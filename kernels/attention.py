@@ -23,21 +23,24 @@ def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """mask [N, M] bool (True = visible) -> additive bias [1, 1, N, M]: 0 where visible, -inf elsewhere."""
+    """mask [N, M] or [R, N, M] bool (True = visible) -> additive bias [1 or R, 1, N, M]: 0 where
+    visible, -inf elsewhere."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return bias.view(1, 1, *mask.shape)
+    return bias.view(-1, 1, mask.shape[-2], mask.shape[-1])
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q: [N, H, E]; k, v: [M, G, E]; bias [1, 1, N, M] from attention_bias (every row must see at
-    least one key). Returns out [N, H, E] through torch's fused SDPA kernels."""
-    h = q.shape[1]
-    q4 = q.transpose(0, 1).unsqueeze(0)
-    k4 = _expand_kv(k, h).transpose(0, 1).unsqueeze(0)
-    v4 = _expand_kv(v, h).transpose(0, 1).unsqueeze(0)
+    """Block-diagonal attention: q [R*N, H, E]; k, v [R*N, G, E]; bias [R, 1, N, N] from
+    attention_bias (block r: rows r*N ... r*N+N-1 see only keys of the same block, as the bias
+    allows; every row must see at least one key). Returns out [R*N, H, E] through torch's fused
+    SDPA kernels."""
+    h, r, n = q.shape[1], bias.shape[0], bias.shape[-1]
+    q4 = q.view(r, n, h, -1).transpose(1, 2)
+    k4 = _expand_kv(k, h).view(r, n, h, -1).transpose(1, 2)
+    v4 = _expand_kv(v, h).view(r, n, h, -1).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale)
-    return out.squeeze(0).transpose(0, 1).contiguous()
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -27,7 +27,7 @@ from .dag import Node, beam_dag, dag_from_list, dag_to_list, score_dag
 from .progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Score buckets of request blocks (block_tokens input, score_masks reads it)
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

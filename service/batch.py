@@ -41,8 +41,8 @@ class BeamBatch:
 
 
 def score_fits(bucket: ScoreBucket, requests: Sequence[ScoreRequest]) -> bool:
-    return (sum(r.num_tokens for r in requests) <= bucket.max_tokens
-            and sum(r.num_samples for r in requests) <= bucket.max_samples)
+    return bucket.holds(len(requests), max((r.num_tokens for r in requests), default=0),
+                        sum(r.num_samples for r in requests))
 
 
 def beam_fits(bucket: BeamBucket, requests: Sequence[BeamRequest]) -> bool:
@@ -63,12 +63,19 @@ def pick_beam_bucket(table: BucketTable, requests: Sequence[BeamRequest]) -> Bea
 
 
 def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: int) -> ScoreBatch:
-    """tokens/positions/seg/ctx [T]; last [S]; labels [S, L]. Each prefix and each sample is a segment;
-    a sample's ctx is its request's prefix segment (the shared prefix K/V it attends to)."""
-    t_max, s_max = bucket.max_tokens, bucket.max_samples
-    tokens, positions, seg, ctx, last, labels = [], [], [], [], [], []
+    """tokens/positions/seg/ctx [T]; block_tokens [R]; last [S]; labels [S, L].
+
+    Request i fills block i (rows i*request_tokens ...), padded to the block's end; blocks after
+    the last request are padding. Each prefix and each sample is a segment; a sample's ctx is its
+    request's prefix segment (the shared prefix K/V it attends to). block_tokens holds each
+    block's real token count (its length, R, is the bucket's block count)."""
+    r_max, block, s_max = bucket.max_requests, bucket.request_tokens, bucket.max_samples
+    tokens, positions, seg, ctx, last, labels, block_tokens = [], [], [], [], [], [], []
     num_segs = 0
-    for req in requests:
+    if len(requests) > r_max:
+        raise ValueError(f"batch of {len(requests)} requests does not fit {bucket.key}")
+    for i, req in enumerate(requests):
+        start_row = len(tokens)
         prefix_seg = NO_CONTEXT
         if req.prefix_ids:
             prefix_seg, num_segs = num_segs, num_segs + 1
@@ -85,15 +92,25 @@ def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: in
             ctx += [prefix_seg] * len(sample)
             last.append(len(tokens) - 1)
             labels.append(list(req.label_ids) + [0] * (num_labels - len(req.label_ids)))
-    if len(tokens) > t_max or len(last) > s_max:
-        raise ValueError(f"batch of {len(tokens)} tokens / {len(last)} samples does not fit {bucket.key}")
-    pad_t, pad_s = t_max - len(tokens), s_max - len(last)
+        used = len(tokens) - start_row
+        if used > block:
+            raise ValueError(f"a request of {used} tokens does not fit {bucket.key}")
+        block_tokens.append(used)
+        pad = block - used
+        tokens += [0] * pad
+        positions += [0] * pad
+        seg += [-1] * pad
+        ctx += [NO_CONTEXT] * pad
+    if len(last) > s_max:
+        raise ValueError(f"batch of {len(last)} samples does not fit {bucket.key}")
+    pad_t, pad_s = bucket.max_tokens - len(tokens), s_max - len(last)
     flat_labels = [t for row in labels for t in row] + [0] * (num_labels * pad_s)
     inputs = {
         "tokens": _i64(tokens + [0] * pad_t),
         "positions": _i64(positions + [0] * pad_t),
         "seg": _i64(seg + [-1] * pad_t),
         "ctx": _i64(ctx + [NO_CONTEXT] * pad_t),
+        "block_tokens": _i64(block_tokens + [0] * (r_max - len(requests))),
         "last": _i64(last + [0] * pad_s),
         "labels": _i64(flat_labels).reshape(s_max, num_labels),
     }

@@ -109,15 +109,16 @@ class _Fill:
     def __init__(self, buckets: tuple[Any, ...]) -> None:
         self.buckets = buckets
         self.tokens = self.samples = self.width = 0  # width: the widest beam so far
+        self.longest = 0  # Score: the most tokens of one request so far
         self.count = 0
 
     def add(self, req: Request) -> bool:
         """Adds the request if some bucket still holds the batch with it."""
         if isinstance(req, ScoreRequest):
-            tokens, samples = self.tokens + req.num_tokens, self.samples + req.num_samples
-            if not any(b.max_tokens >= tokens and b.max_samples >= samples for b in self.buckets):
+            longest, samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
+            if not any(b.holds(self.count + 1, longest, samples) for b in self.buckets):
                 return False
-            self.tokens, self.samples = tokens, samples
+            self.tokens, self.longest, self.samples = self.tokens + req.num_tokens, longest, samples
         else:
             tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
             if not any(b.max_requests > self.count and b.beam_width >= width and b.max_prompt_tokens >= tokens

@@ -15,16 +15,31 @@ from .config import ConfigError, ServingLimits
 
 @dataclass(frozen=True, order=True)
 class ScoreBucket:
-    max_tokens: int  # packed tokens: every request's prefix + samples
-    max_samples: int  # samples, i.e. LM-head rows
+    """max_requests blocks of request_tokens (= max_tokens / max_requests) rows each: request i of
+    a batch fills block i (its prefix, then its samples), padded to the block's end. Attention is
+    computed block by block, so a batch costs R x L^2, not (R x L)^2."""
+
+    max_tokens: int  # rows: max_requests x request_tokens
+    max_samples: int  # samples of all requests, i.e. LM-head rows
+    max_requests: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_tokens <= 0 or self.max_samples <= 0:
+        if self.max_tokens <= 0 or self.max_samples <= 0 or self.max_requests <= 0:
             raise ConfigError(f"score bucket {self}: sizes must be > 0")
+        if self.max_tokens % self.max_requests:
+            raise ConfigError(f"score bucket {self}: max_tokens must be a multiple of max_requests")
+
+    @property
+    def request_tokens(self) -> int:
+        return self.max_tokens // self.max_requests
 
     @property
     def key(self) -> str:
-        return f"score.t{self.max_tokens}.s{self.max_samples}"
+        return f"score.r{self.max_requests}.l{self.request_tokens}.s{self.max_samples}"
+
+    def holds(self, num_requests: int, longest_request: int, num_samples: int) -> bool:
+        return (num_requests <= self.max_requests and longest_request <= self.request_tokens
+                and num_samples <= self.max_samples)
 
 
 @dataclass(frozen=True, order=True)
@@ -64,10 +79,9 @@ class BucketTable:
 
     def fits_one(self, limits: ServingLimits) -> None:
         """Every request within the limits must fit some bucket on its own."""
-        big_score = max(self.score, key=lambda b: (b.max_tokens, b.max_samples))
-        if big_score.max_tokens < limits.max_score_tokens or big_score.max_samples < limits.max_samples:
-            raise ConfigError(f"bucket table: largest score bucket {big_score.key} is smaller "
-                              f"than the limits ({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
+        if not any(b.holds(1, limits.max_score_tokens, limits.max_samples) for b in self.score):
+            raise ConfigError(f"bucket table: no score bucket holds one request of the limits "
+                              f"({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
         for n in range(1, limits.max_new_tokens + 1):
             ok = [b for b in self.beam if b.new_tokens == n and b.beam_width >= limits.max_beam_width
                   and b.max_prompt_tokens >= limits.max_prompt_tokens]
@@ -88,14 +102,16 @@ def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
                          max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128,)) -> BucketTable:
     """Powers-of-two tiers (padding waste < 2x) up to the limits.
 
-    max_batch_tokens bounds a Score batch (several whole requests); max_beam_rows bounds
+    max_batch_tokens bounds a Score batch (requests x a per-request token tier; 1, 2, 4 or 8
+    requests of up to 64, 128, ... max_score_tokens tokens each); max_beam_rows bounds
     requests x beam_width of a BeamSearch batch; a BeamSearch bucket holds requests x a prompt
     tier (prompt_tiers below the limit, and the limit) packed prompt tokens, so a short prompt is
     not padded to the longest one.
     """
     max_batch_tokens = max(max_batch_tokens, limits.max_score_tokens)
-    score = [ScoreBucket(t, max(limits.max_samples, t // 8))
-             for t in _powers_of_two(min(64, max_batch_tokens), max_batch_tokens)]
+    score = [ScoreBucket(r * t, r * limits.max_samples, r)
+             for t in _powers_of_two(min(64, limits.max_score_tokens), limits.max_score_tokens)
+             for r in (1, 2, 4, 8) if r == 1 or r * t <= max_batch_tokens]
     widths = sorted({w for w in (1, 4, 16, 64, 128, 256) if w < limits.max_beam_width}
                     | {limits.max_beam_width})
     prompts = sorted({p for p in prompt_tiers if p < limits.max_prompt_tokens} | {limits.max_prompt_tokens})

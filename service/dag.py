@@ -1,7 +1,8 @@
 """The request DAGs as data: nodes with named inputs/outputs, stored in the artifact manifest.
 
 Both runtimes walk the same node list. Buffers are named; a batch's input buffers are:
-  Score: tokens, positions, seg, ctx [T]; last [S]; labels [S, L]
+  Score: tokens, positions, seg, ctx [T] (R blocks of T/R rows, one request each);
+         block_tokens [R]; last [S]; labels [S, L]
   Beam:  tokens, positions, seg [N]; last, beam_width [R]; beam_req, beam_pos [R*B]
          (beam_pos = the request's prompt length: the position of the first generated token)
 Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
@@ -76,7 +77,8 @@ def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]
 
 
 def score_dag(cfg: ModelConfig) -> list[Node]:
-    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx"), ("mask_self", "mask_ctx")),
+    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "block_tokens"),
+                  ("mask_self", "mask_ctx", "attn_bias")),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "score")
     nodes += _head(cfg, "", "last")

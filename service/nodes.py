@@ -37,19 +37,26 @@ class NodeContext:
         return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
 
+def _causal_within(pos: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    # [..., N] -> [..., N, N]: same segment and key position <= query position
+    same = seg.unsqueeze(-1) == seg.unsqueeze(-2)
+    return same & (pos.unsqueeze(-2) <= pos.unsqueeze(-1))
+
+
 def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
-    pos, seg, prefix = (env[n] for n in node.inputs)
-    same = seg.unsqueeze(1) == seg.unsqueeze(0)  # [T, T]
-    env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a segment
+    pos, seg, prefix, blocks = (env[n] for n in node.inputs)
+    env["mask_self"] = _causal_within(pos, seg)  # [T, T]: causal within a segment
     env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
-    if seg.is_cuda:  # one fused attention over the union (every row sees at least itself)
-        env["attn_bias"] = attention_bias(env["mask_self"] | env["mask_ctx"], ctx.rope_cos.dtype)
+    if seg.is_cuda:  # one fused attention per request block over the union (a row sees at least itself)
+        r = blocks.shape[0]
+        pos_b, seg_b, prefix_b = pos.view(r, -1), seg.view(r, -1), prefix.view(r, -1)
+        visible = _causal_within(pos_b, seg_b) | (prefix_b.unsqueeze(-1) == seg_b.unsqueeze(-2))
+        env["attn_bias"] = attention_bias(visible, ctx.rope_cos.dtype)  # [R, 1, T/R, T/R]
 
 
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     pos, seg, beam_req = (env[n] for n in node.inputs)
-    same = seg.unsqueeze(1) == seg.unsqueeze(0)
-    env["mask_self"] = same & (pos.unsqueeze(0) <= pos.unsqueeze(1))  # causal within a prompt
+    env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
     env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
     if seg.is_cuda:
         env["attn_bias"] = attention_bias(env["mask_self"], ctx.rope_cos.dtype)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from cpp_dag import _core as core
-from service.artifact import MANIFEST, WEIGHTS, build_artifact, load_artifact
+from service.artifact import FORMAT_VERSION, MANIFEST, WEIGHTS, build_artifact, load_artifact
 from service.layers import rope_table
 
 QWEN_VOCAB = 151936  # embedded:tiny
@@ -355,9 +355,9 @@ def test_loader_flipped_weight_byte_fails_the_sha256(tiny_dir: Path, tmp_path: P
 
 def test_loader_refuses_another_format_version(tiny_dir: Path, tmp_path: Path) -> None:
     art_dir = _copy(tiny_dir, tmp_path / "art")
-    _rewrite_manifest(art_dir, format_version=2)
-    with pytest.raises(ValueError, match=r"manifest\.msgpack: format_version 2 is not supported "
-                                         r"\(this slmrank reads version 1\)"):
+    _rewrite_manifest(art_dir, format_version=FORMAT_VERSION - 1)
+    with pytest.raises(ValueError, match=rf"manifest\.msgpack: format_version {FORMAT_VERSION - 1} is not supported "
+                                         rf"\(this slmrank reads version {FORMAT_VERSION}\)"):
         core.Executor.from_artifact(str(art_dir))
 
 

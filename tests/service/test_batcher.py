@@ -199,7 +199,7 @@ def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
         assert rt.started[2] == ["q3"]
         await s.close()
 
-        # the bucket full: 4 x 2048 tokens fill the largest score bucket (8192); the fifth is left out
+        # the bucket full: 4 requests of 2048 tokens fill the largest score bucket (4 blocks of 2048); the fifth is left out
         s = await started(art, rt, max_wait_s=60.0)
         big = [ScoreRequest(samples=((9,) * 128,) * 16, label_ids=(1,), id=f"big{i}") for i in range(5)]
         tasks = [asyncio.create_task(s.submit(r)) for r in big]
@@ -208,8 +208,8 @@ def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
         assert await s.drain(timeout_s=10)
         await asyncio.gather(*tasks)
         assert rt.started[4] == ["big4"]
-        assert s.stats()["buckets"] == {"score.t8192.s1024": {"batches": 1, "occupancy_mean": 1.0},
-                                        "score.t2048.s256": {"batches": 1, "occupancy_mean": 1.0}}
+        assert s.stats()["buckets"] == {"score.r4.l2048.s256": {"batches": 1, "occupancy_mean": 1.0},
+                                        "score.r1.l2048.s64": {"batches": 1, "occupancy_mean": 1.0}}
         await s.close()
 
     asyncio.run(main())

@@ -235,3 +235,47 @@ def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
     want_ids, want_scores = hf_ref.beam(model, list(beam.prompt_ids), 150, 2)
     assert [b.ids for b in res_beam.beams[:20]] == want_ids[:20]
     assert max(abs(b.logprob - s) for b, s in zip(res_beam.beams, want_scores)) <= 1e-4
+
+
+# ---- Score request blocks ---------------------------------------------------------------------
+
+def test_pack_score_puts_request_i_in_block_i() -> None:
+    bucket = ScoreBucket(max_tokens=4 * 16, max_samples=8, max_requests=4)
+    assert bucket.request_tokens == 16 and bucket.key == "score.r4.l16.s8"
+    reqs = [ScoreRequest(samples=((5, 6), (7,)), label_ids=(1,), prefix_ids=(1, 2, 3)),
+            ScoreRequest(samples=((8, 9, 10, 11),), label_ids=(2, 3))]
+    batch = pack_score(reqs, bucket, num_labels=2)
+    x = {k: v.tolist() for k, v in batch.inputs.items()}
+    assert len(x["tokens"]) == 64 and x["block_tokens"] == [6, 4, 0, 0]
+    assert x["tokens"][:6] == [1, 2, 3, 5, 6, 7] and x["tokens"][16:20] == [8, 9, 10, 11]
+    assert x["positions"][:6] == [0, 1, 2, 3, 4, 3] and x["positions"][16:20] == [0, 1, 2, 3]
+    assert x["seg"][:6] == [0, 0, 0, 1, 1, 2] and x["seg"][16:20] == [3] * 4
+    assert x["ctx"][:6] == [-2, -2, -2, 0, 0, 0] and x["ctx"][16:20] == [-2] * 4
+    pad = [i for i in range(64) if not (i < 6 or 16 <= i < 20)]
+    assert all(x["seg"][i] == -1 and x["tokens"][i] == 0 for i in pad)
+    assert x["last"] == [4, 5, 19, 0, 0, 0, 0, 0]
+    assert x["labels"][:3] == [[1, 0], [1, 0], [2, 3]]
+
+
+def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:
+    bucket = ScoreBucket(max_tokens=2 * 8, max_samples=4, max_requests=2)
+    one = ScoreRequest(samples=((1,) * 5,), label_ids=(1,))
+    with pytest.raises(ValueError, match="does not fit score.r2.l8.s4"):
+        pack_score([one] * 3, bucket, 1)  # three requests, two blocks
+    with pytest.raises(ValueError, match="a request of 9 tokens does not fit"):
+        pack_score([ScoreRequest(samples=((1,) * 4, (2,) * 5), label_ids=(1,))], bucket, 1)
+    assert not score_fits(bucket, [one] * 3)
+    assert not score_fits(bucket, [ScoreRequest(samples=((1,) * 9,), label_ids=(1,))])
+    assert score_fits(bucket, [one, one])
+
+
+def test_default_score_buckets_are_request_blocks(plan_artifact) -> None:
+    lim = plan_artifact.limits
+    table = plan_artifact.buckets.score
+    assert {b.max_requests for b in table} == {1, 2, 4, 8}
+    for b in table:
+        assert b.request_tokens & (b.request_tokens - 1) == 0 and b.request_tokens <= lim.max_score_tokens
+        assert b.max_samples == b.max_requests * lim.max_samples
+    # the smallest padded bucket wins: 3 requests of 100 tokens go to 4 blocks of 128
+    reqs = [ScoreRequest(samples=((1,) * 50, (2,) * 50), label_ids=(1,))] * 3
+    assert pick_score_bucket(plan_artifact.buckets, reqs).key == f"score.r4.l128.s{4 * lim.max_samples}"

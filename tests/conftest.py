@@ -1,5 +1,18 @@
+"""Root fixtures: the GPU marker's skip, and the builder of tiny random Hugging Face checkpoints
+that the service and C++-runtime fixtures share (fixed seeds, pytest tmp dirs, no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run through Triton's interpreter on the CPU (read when a kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -9,3 +22,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _save_tiny_checkpoint(root: Path, name: str, arch: str, cls_name: str, seed: int, *, vocab: int,
+                          max_pos: int, save_kw: dict[str, Any] | None = None, **cfg_extra: Any):
+    """A random transformers Qwen2/Qwen3 model (2 layers, hidden 64, GQA 4/2, head_dim 16) with
+    random RMSNorm gains (HF initialises them to 1: a mis-wired norm must show), saved with
+    save_pretrained under root/name. Returns (model in eval mode, checkpoint dir)."""
+    import transformers
+
+    cfg_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+    kw: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=max_pos, initializer_range=0.3, rope_theta=10000.0,
+                              rms_norm_eps=1e-6)
+    kw.update(cfg_extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg_cls(**kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    ckpt = root / name
+    model.save_pretrained(ckpt, **(save_kw or {}))
+    return model, ckpt
+
+
+@pytest.fixture(scope="session")
+def save_tiny_checkpoint() -> Callable[..., Any]:
+    return _save_tiny_checkpoint

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -27,28 +27,13 @@ class Model:
     cpp: Any  # CppRuntime (CPU, eager)
 
 
-def _make(root: Path, name: str, arch: str, cls_name: str, seed: int, **extra: Any) -> Model:
-    import transformers
-
+def _make(save: Callable[..., Any], root: Path, name: str, arch: str, cls_name: str, seed: int,
+          **extra: Any) -> Model:
     from service.artifact import build_artifact, load_artifact
     from service.cpp_runtime import CppRuntime
     from service.python_runtime import PythonRuntime
 
-    cfg_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
-    kw: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              max_position_embeddings=MAX_POS, initializer_range=0.3, rope_theta=10000.0,
-                              rms_norm_eps=1e-6)
-    kw.update(extra)
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(cfg_cls(**kw)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random norm gains: a mis-wired norm must show
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-    ckpt = root / name
-    model.save_pretrained(ckpt)
+    _, ckpt = save(root, name, arch, cls_name, seed, vocab=VOCAB, max_pos=MAX_POS, **extra)
     art = load_artifact(build_artifact(str(ckpt), root / f"{name}.art", quiet=True))
     return Model(ckpt, art, PythonRuntime(art), CppRuntime(art))
 
@@ -59,24 +44,24 @@ def cpp_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen2_small(cpp_models_root: Path) -> Model:
+def qwen2_small(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
     """Qwen2 (q/k/v bias, tied embeddings), vocab 512, 2 layers, 96 positions."""
-    return _make(cpp_models_root, "qwen2", "qwen2", "Qwen2ForCausalLM", seed=101, tie_word_embeddings=True,
-                 rope_theta=50000.0)
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen2", "qwen2", "Qwen2ForCausalLM",
+                 seed=101, tie_word_embeddings=True, rope_theta=50000.0)
 
 
 @pytest.fixture(scope="session")
-def qwen3_small(cpp_models_root: Path) -> Model:
+def qwen3_small(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
     """Qwen3 (q/k RMSNorm, no bias, untied LM head), vocab 512, 2 layers."""
-    return _make(cpp_models_root, "qwen3", "qwen3", "Qwen3ForCausalLM", seed=202, tie_word_embeddings=False,
-                 rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen3", "qwen3", "Qwen3ForCausalLM",
+                 seed=202, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="session")
-def qwen2_cls_small(cpp_models_root: Path) -> Model:
+def qwen2_cls_small(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
     """Qwen2ForSequenceClassification with 3 labels: Score only."""
-    return _make(cpp_models_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification", seed=303,
-                 num_labels=3, tie_word_embeddings=False)
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification",
+                 seed=303, num_labels=3, tie_word_embeddings=False)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

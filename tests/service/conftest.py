@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -28,41 +28,14 @@ class TinyModel:
     runtime: Any
 
 
-def _hf_config(arch: str, **extra: Any):
-    from transformers import Qwen2Config, Qwen3Config
-
-    cls = Qwen2Config if arch == "qwen2" else Qwen3Config
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS,
-              initializer_range=0.3, rope_theta=10000.0, rms_norm_eps=1e-6)
-    kw.update(extra)
-    return cls(**kw)
-
-
-def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
-    # HF initialises every RMSNorm weight to 1; random gains make a wrong norm wiring visible.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-
-
-def _make(tmp_root: Path, name: str, arch: str, model_cls_name: str, seed: int,
+def _make(save: Callable[..., Any], tmp_root: Path, name: str, arch: str, model_cls_name: str, seed: int,
           save_kw: dict[str, Any] | None = None, **cfg_extra: Any) -> TinyModel:
-    import transformers
-
     from service.artifact import build_artifact, load_artifact
     from service.python_runtime import PythonRuntime
 
-    torch.manual_seed(seed)
-    cfg = _hf_config(arch, **cfg_extra)
-    model = getattr(transformers, model_cls_name)(cfg).eval()
-    _randomize_norms(model, seed + 1)
-    ckpt = tmp_root / name
-    model.save_pretrained(ckpt, **(save_kw or {}))
-    art_dir = build_artifact(str(ckpt), tmp_root / f"{name}.art", quiet=True)
-    art = load_artifact(art_dir)
+    model, ckpt = save(tmp_root, name, arch, model_cls_name, seed, vocab=VOCAB, max_pos=MAX_POS, save_kw=save_kw,
+                       **cfg_extra)
+    art = load_artifact(build_artifact(str(ckpt), tmp_root / f"{name}.art", quiet=True))
     return TinyModel(model, ckpt, art, PythonRuntime(art))
 
 
@@ -72,31 +45,31 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen2_tiny(tiny_root: Path) -> TinyModel:
+def qwen2_tiny(tiny_root: Path, save_tiny_checkpoint) -> TinyModel:
     """Qwen2: q/k/v bias, tied embeddings."""
-    return _make(tiny_root, "qwen2", "qwen2", "Qwen2ForCausalLM", seed=11, tie_word_embeddings=True,
-                 rope_theta=50000.0)
+    return _make(save_tiny_checkpoint, tiny_root, "qwen2", "qwen2", "Qwen2ForCausalLM",
+                 seed=11, tie_word_embeddings=True, rope_theta=50000.0)
 
 
 @pytest.fixture(scope="session")
-def qwen3_tiny(tiny_root: Path) -> TinyModel:
+def qwen3_tiny(tiny_root: Path, save_tiny_checkpoint) -> TinyModel:
     """Qwen3: q/k RMSNorm, untied embeddings."""
-    return _make(tiny_root, "qwen3", "qwen3", "Qwen3ForCausalLM", seed=23, tie_word_embeddings=False,
-                 rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+    return _make(save_tiny_checkpoint, tiny_root, "qwen3", "qwen3", "Qwen3ForCausalLM",
+                 seed=23, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="session")
-def qwen3_sharded(tiny_root: Path) -> TinyModel:
+def qwen3_sharded(tiny_root: Path, save_tiny_checkpoint) -> TinyModel:
     """Qwen3 saved in several safetensors shards with a model.safetensors.index.json."""
-    m = _make(tiny_root, "qwen3_sharded", "qwen3", "Qwen3ForCausalLM", seed=37, tie_word_embeddings=False,
-              save_kw={"max_shard_size": "60KB"})
+    m = _make(save_tiny_checkpoint, tiny_root, "qwen3_sharded", "qwen3", "Qwen3ForCausalLM",
+              seed=37, tie_word_embeddings=False, save_kw={"max_shard_size": "60KB"})
     return m
 
 
 @pytest.fixture(scope="session")
-def qwen2_cls(tiny_root: Path) -> TinyModel:
+def qwen2_cls(tiny_root: Path, save_tiny_checkpoint) -> TinyModel:
     """Qwen2ForSequenceClassification with 3 labels (a "score" head replaces the LM head)."""
-    return _make(tiny_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification", seed=41,
+    return _make(save_tiny_checkpoint, tiny_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification", seed=41,
                  num_labels=3, tie_word_embeddings=False)
 
 

@@ -10,10 +10,8 @@ trace of the same requests.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,13 +19,12 @@ from typing import Any, Callable
 
 import grpc
 import pytest
-import uvloop
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service.client import RankerClient
 from service.python_runtime import PythonRuntime
 from service.server import Model, RankerServer, ServerConfig
+from service.server_thread import ServerThread
 from service.tokenizer import load_tokenizer
 from service.trace_report import breakdown
 from service.tracing import WALL_OFFSET_NS
@@ -36,48 +33,6 @@ from service.tracing import WALL_OFFSET_NS
 TRACING_ENV = {"SLMRANK_TRACE_SAMPLE_RATE": "1", "SLMRANK_TRACE_MAX_KEPT_PER_S": "0",
                "SLMRANK_TRACE_CHROME_MAX_EVENTS": "20000"}
 TOP_LEVEL = ["receive", "decode", "queue", "batch", "execute", "encode", "send"]  # in this order, disjoint
-
-
-class ServerThread:
-    """A RankerServer on its own uvloop event loop in a daemon thread."""
-
-    def __init__(self, server: RankerServer) -> None:
-        self.server = server
-        self._bound = threading.Event()
-        self.thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
-        self.thread.start()
-        assert self._bound.wait(30), "the server did not bind"
-        self.target = f"127.0.0.1:{self.server.port}"
-
-    def _main(self) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        await self.server.start()
-        self._bound.set()
-        await self.server.wait_ready()
-        await self._stop.wait()
-        await self.server.shutdown()
-
-    def on_loop(self, fn: Callable[[], Any]) -> Any:
-        async def call() -> Any:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
-
-    def wait_serving(self, timeout_s: float = 60) -> None:
-        end = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-                assert time.monotonic() < end, "never SERVING"
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(30)
 
 
 def http_get(port: int, path: str) -> tuple[int, str, str]:
@@ -130,7 +85,7 @@ def traced(model):
         for key, value in TRACING_ENV.items():
             mp.setenv(key, value)
         config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0)
-        srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter))
+        srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter), wait_ready=True)
     srv.wait_serving()
     srv.exporter = exporter
     yield srv

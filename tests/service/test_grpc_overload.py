@@ -28,8 +28,6 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 import pytest
-import uvloop
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.admission import AdmissionConfig
 from service.batcher import BatcherConfig
@@ -39,51 +37,22 @@ from service.proto_gen import load as load_stubs
 from service.python_runtime import PythonRuntime
 from service.requests import ScoreRequest
 from service.server import Model, RankerServer, ServerConfig
+from service.server_thread import ServerThread as BaseServerThread
 from service.tokenizer import load_tokenizer
 
 pb2 = load_stubs().pb2
 pb2_grpc = load_stubs().pb2_grpc
 
 
-class ServerThread:
-    """A RankerServer on its own uvloop event loop in a daemon thread."""
+class ServerThread(BaseServerThread):
+    """The shared server thread, waiting for SERVING, plus the scheduler's stats and /metrics."""
 
     def __init__(self, server: RankerServer) -> None:
-        self.server = server
-        self._bound = threading.Event()
-        self.thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
-        self.thread.start()
-        assert self._bound.wait(30), "the server did not bind"
-        self.target = f"127.0.0.1:{self.server.port}"
+        super().__init__(server)
         self.wait_serving()
 
-    def _main(self) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        await self.server.start()
-        self._bound.set()
-        await self._stop.wait()
-        await self.server.shutdown()
-
-    def health(self) -> str:
-        with grpc.insecure_channel(self.target) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-
-    def wait_serving(self, timeout_s: float = 60) -> None:
-        end = time.monotonic() + timeout_s
-        while self.health() != "SERVING":
-            assert time.monotonic() < end, "never SERVING"
-            time.sleep(0.02)
-
     def scheduler_stats(self) -> dict[str, Any]:
-        async def call() -> Any:
-            return self.server.stats()["scheduler"]
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+        return self.on_loop(lambda: self.server.stats()["scheduler"])
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10) -> dict[str, Any]:
         end = time.monotonic() + timeout_s
@@ -96,11 +65,6 @@ class ServerThread:
         url = f"http://127.0.0.1:{self.server.metrics_server.port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
             return r.read().decode()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(30)
-
 
 def metric_value(text: str, line_start: str) -> float:
     """The value of the exposition line that starts with `name{labels}`."""

@@ -9,7 +9,6 @@ OK or INVALID_ARGUMENT; health goes NOT_SERVING -> SERVING; reflection lists the
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
@@ -18,7 +17,6 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 import pytest
-import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
@@ -32,47 +30,11 @@ from service.proto_gen import load as load_stubs
 from service.python_runtime import PythonRuntime
 from service.requests import BeamRequest, ExecutionError, RequestError, ScoreRequest
 from service.server import Model, NotServing, RankerServer, ServerConfig, status_of
+from service.server_thread import ServerThread
 from service.tokenizer import load_tokenizer
 
 pb2 = load_stubs().pb2
 VOCAB = 151936  # embedded:tiny: the Qwen vocabulary
-
-
-class ServerThread:
-    """A RankerServer on its own uvloop event loop in a daemon thread."""
-
-    def __init__(self, config: ServerConfig, loader: Callable[[], Model]) -> None:
-        self.config, self.loader = config, loader
-        self._bound = threading.Event()
-        self.thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
-        self.thread.start()
-        assert self._bound.wait(30), "the server did not bind"
-
-    def _main(self) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        self.server = RankerServer(self.config, self.loader)
-        self.port = await self.server.start()
-        self._bound.set()
-        await self._stop.wait()
-        await self.server.shutdown()
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def on_loop(self, fn: Callable[[], Any]) -> Any:
-        async def call() -> Any:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(30)
 
 
 def health_status(target: str, service: str = "") -> str:
@@ -96,7 +58,7 @@ def model(embedded_tiny) -> Model:
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerThread(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model)
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
     wait_serving(srv.target)
     yield srv
     srv.stop()
@@ -335,7 +297,7 @@ def test_health_not_serving_until_loaded_then_serving(model):
 
     # τ assumed 10 s before any measurement: a request with a 2 s deadline is refused at once
     config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, admission=AdmissionConfig(default_service_s=10.0))
-    srv = ServerThread(config, slow_loader)
+    srv = ServerThread(RankerServer(config, slow_loader))
     try:
         assert health_status(srv.target) == "NOT_SERVING"
         assert health_status(srv.target, "slmrank.v1.Ranker") == "NOT_SERVING"

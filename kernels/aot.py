@@ -1,0 +1,150 @@
+"""Ahead-of-time compilation of the Triton kernels into cubins for the C++ executor (no GPU needed).
+
+`compile_kernels(specs, out_dir)` writes one `<variant>.cubin` per kernel variant and a
+`kernels.json` manifest: for each variant the cubin file and its SHA-256, the function name,
+the launch parameters in order (name and C type; constexpr arguments are baked in and absent,
+and the two trailing scratch pointers of Triton >= 3.3/3.5 are listed), `num_warps` (block =
+32 x num_warps threads), dynamic shared memory bytes, and the scratch sizes. This is the launch
+ABI of KERNELS-FROM-CPP.md. `model_kernel_specs(cfg, ...)` lists the variants one model needs.
+
+  python -m kernels.aot --model embedded:qwen2.5-0.5b --out build/kernels [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+C_TYPES = {"i1": "int8_t", "i32": "int32_t", "i64": "int64_t", "fp32": "float"}
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    variant: str  # unique file stem, e.g. "rms_norm.res0.b1024.bf16"
+    fn: Any  # the @triton.jit function
+    signature: dict[str, str]  # every argument in order: "*bf16", "i32", "fp32", "constexpr", ...
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 3
+    divisible_by_16: tuple[str, ...] = ()  # pointer/int arguments the caller guarantees % 16 == 0
+    grid: str = ""  # how the C++ side sizes the grid, for the manifest reader
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _compile(spec: KernelSpec, arch: int):
+    names = list(spec.signature)
+    unknown = set(spec.constexprs) - {n for n, t in spec.signature.items() if t == "constexpr"}
+    if unknown:
+        raise ValueError(f"{spec.variant}: constexprs {sorted(unknown)} are not constexpr in the signature")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible_by_16}
+    if not isinstance(spec.fn, JITFunction):
+        raise RuntimeError(f"{spec.variant}: the kernel was defined under TRITON_INTERPRET=1; compile in a process "
+                           "without it")
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+
+
+def _params(spec: KernelSpec, md: Any) -> list[dict[str, str]]:
+    params = []
+    for name, ty in spec.signature.items():
+        if ty == "constexpr":
+            continue
+        params.append({"name": name, "type": "CUdeviceptr" if ty.startswith("*") else C_TYPES[ty], "triton": ty})
+    params.append({"name": "global_scratch", "type": "CUdeviceptr", "triton": "scratch"})
+    params.append({"name": "profile_scratch", "type": "CUdeviceptr", "triton": "scratch"})
+    return params
+
+
+def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90) -> dict[str, Any]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        compiled = _compile(spec, arch)
+        md = compiled.metadata
+        if md.num_ctas != 1 or md.launch_cooperative_grid or md.launch_pdl:
+            raise ValueError(f"{spec.variant}: needs cuLaunchKernelEx (num_ctas={md.num_ctas}, "
+                             f"cooperative={md.launch_cooperative_grid}, pdl={md.launch_pdl})")
+        cubin = compiled.asm["cubin"]
+        (out / f"{spec.variant}.cubin").write_bytes(cubin)
+        entries.append({
+            "variant": spec.variant, "cubin": f"{spec.variant}.cubin", "sha256": hashlib.sha256(cubin).hexdigest(),
+            "function": md.name, "num_warps": md.num_warps, "shared_bytes": md.shared,
+            "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size,
+            "params": _params(spec, md), "constexprs": {k: v for k, v in spec.constexprs.items()},
+            "grid": spec.grid, **spec.extra, "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+    manifest = {"triton_version": triton.__version__, "target": f"sm_{arch}a" if arch >= 90 else f"sm_{arch}",
+                "kernels": entries}
+    (out / "kernels.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, num_heads: int,
+                       num_kv_heads: int, max_new_tokens: int, dtype: str = "bfloat16") -> list[KernelSpec]:
+    """The kernel variants one model needs, for `dtype` activations."""
+    from .decode_attention import decode_attention_kernel
+    from .norm_act import rms_norm_kernel, silu_mul_kernel
+
+    dt = DTYPES[dtype]
+    specs = []
+    for width, what in ((hidden_size, "hidden"), (head_dim, "head")):
+        for res in (False, True) if what == "hidden" else (False,):
+            block = triton.next_power_of_2(width)
+            specs.append(KernelSpec(
+                f"rms_norm.{what}.res{int(res)}.{dt}", rms_norm_kernel,
+                {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "sum_ptr": f"*{dt}",
+                 "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
+                grid="(rows, 1, 1)", extra={"n_cols": width}))
+    specs.append(KernelSpec(
+        f"silu_mul.{dt}", silu_mul_kernel, {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
+    qpg = num_heads // num_kv_heads
+    slots = max(max_new_tokens - 1, 1)
+    specs.append(KernelSpec(
+        f"decode_attention.{dt}", decode_attention_kernel,
+        {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
+         "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_slots": "i32", "num_suffix": "i32",
+         "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr", "QPG": "constexpr",
+         "BLOCK_Q": "constexpr", "BLOCK_N": "constexpr", "BLOCK_S": "constexpr"},
+        {"H": num_heads, "G": num_kv_heads, "E": head_dim, "QPG": qpg, "BLOCK_Q": max(16, triton.next_power_of_2(qpg)),
+         "BLOCK_N": 64, "BLOCK_S": max(16, triton.next_power_of_2(slots))},
+        grid="(rows, num_kv_heads, 1)"))
+    return specs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="an embedded spec or a checkpoint directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    args = p.parse_args()
+    from service.checkpoint import weight_source
+    from service.config import ServingLimits
+
+    cfg, _, _ = weight_source(args.model)
+    limits = ServingLimits.for_model(cfg)
+    specs = model_kernel_specs(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads,
+                               cfg.num_kv_heads, limits.max_new_tokens, args.dtype)
+    manifest = compile_kernels(specs, args.out, args.arch)
+    for k in manifest["kernels"]:
+        print(f"{k['variant']:36s} {k['function']:28s} warps {k['num_warps']} shared {k['shared_bytes']:6d} B "
+              f"{k['compile_ms']:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

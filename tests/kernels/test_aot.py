@@ -1,0 +1,61 @@
+"""kernels.aot: `python -m kernels.aot` compiles every kernel variant a model needs into sm_90a
+cubins on a machine without a GPU, with a manifest that states the launch ABI. (It runs in a
+subprocess: this test session defines the kernels under Triton's interpreter.)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(out / "cache")
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--model", "embedded:tiny", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "kernels.json").read_text())
+
+
+def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
+    out, manifest = compiled
+    assert manifest["target"] == "sm_90a"
+    variants = {k["variant"] for k in manifest["kernels"]}
+    assert {"rms_norm.hidden.res0.bf16", "rms_norm.hidden.res1.bf16", "rms_norm.head.res0.bf16", "silu_mul.bf16",
+            "decode_attention.bf16"} <= variants
+    for k in manifest["kernels"]:
+        blob = (out / k["cubin"]).read_bytes()
+        assert blob[:4] == b"\x7fELF" and hashlib.sha256(blob).hexdigest() == k["sha256"]
+        assert k["num_warps"] in (4, 8) and k["shared_bytes"] >= 0
+
+
+def test_manifest_states_the_launch_abi(compiled) -> None:
+    _, manifest = compiled
+    (attn,) = [k for k in manifest["kernels"] if k["variant"] == "decode_attention.bf16"]
+    names = [p["name"] for p in attn["params"]]
+    # constexprs are baked in and absent; the two scratch pointers of Triton >= 3.5 come last
+    assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr",
+                     "num_slots", "num_suffix", "scale", "global_scratch", "profile_scratch"]
+    types = {p["name"]: p["type"] for p in attn["params"]}
+    assert types["scale"] == "float" and types["num_suffix"] == "int32_t" and types["q_ptr"] == "CUdeviceptr"
+    assert attn["constexprs"]["E"] == 32 and attn["function"] == "decode_attention_kernel"  # embedded:tiny head_dim
+
+
+def test_a_constexpr_missing_from_the_signature_is_refused(tmp_path: Path) -> None:
+    from kernels.aot import KernelSpec, compile_kernels
+    from kernels.norm_act import silu_mul_kernel
+
+    signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32", "BLOCK": "constexpr"}
+    spec = KernelSpec("bad", silu_mul_kernel, signature, {"BLOCK": 64, "NOPE": 1})
+    with pytest.raises(ValueError, match=r"constexprs \['NOPE'\] are not constexpr"):
+        compile_kernels([spec], tmp_path)

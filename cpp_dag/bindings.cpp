@@ -14,6 +14,7 @@
 #include "msgpack_reader.h"
 #include "safetensors_reader.h"
 #include "sha256.h"
+#include "triton_kernels.h"
 
 namespace py = pybind11;
 
@@ -339,4 +340,24 @@ PYBIND11_MODULE(_core, m) {
       "rope_sin, score_dag, beam_dag (tests).");
   m.def("build_info", &build_info,
         "How this extension was built: torch_version, with_cuda, cxx_standard, cxx11_abi.");
+#if SLMRANK_WITH_CUDA
+  using slmrank::TritonKernels;
+  py::class_<TritonKernels, std::shared_ptr<TritonKernels>>(
+      m, "TritonKernels",
+      "The ahead-of-time compiled Triton kernels of a directory written by kernels/aot.py, loaded on one\n"
+      "CUDA device; each op launches on the current stream (CUDA builds only).")
+      .def(py::init([](const std::string& dir, const std::string& device) {
+             return std::make_shared<TritonKernels>(dir, at::Device(device));
+           }),
+           py::arg("dir"), py::arg("device") = "cuda")
+      .def("variants", &TritonKernels::variants)
+      .def("has", &TritonKernels::has, py::arg("variant"))
+      .def("rms_norm", &TritonKernels::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"))
+      .def("rms_norm_residual", &TritonKernels::rms_norm_residual, py::arg("x"), py::arg("residual"),
+           py::arg("weight"), py::arg("eps"))
+      .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
+      .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
+           py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
+           py::arg("num_suffix"), py::arg("scale"));
+#endif
 }

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the Triton kernels into cubins for the C++ executor (no GPU needed).
 
 `compile_kernels(specs, out_dir)` writes one `<variant>.cubin` per kernel variant and a
-`kernels.json` manifest: for each variant the cubin file and its SHA-256, the function name,
+`kernels.json` manifest (and the same as `kernels.msgpack` for the C++ loader): for each variant the cubin file and its SHA-256, the function name,
 the launch parameters in order (name and C type; constexpr arguments are baked in and absent,
 and the two trailing scratch pointers of Triton >= 3.3/3.5 are listed), `num_warps` (block =
 32 x num_warps threads), dynamic shared memory bytes, and the scratch sizes. This is the launch
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -31,7 +32,7 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 @dataclass(frozen=True)
 class KernelSpec:
-    variant: str  # unique file stem, e.g. "rms_norm.res0.b1024.bf16"
+    variant: str  # unique file stem, derivable from the call's shapes (the C++ side looks it up by name)
     fn: Any  # the @triton.jit function
     signature: dict[str, str]  # every argument in order: "*bf16", "i32", "fp32", "constexpr", ...
     constexprs: dict[str, Any]
@@ -89,7 +90,14 @@ def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90
     manifest = {"triton_version": triton.__version__, "target": f"sm_{arch}a" if arch >= 90 else f"sm_{arch}",
                 "kernels": entries}
     (out / "kernels.json").write_text(json.dumps(manifest, indent=1))
+    (out / "kernels.msgpack").write_bytes(msgpack.packb(manifest))  # what cpp_dag/triton_kernels.cpp reads
     return manifest
+
+
+def variant_name(kernel: str, dt: str, **dims: int) -> str:
+    """e.g. rms_norm.n896.res1.bf16, decode_attention.h14.g2.e64.s4.bf16 (cpp_dag/triton_kernels.cpp
+    builds the same names from a call's shapes)."""
+    return ".".join([kernel, *(f"{k}{v}" for k, v in dims.items()), dt])
 
 
 def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, num_heads: int,
@@ -100,22 +108,23 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
 
     dt = DTYPES[dtype]
     specs = []
-    for width, what in ((hidden_size, "hidden"), (head_dim, "head")):
-        for res in (False, True) if what == "hidden" else (False,):
+    for width, residuals in ((hidden_size, (False, True)), (head_dim, (False,))):
+        for res in residuals:
             block = triton.next_power_of_2(width)
             specs.append(KernelSpec(
-                f"rms_norm.{what}.res{int(res)}.{dt}", rms_norm_kernel,
+                variant_name("rms_norm", dt, n=width, res=int(res)), rms_norm_kernel,
                 {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "sum_ptr": f"*{dt}",
                  "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
                 grid="(rows, 1, 1)", extra={"n_cols": width}))
     specs.append(KernelSpec(
-        f"silu_mul.{dt}", silu_mul_kernel, {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
+        variant_name("silu_mul", dt), silu_mul_kernel, {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
     qpg = num_heads // num_kv_heads
     slots = max(max_new_tokens - 1, 1)
     specs.append(KernelSpec(
-        f"decode_attention.{dt}", decode_attention_kernel,
+        variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim, s=slots),
+        decode_attention_kernel,
         {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
          "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_slots": "i32", "num_suffix": "i32",
          "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr", "QPG": "constexpr",

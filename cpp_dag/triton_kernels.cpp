@@ -1,0 +1,250 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "triton_kernels.h"
+
+#include <stdexcept>
+
+#if SLMRANK_WITH_CUDA
+#include "msgpack_reader.h"
+#include "sha256.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <fstream>
+#include <iterator>
+#include <map>
+#endif
+
+namespace slmrank {
+
+#if SLMRANK_WITH_CUDA
+
+namespace {
+
+void check_cu(CUresult r, const std::string& what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* msg = nullptr;
+  cuGetErrorString(r, &msg);
+  throw std::runtime_error(what + ": " + (msg ? msg : "CUDA driver error " + std::to_string(static_cast<int>(r))));
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(path + ": cannot open");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+const char* dtype_tag(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kFloat: return "fp32";
+    default: throw std::invalid_argument(std::string("triton kernels: no variant for dtype ") + c10::toString(t));
+  }
+}
+
+// kernels/aot.py::variant_name: kernel, then each dimension as <key><value>, then the dtype
+std::string variant_name(const std::string& kernel, at::ScalarType t,
+                         const std::vector<std::pair<const char*, int64_t>>& dims = {}) {
+  std::string name = kernel;
+  for (const auto& [key, value] : dims) name += std::string(".") + key + std::to_string(value);
+  return name + "." + dtype_tag(t);
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+}  // namespace
+
+struct TritonKernels::Impl {
+  struct Kernel {
+    CUmodule module = nullptr;
+    CUfunction function = nullptr;
+    uint32_t threads = 0, shared = 0;
+    std::vector<std::string> param_types;  // the non-scratch parameters: CUdeviceptr / int32_t / int64_t / float
+    std::map<std::string, int64_t> constexprs;  // integer / bool ones
+  };
+  at::Device device = at::kCPU;
+  std::map<std::string, Kernel> kernels;
+
+  const Kernel& get(const std::string& variant) const {
+    auto it = kernels.find(variant);
+    if (it == kernels.end()) throw std::invalid_argument("triton kernels: no compiled variant " + variant);
+    return it->second;
+  }
+};
+
+TritonKernels::TritonKernels(const std::string& dir, const at::Device& device) : impl_(new Impl) {
+  if (!device.is_cuda()) throw std::invalid_argument("triton kernels need a CUDA device, got " + device.str());
+  impl_->device = device;
+  c10::cuda::CUDAGuard guard(device);
+  if (cudaFree(nullptr) != cudaSuccess) throw std::runtime_error("triton kernels: cannot initialise the CUDA context");
+  const std::string manifest_path = dir + "/kernels.msgpack";
+  const Value manifest = read_msgpack_file(manifest_path);
+  for (const Value& k : manifest.at("kernels").as_array()) {
+    const std::string variant = k.at("variant").as_str();
+    const std::string cubin_path = dir + "/" + k.at("cubin").as_str();
+    if (k.at("global_scratch_size").as_int64() != 0 || k.at("profile_scratch_size").as_int64() != 0) {
+      throw std::runtime_error(manifest_path + ": kernel " + variant + " needs scratch memory (not supported)");
+    }
+    const std::string image = read_file(cubin_path);
+    if (sha256_file(cubin_path) != k.at("sha256").as_str()) {
+      throw std::runtime_error(cubin_path + ": sha256 does not match " + manifest_path);
+    }
+    Impl::Kernel kernel;
+    check_cu(cuModuleLoadData(&kernel.module, image.data()), cubin_path + ": cuModuleLoadData");
+    const std::string fn = k.at("function").as_str();
+    check_cu(cuModuleGetFunction(&kernel.function, kernel.module, fn.c_str()), cubin_path + ": cuModuleGetFunction " + fn);
+    kernel.threads = static_cast<uint32_t>(32 * k.at("num_warps").as_int64());
+    kernel.shared = static_cast<uint32_t>(k.at("shared_bytes").as_int64());
+    if (kernel.shared > 48 * 1024) {
+      check_cu(cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                  static_cast<int>(kernel.shared)),
+               variant + ": dynamic shared memory");
+    }
+    for (const Value& p : k.at("params").as_array()) {
+      if (p.at("triton").as_str() != "scratch") kernel.param_types.push_back(p.at("type").as_str());
+    }
+    for (const auto& [name, value] : k.at("constexprs").as_map()) {
+      if (value.is_integer()) kernel.constexprs[name] = value.as_int64();
+      if (value.type() == Value::Type::kBool) kernel.constexprs[name] = value.as_bool() ? 1 : 0;
+    }
+    impl_->kernels.emplace(variant, std::move(kernel));
+  }
+}
+
+TritonKernels::~TritonKernels() {
+  if (!impl_) return;
+  for (auto& [name, k] : impl_->kernels) {
+    if (k.module) cuModuleUnload(k.module);
+  }
+}
+
+std::vector<std::string> TritonKernels::variants() const {
+  std::vector<std::string> out;
+  for (const auto& [name, k] : impl_->kernels) out.push_back(name);
+  return out;
+}
+
+bool TritonKernels::has(const std::string& variant) const { return impl_->kernels.count(variant) > 0; }
+
+void TritonKernels::launch(const std::string& variant, std::array<uint32_t, 3> grid,
+                           const std::vector<Arg>& args) const {
+  const Impl::Kernel& k = impl_->get(variant);
+  if (args.size() != k.param_types.size()) {
+    throw std::invalid_argument(variant + ": " + std::to_string(args.size()) + " arguments for " +
+                                std::to_string(k.param_types.size()) + " parameters");
+  }
+  std::vector<uint64_t> storage(args.size() + 2, 0);  // 8 bytes a value; the last two: scratch pointers (null)
+  std::vector<void*> params(args.size() + 2);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& type = k.param_types[i];
+    void* slot = &storage[i];
+    if (const auto* t = std::get_if<at::Tensor>(&args[i])) {
+      require(type == "CUdeviceptr", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not a pointer");
+      require(t->device() == impl_->device, variant + ": tensor argument " + std::to_string(i) + " is not on " +
+                                                impl_->device.str());
+      *static_cast<CUdeviceptr*>(slot) = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(t->data_ptr()));
+    } else if (const auto* v = std::get_if<int32_t>(&args[i])) {
+      require(type == "int32_t", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not an int32");
+      *static_cast<int32_t*>(slot) = *v;
+    } else if (const auto* v = std::get_if<int64_t>(&args[i])) {
+      require(type == "int64_t", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not an int64");
+      *static_cast<int64_t*>(slot) = *v;
+    } else {
+      require(type == "float", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not a float");
+      *static_cast<float*>(slot) = std::get<float>(args[i]);
+    }
+    params[i] = slot;
+  }
+  params[args.size()] = &storage[args.size()];
+  params[args.size() + 1] = &storage[args.size() + 1];
+  if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return;  // nothing to do
+  c10::cuda::CUDAGuard guard(impl_->device);
+  CUstream stream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(impl_->device.index()).stream());
+  check_cu(cuLaunchKernel(k.function, grid[0], grid[1], grid[2], k.threads, 1, 1, k.shared, stream, params.data(),
+                          nullptr),
+           variant + ": cuLaunchKernel");
+}
+
+at::Tensor TritonKernels::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const {
+  require(x.is_contiguous() && x.dim() >= 1, "rms_norm: x must be contiguous");
+  const int64_t d = x.size(-1);
+  require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
+          "rms_norm: weight must be [" + std::to_string(d) + "] of x's dtype");
+  at::Tensor out = at::empty_like(x);
+  const auto rows = static_cast<uint32_t>(x.numel() / d);
+  launch(variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 0}}), {rows, 1, 1},
+         {x, x, weight, out, out, static_cast<int32_t>(d), static_cast<float>(eps)});
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Tensor& x, const at::Tensor& residual,
+                                                                   const at::Tensor& weight, double eps) const {
+  require(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+              x.scalar_type() == residual.scalar_type(),
+          "rms_norm: x and residual must be contiguous, of one shape and dtype");
+  const int64_t d = x.size(-1);
+  require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
+          "rms_norm: weight must be [" + std::to_string(d) + "] of x's dtype");
+  at::Tensor out = at::empty_like(x), total = at::empty_like(x);
+  const auto rows = static_cast<uint32_t>(x.numel() / d);
+  launch(variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 1}}), {rows, 1, 1},
+         {x, residual, weight, out, total, static_cast<int32_t>(d), static_cast<float>(eps)});
+  return {out, total};
+}
+
+at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
+  require(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
+          "silu_mul: gate_up must be a contiguous [N, 2I]");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const std::string variant = variant_name("silu_mul", gate_up.scalar_type());
+  const int64_t block = impl_->get(variant).constexprs.at("BLOCK");
+  at::Tensor out = at::empty({n, inter}, gate_up.options());
+  launch(variant, {static_cast<uint32_t>(n), static_cast<uint32_t>((inter + block - 1) / block), 1},
+         {gate_up, out, static_cast<int32_t>(inter)});
+  return out;
+}
+
+at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor& prompt_k,
+                                           const at::Tensor& prompt_v, const at::Tensor& kv_start,
+                                           const at::Tensor& kv_len, const at::Tensor& suffix_k,
+                                           const at::Tensor& suffix_v, int64_t num_suffix, double scale) const {
+  require(q.dim() == 3 && prompt_k.dim() == 3 && suffix_k.dim() == 4, "decode_attention: q [N, H, E], "
+          "prompt_k [P, G, E], suffix_k [N, S, G, E] expected");
+  const int64_t n = q.size(0), h = q.size(1), e = q.size(2), g = prompt_k.size(1), slots = suffix_k.size(1);
+  require(h % g == 0 && prompt_k.size(2) == e && suffix_k.size(0) == n && suffix_k.size(2) == g &&
+              suffix_k.size(3) == e && prompt_v.sizes() == prompt_k.sizes() && suffix_v.sizes() == suffix_k.sizes(),
+          "decode_attention: shapes do not agree");
+  require(num_suffix >= 1 && num_suffix <= slots, "decode_attention: num_suffix outside [1, " + std::to_string(slots) + "]");
+  for (const at::Tensor* t : {&q, &prompt_k, &prompt_v, &suffix_k, &suffix_v, &kv_start, &kv_len}) {
+    require(t->is_contiguous(), "decode_attention: every tensor must be contiguous");
+  }
+  require(kv_start.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_start.numel() == n &&
+              kv_len.numel() == n,
+          "decode_attention: kv_start and kv_len must be int64 [N]");
+  at::Tensor out = at::empty_like(q);
+  launch(variant_name("decode_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}, {"s", slots}}),
+         {static_cast<uint32_t>(n), static_cast<uint32_t>(g), 1},
+         {q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, static_cast<int32_t>(slots),
+          static_cast<int32_t>(num_suffix), static_cast<float>(scale)});
+  return out;
+}
+
+#else  // no CUDA in this build: the kernels are CUDA-only (bindings.cpp binds them only with CUDA)
+
+struct TritonKernels::Impl {};
+TritonKernels::TritonKernels(const std::string&, const at::Device&) {
+  throw std::runtime_error("triton kernels: this build has no CUDA");
+}
+TritonKernels::~TritonKernels() = default;
+
+#endif
+
+}  // namespace slmrank

@@ -1,0 +1,56 @@
+// Triton kernels compiled ahead of time (kernels/aot.py) into sm_90a cubins, loaded with the CUDA
+// driver API and launched on the current CUDA stream (so inside a graph capture too). Every module
+// is loaded when the object is made, before any capture; none is unloaded while the object lives.
+// The ops mirror the Python launchers of kernels/norm_act.py and kernels/decode_attention.py
+// (same variants, same grids); the Python runtime reaches these very launches through the
+// extension, which keeps both runtimes byte-identical.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace slmrank {
+
+class TritonKernels {
+ public:
+  // dir holds kernels.msgpack and the cubins it names; each cubin's SHA-256 is checked.
+  // Throws std::runtime_error naming the file or the kernel (always, in a build without CUDA).
+  TritonKernels(const std::string& dir, const at::Device& device);
+  ~TritonKernels();
+  TritonKernels(const TritonKernels&) = delete;
+  TritonKernels& operator=(const TritonKernels&) = delete;
+
+  std::vector<std::string> variants() const;
+  bool has(const std::string& variant) const;
+
+  // One launch argument: a tensor (its data pointer), an i32, an i64 or an fp32.
+  using Arg = std::variant<at::Tensor, int32_t, int64_t, float>;
+  // args: the kernel's non-constexpr parameters in order (the scratch pointers are added here).
+  void launch(const std::string& variant, std::array<uint32_t, 3> grid, const std::vector<Arg>& args) const;
+
+  // x [..., D] contiguous; weight [D] -> y (and, with a residual, x + residual as well)
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
+  std::pair<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) const;
+  // gate_up [N, 2I] -> silu(gate) * up [N, I]
+  at::Tensor silu_mul(const at::Tensor& gate_up) const;
+  // q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64; suffix_k/v [N, S, G, E] with
+  // num_suffix live slots -> out [N, H, E]
+  at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
+                              const at::Tensor& kv_start, const at::Tensor& kv_len, const at::Tensor& suffix_k,
+                              const at::Tensor& suffix_v, int64_t num_suffix, double scale) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace slmrank

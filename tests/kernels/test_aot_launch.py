@@ -1,0 +1,72 @@
+"""On the GPU: the AOT cubins (kernels/aot.py) launched from C++ (cpp_dag.TritonKernels) equal the
+torch references like the JIT kernels do, inside a CUDA graph too. Marked gpu (CUDA builds only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service.layers import rms_norm as rms_norm_ref
+from service.layers import two_part_attention
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory):
+    from cpp_dag import _core
+
+    out = tmp_path_factory.mktemp("aot_gpu")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--model", "embedded:qwen2.5-0.5b", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _core.TritonKernels(str(out), "cuda")
+
+
+def test_rms_norm_and_silu_mul(kernels) -> None:
+    g = torch.Generator().manual_seed(3)
+    x, r = ((2 * torch.randn(300, 896, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(896, generator=g)).to("cuda", torch.bfloat16)
+    want = rms_norm_ref(x, w, 1e-6)
+    assert (kernels.rms_norm(x, w, 1e-6).float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
+    out, total = kernels.rms_norm_residual(x, r, w, 1e-6)
+    assert torch.equal(total, x + r)
+    gu = (3 * torch.randn(64, 2 * 4864, generator=g)).to("cuda", torch.bfloat16)
+    gate, up = gu.chunk(2, -1)
+    want = F.silu(gate) * up
+    assert (kernels.silu_mul(gu).float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
+
+
+def test_decode_attention_in_a_cuda_graph(kernels) -> None:
+    g = torch.Generator().manual_seed(4)
+    rows, slots = 64, 4
+    q = torch.randn(rows, 14, 64, generator=g).to("cuda", torch.bfloat16)
+    pk, pv = (torch.randn(200, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    sk, sv = (torch.randn(rows, slots, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    start = torch.tensor([0] * 32 + [120] * 32, device="cuda")
+    length = torch.tensor([120] * 32 + [80] * 32, device="cuda")
+    seg = torch.tensor([0] * 120 + [1] * 80, device="cuda")
+    mask = torch.arange(2, device="cuda").repeat_interleave(32)[:, None] == seg[None, :]
+    scale = 0.125
+    eager = kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)
+    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, sk[:, :3].double(), sv[:, :3].double(),
+                               None, scale)
+    ref = two_part_attention(q, pk, pv, mask, sk[:, :3], sv[:, :3], None, scale)
+    assert (eager.double() - truth).abs().max() <= (ref.double() - truth).abs().max() + 1e-3
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)  # warm-up on the stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -270,6 +270,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("uses_graphs", &slmrank::Executor::uses_graphs)
       .def_property_readonly("num_graphs", &slmrank::Executor::num_graphs)
       .def_property_readonly("num_lanes", &slmrank::Executor::num_lanes)
+      .def("use_triton_kernels", &slmrank::Executor::use_triton_kernels, py::arg("dir"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Decoder layers use the AOT Triton kernels of dir (kernels/aot.py): CUDA only, before the first batch.")
+      .def_property_readonly("uses_triton_kernels", &slmrank::Executor::uses_triton_kernels)
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

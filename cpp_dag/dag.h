@@ -40,12 +40,16 @@ struct LayerWeights {
 };
 
 // Everything a node reads besides the Env: immutable after construction.
+class TritonKernels;  // triton_kernels.h
+
 struct Context {
   ModelConfig cfg;
   WeightMap weights;
   std::vector<LayerWeights> layers;
   at::Tensor rope_cos, rope_sin;  // [positions, head_dim] in the compute dtype
   double scale = 1.0;             // head_dim ** -0.5
+  // The fused Triton kernels (CUDA), or null: the ATen ops. Set before the first batch.
+  std::shared_ptr<const TritonKernels> fused;
 
   const at::Tensor& weight(const std::string& name) const;
 };

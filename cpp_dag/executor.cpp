@@ -1,6 +1,8 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "executor.h"
 
+#include "triton_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
@@ -78,6 +80,12 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
 }
 
 Executor::~Executor() { shutdown(); }
+
+void Executor::use_triton_kernels(const std::string& dir) {
+  if (!device_.is_cuda()) throw std::invalid_argument("use_triton_kernels: the executor is on " + device_.str() + ", not CUDA");
+  if (num_graphs() > 0) throw std::logic_error("use_triton_kernels: graphs are already captured; call it first");
+  ctx_.fused = std::make_shared<const TritonKernels>(dir, device_);
+}
 
 std::vector<std::string> Executor::node_names(Kind kind) const {
   std::vector<std::string> names;

@@ -66,6 +66,10 @@ class Executor {
            const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
            int num_lanes = 0);
   ~Executor();
+  // Runs the decoder layers with the AOT-compiled Triton kernels of `dir` (kernels/aot.py) instead
+  // of the ATen ops they replace. CUDA only; before the first batch (no graph captured yet).
+  void use_triton_kernels(const std::string& dir);
+  bool uses_triton_kernels() const { return ctx_.fused != nullptr; }
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 

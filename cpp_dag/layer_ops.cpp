@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "attention_merge.h"
+#include "triton_kernels.h"
 
 namespace slmrank {
 namespace {
@@ -49,24 +50,30 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
                                                               const at::Tensor& x, const at::Tensor& cos,
-                                                              const at::Tensor& sin) {
+                                                              const at::Tensor& sin, const TritonKernels* fused) {
   const int64_t n = x.size(0);
-  at::Tensor h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps);
+  const double eps = cfg.rms_norm_eps;
+  at::Tensor h = fused ? fused->rms_norm(x, w.attn_norm, eps) : rms_norm(x, w.attn_norm, eps);
   at::Tensor qkv = at::linear(h, w.wqkv, opt(w.bqkv));
   auto parts = qkv.split_with_sizes({cfg.q_size(), cfg.kv_size(), cfg.kv_size()}, -1);
   at::Tensor q = parts[0].reshape({n, cfg.num_heads, cfg.head_dim});
   at::Tensor k = parts[1].reshape({n, cfg.num_kv_heads, cfg.head_dim});
   at::Tensor v = parts[2].reshape({n, cfg.num_kv_heads, cfg.head_dim});
   if (cfg.qk_norm) {
-    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps);
-    k = rms_norm(k, w.k_norm, cfg.rms_norm_eps);
+    q = fused ? fused->rms_norm(q.contiguous(), w.q_norm, eps) : rms_norm(q, w.q_norm, eps);
+    k = fused ? fused->rms_norm(k.contiguous(), w.k_norm, eps) : rms_norm(k, w.k_norm, eps);
   }
   return {apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()};
 }
 
 at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
-                                    const at::Tensor& attn) {
-  at::Tensor y = x.add(at::linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo));
+                                    const at::Tensor& attn, const TritonKernels* fused) {
+  at::Tensor o = at::linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo);
+  if (fused) {  // residual add + norm in one kernel, then SiLU(gate)*up in one
+    auto [h, y] = fused->rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps);
+    return y.add(at::linear(fused->silu_mul(at::linear(h, w.wgu)), w.wdown));
+  }
+  at::Tensor y = x.add(o);
   at::Tensor h = rms_norm(y, w.mlp_norm, cfg.rms_norm_eps);
   auto gate_up = at::linear(h, w.wgu).chunk(2, -1);
   return y.add(at::linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown));

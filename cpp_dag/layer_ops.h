@@ -15,14 +15,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]
+// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]. With `fused`, the norms
+// are its Triton RMSNorm.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
                                                               const at::Tensor& x, const at::Tensor& cos,
-                                                              const at::Tensor& sin);
+                                                              const at::Tensor& sin, const TritonKernels* fused = nullptr);
 
-// Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E]
+// Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E]. With `fused`, the
+// first residual add + RMSNorm and SiLU(gate)*up are its Triton kernels.
 at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
-                                    const at::Tensor& attn);
+                                    const at::Tensor& attn, const TritonKernels* fused = nullptr);
 
 // q [N, H, E]; k, v [M, G, E]; mask [N, M] bool -> out [N, H, E], lse [N, H] float32
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

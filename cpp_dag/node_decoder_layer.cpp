@@ -9,6 +9,7 @@
 
 #include "layer_ops.h"
 #include "node_types.h"
+#include "triton_kernels.h"
 
 namespace slmrank {
 namespace {
@@ -33,10 +34,12 @@ class DecoderLayer final : public Node {
     const ModelConfig& cfg = ctx.cfg;
     const LayerWeights& w = ctx.layers.at(spec_.layer);
     const at::Tensor x = env.at("x");
+    const TritonKernels* fused = ctx.fused.get();
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
       const at::Tensor& pos = env.at("positions");
-      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos));
+      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos),
+                                      fused);
       auto bias = env.find("attn_bias");  // on CUDA: one fused attention over the batch
       if (bias != env.end()) {
         attn = biased_attention(q, k, v, bias->second, ctx.scale);
@@ -52,15 +55,26 @@ class DecoderLayer final : public Node {
     } else {
       const int64_t t = spec_.step;
       at::Tensor pos = env.at("beam_pos").add(t - 1);
-      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos));
+      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos),
+                                      fused);
       at::Tensor& suffix_k = env.at("suffix_k." + i_);  // [R*B, n-1, G, E]
       at::Tensor& suffix_v = env.at("suffix_v." + i_);
       suffix_k.select(1, t - 1).copy_(k);
       suffix_v.select(1, t - 1).copy_(v);
-      attn = two_part_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("mask_beam"),
-                                suffix_k.slice(1, 0, t), suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+      if (fused) {  // one kernel: the row's own prompt range + its first t suffix slots
+        if (!env.count("kv_start")) {  // per batch, by the first decode layer: prompt range of each beam row
+          const at::Tensor& plen = env.at("beam_pos");
+          env["kv_len"] = plen;
+          env["kv_start"] = env.at("last").index_select(0, env.at("beam_req")).sub(plen).add(1);
+        }
+        attn = fused->decode_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("kv_start"),
+                                       env.at("kv_len"), suffix_k, suffix_v, t, ctx.scale);
+      } else {
+        attn = two_part_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("mask_beam"),
+                                  suffix_k.slice(1, 0, t), suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+      }
     }
-    env["x"] = attention_output_and_mlp(cfg, w, x, attn);
+    env["x"] = attention_output_and_mlp(cfg, w, x, attn, fused);
   }
 
  private:

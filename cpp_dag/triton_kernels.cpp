@@ -237,13 +237,29 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor
   return out;
 }
 
-#else  // no CUDA in this build: the kernels are CUDA-only (bindings.cpp binds them only with CUDA)
+#else  // no CUDA in this build: no object can be made (bindings.cpp binds the class only with CUDA)
+
+namespace {
+[[noreturn]] void no_cuda() { throw std::runtime_error("triton kernels: this build has no CUDA"); }
+}  // namespace
 
 struct TritonKernels::Impl {};
-TritonKernels::TritonKernels(const std::string&, const at::Device&) {
-  throw std::runtime_error("triton kernels: this build has no CUDA");
-}
+TritonKernels::TritonKernels(const std::string&, const at::Device&) { no_cuda(); }
 TritonKernels::~TritonKernels() = default;
+std::vector<std::string> TritonKernels::variants() const { no_cuda(); }
+bool TritonKernels::has(const std::string&) const { no_cuda(); }
+void TritonKernels::launch(const std::string&, std::array<uint32_t, 3>, const std::vector<Arg>&) const { no_cuda(); }
+at::Tensor TritonKernels::rms_norm(const at::Tensor&, const at::Tensor&, double) const { no_cuda(); }
+std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, double) const {
+  no_cuda();
+}
+at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }
+at::Tensor TritonKernels::decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                           double) const {
+  no_cuda();
+}
 
 #endif
 

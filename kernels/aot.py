@@ -7,7 +7,8 @@ and the two trailing scratch pointers of Triton >= 3.3/3.5 are listed), `num_war
 32 x num_warps threads), dynamic shared memory bytes, and the scratch sizes. This is the launch
 ABI of KERNELS-FROM-CPP.md. `model_kernel_specs(cfg, ...)` lists the variants one model needs.
 
-  python -m kernels.aot --model embedded:qwen2.5-0.5b --out build/kernels [--arch 90]
+  python -m kernels.aot --model embedded:qwen2.5-0.5b --out build/kernels [--arch 90] [--dtype bfloat16]
+  python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR
 """
 
 from __future__ import annotations
@@ -137,18 +138,25 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="an embedded spec or a checkpoint directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="an embedded spec or a checkpoint directory")
+    what.add_argument("--shape", help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads, "
+                                      "max_new_tokens (what service/fused.py passes)")
     p.add_argument("--out", required=True)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     args = p.parse_args()
-    from service.checkpoint import weight_source
-    from service.config import ServingLimits
+    if args.shape:
+        shape = json.loads(args.shape)
+    else:
+        from service.checkpoint import weight_source
+        from service.config import ServingLimits
 
-    cfg, _, _ = weight_source(args.model)
-    limits = ServingLimits.for_model(cfg)
-    specs = model_kernel_specs(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads,
-                               cfg.num_kv_heads, limits.max_new_tokens, args.dtype)
+        cfg, _, _ = weight_source(args.model)
+        shape = dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                     max_new_tokens=ServingLimits.for_model(cfg).max_new_tokens)
+    specs = model_kernel_specs(**shape, dtype=args.dtype)
     manifest = compile_kernels(specs, args.out, args.arch)
     for k in manifest["kernels"]:
         print(f"{k['variant']:36s} {k['function']:28s} warps {k['num_warps']} shared {k['shared_bytes']:6d} B "

@@ -206,16 +206,17 @@ def save_hf_checkpoint(art, out: str) -> str:
     return out
 
 
-def identity_check(art, g) -> dict:
+def identity_check(art, g, kernels: str = "aten") -> dict:
     reqs = [ScoreRequest(samples=(ids(g, 5), ids(g, 9)), label_ids=(3, 9, 100), prefix_ids=ids(g, 11)),
             ScoreRequest(samples=tuple(ids(g, 7) for _ in range(15)), label_ids=(5,)),
             ScoreRequest(samples=(ids(g, 4),), label_ids=(1, 2)),
             *[BeamRequest(prompt_ids=ids(g, 20 + 7 * b), beam_width=b, new_tokens=t)
               for b, t in [(1, 1), (4, 5), (16, 3), (70, 5), (100, 2), (3, 5)]],
             BeamRequest(prompt_ids=ids(g, 100), beam_width=7, new_tokens=9)]  # an error line
-    runtimes = {"python": PythonRuntime(art, device="cuda"),
-                "cpp_eager": CppRuntime(art, device="cuda", use_graphs=False),
-                "cpp_graph": CppRuntime(art, device="cuda", use_graphs=True)}
+    # kernels="triton": the fused kernels, the same three runtimes compared among themselves
+    runtimes = {"python": PythonRuntime(art, device="cuda", kernels=kernels),
+                "cpp_eager": CppRuntime(art, device="cuda", use_graphs=False, kernels=kernels),
+                "cpp_graph": CppRuntime(art, device="cuda", use_graphs=True, kernels=kernels)}
     outs = {}
     for name, rt in runtimes.items():
         outs[name] = [format_result(i, r) for i, r in enumerate(execute(art, rt, reqs))]
@@ -311,8 +312,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
     p.add_argument("--workloads", default="W1,W2,W3", help="throughput: comma list of W1,W2,W3")
-    p.add_argument("--runtimes", default="cpp_graph,cpp_eager,python", help="throughput: comma list")
-    p.add_argument("--skip", default="", help="comma list of: identity,soak,nodes,breakdown,lanes,throughput,hf")
+    p.add_argument("--runtimes", default="cpp_graph,cpp_graph_triton,cpp_eager,python",
+                   help="throughput: comma list of cpp_graph, cpp_graph_triton, cpp_eager, python")
+    p.add_argument("--skip", default="", help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -331,6 +333,10 @@ def main() -> None:
         result["identity"] = identity_check(m05, g)
         save(out, result)
         log(f"identity (M05 bf16 cuda): {result['identity']}")
+        if "triton" not in skip:
+            result["identity_triton"] = identity_check(m05, g, kernels="triton")
+            save(out, result)
+            log(f"identity with the Triton kernels (M05 bf16 cuda): {result['identity_triton']}")
     if "soak" not in skip:
         result["soak"] = soak(m05, args.soak, g)
         save(out, result)
@@ -358,6 +364,8 @@ def main() -> None:
             cfg = art.config
             flops = flops_of(cfg, workload(name, g))
             for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
+                                  ("cpp_graph_triton", lambda a: CppRuntime(a, device="cuda", use_graphs=True,
+                                                                            kernels="triton")),
                                   ("cpp_eager", lambda a: CppRuntime(a, device="cuda", use_graphs=False)),
                                   ("python", lambda a: PythonRuntime(a, device="cuda"))):
                 if rt_name not in runtimes:
@@ -386,6 +394,8 @@ def main() -> None:
     print("\n== summary ==")
     if "identity" in result:
         print("identity:", result["identity"]["equal_to_python"])
+    if "identity_triton" in result:
+        print("identity (triton kernels):", result["identity_triton"]["equal_to_python"])
     for k, v in {**result.get("lanes", {}), **result.get("throughput", {})}.items():
         print(f"{k:24s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}")
     if "nodes" in result:

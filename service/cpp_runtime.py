@@ -16,6 +16,7 @@ import torch
 from .artifact import Artifact
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
 from .buckets import BeamBucket, ScoreBucket
+from .fused import check_choice, kernels_dir
 from .progress import Progress
 
 
@@ -32,7 +33,8 @@ class CppRuntime:
     name = "cpp"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 use_graphs: bool = True, num_lanes: int = 0) -> None:
+                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten") -> None:
+        """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/fused.py)."""
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -42,8 +44,14 @@ class CppRuntime:
         if self.device.type == "cuda":
             torch.cuda.init()  # else torch.cuda.memory_* report 0 for memory the executor allocates
         # verify=False: load_artifact already checked every hash once, at start-up.
+        check_choice(kernels)
+        if kernels == "triton" and self.device.type != "cuda":
+            raise ValueError("kernels='triton': the C++ runtime launches the Triton kernels on CUDA only")
+        self.kernels = kernels
         self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
                                                      verify=False, num_lanes=num_lanes)
+        if kernels == "triton":
+            self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
         self.last_timings: dict[str, Any] | None = None
 
     @staticmethod

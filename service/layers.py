@@ -5,6 +5,8 @@ These are the references the kernels and the C++ runtime are checked against: ke
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -55,24 +57,35 @@ class LayerWeights:
 
 
 def qkv_projection(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]."""
-    n = x.shape[0]
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+                   sin: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E].
+
+    fused: fused kernels (service.fused) for the norms, or None for these plain-torch ones."""
+    n, eps = x.shape[0], cfg.rms_norm_eps
+    h = fused.rms_norm(x, w.attn_norm, eps) if fused is not None else rms_norm(x, w.attn_norm, eps)
     qkv = F.linear(h, w.wqkv, w.bqkv)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     q = q.reshape(n, cfg.num_heads, cfg.head_dim)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        if fused is not None:
+            q, k = fused.rms_norm(q.contiguous(), w.q_norm, eps), fused.rms_norm(k.contiguous(), w.k_norm, eps)
+        else:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
-def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E]."""
-    x = x + F.linear(attn.reshape(x.shape[0], cfg.q_size), w.wo)
+def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
+                             fused: Any = None) -> torch.Tensor:
+    """Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E].
+
+    fused: the first residual add + RMSNorm and SiLU(gate)*up as fused kernels (service.fused)."""
+    o = F.linear(attn.reshape(x.shape[0], cfg.q_size), w.wo)
+    if fused is not None:
+        h, y = fused.rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps)
+        return y + F.linear(fused.silu_mul(F.linear(h, w.wgu)), w.wdown)
+    x = x + o
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
     gate, up = F.linear(h, w.wgu).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w.wdown)

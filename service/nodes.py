@@ -7,7 +7,7 @@ The C++ runtime implements the same node types with the same ATen ops in the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ class NodeContext:
     layers: list[LayerWeights]
     rope_cos: torch.Tensor  # [P, E] in the compute dtype
     rope_sin: torch.Tensor
+    fused: Any = None  # fused Triton kernels (service.fused), or None: the plain-torch ops
 
     @property
     def scale(self) -> float:
@@ -72,14 +73,14 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     x = env["x"]
     if mode == "score":
         cos, sin = ctx.rope_at(env["positions"])
-        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
         if "attn_bias" in env:
             attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
         else:
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
     elif mode == "prefill":
         cos, sin = ctx.rope_at(env["positions"])
-        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
         if "attn_bias" in env:
             attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
         else:
@@ -88,13 +89,21 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
         t = node.step
         cos, sin = ctx.rope_at(env["beam_pos"] + (t - 1))
-        q, k, v = qkv_projection(cfg, w, x, cos, sin)
+        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
         suffix_k, suffix_v = env[f"suffix_k.{i}"], env[f"suffix_v.{i}"]  # [R*B, n-1, G, E]
         suffix_k[:, t - 1] = k
         suffix_v[:, t - 1] = v
-        attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
-                                  suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
-    env["x"] = attention_output_and_mlp(cfg, w, x, attn)
+        if ctx.fused is not None:  # one kernel: the row's own prompt range + its first t suffix slots
+            if "kv_start" not in env:  # per batch, by the first decode layer: prompt range of each beam row
+                plen = env["beam_pos"]
+                env["kv_len"] = plen
+                env["kv_start"] = env["last"].index_select(0, env["beam_req"]) - plen + 1
+            attn = ctx.fused.decode_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
+                                              env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
+        else:
+            attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
+                                      suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
+    env["x"] = attention_output_and_mlp(cfg, w, x, attn, ctx.fused)
 
 
 def rms_norm_node(ctx: NodeContext, node: Node, env: Env) -> None:

@@ -12,6 +12,7 @@ import torch
 from .artifact import Artifact
 from .batch import BeamBatch, ScoreBatch
 from .dag import Node
+from .fused import python_kernels
 from .layers import LayerWeights, rope_table
 from .nodes import NODE_FUNCS, Env, NodeContext
 
@@ -21,7 +22,9 @@ Trace = Callable[[Node, Env], None]
 class PythonRuntime:
     name = "python"
 
-    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+    def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
+                 kernels: str = "aten") -> None:
+        """kernels: "aten" (plain torch) or "triton" (the fused kernels; service/fused.py)."""
         self.artifact = artifact
         self.cfg = artifact.config
         self.device = torch.device(device)
@@ -30,8 +33,10 @@ class PythonRuntime:
         limits = artifact.limits
         num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
         cos, sin = rope_table(self.cfg, num_positions, self.device)
+        self.kernels = kernels
         self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i) for i in range(self.cfg.num_layers)],
-                               cos.to(self.dtype), sin.to(self.dtype))
+                               cos.to(self.dtype), sin.to(self.dtype),
+                               python_kernels(kernels, artifact, self.device, self.dtype))
 
     def _inputs(self, inputs: dict[str, torch.Tensor]) -> Env:
         return {k: v.to(self.device) for k, v in inputs.items()}

@@ -1,0 +1,109 @@
+"""Which kernels the decoder layers run: "aten" (plain torch / ATen ops, the default) or "triton"
+(the fused Triton kernels of kernels/: RMSNorm, residual add + RMSNorm, SiLU(gate)*up, one-kernel
+decode attention).
+
+With "triton" on a GPU both runtimes launch the very same ahead-of-time compiled cubins
+(kernels/aot.py, compiled once per model shape into the cache) through the extension
+(cpp_dag._core.TritonKernels), so they stay byte-identical. On a CPU the C++ runtime has no
+Triton path; the Python runtime can run the kernels through Triton's interpreter
+(TRITON_INTERPRET=1), which is how CI checks the wiring against Hugging Face.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .artifact import Artifact
+
+KERNEL_CHOICES = ("aten", "triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class JitKernels:
+    """The Triton launchers of kernels/ behind the interface of cpp_dag._core.TritonKernels."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from kernels.norm_act import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def rms_norm_residual(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from kernels.norm_act import rms_norm
+
+        return rms_norm(x, weight, eps, residual=residual)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from kernels.norm_act import silu_mul
+
+        return silu_mul(gate_up)
+
+    def decode_attention(self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor,
+                         kv_start: torch.Tensor, kv_len: torch.Tensor, suffix_k: torch.Tensor,
+                         suffix_v: torch.Tensor, num_suffix: int, scale: float) -> torch.Tensor:
+        from kernels.decode_attention import decode_attention
+
+        return decode_attention(q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale)
+
+
+def check_choice(kernels: str) -> None:
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
+
+
+def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = None) -> Path:
+    """The AOT cubins for this model's shapes and dtype, compiled on first use into the cache
+    (keyed by the shapes, the dtype, the Triton version and the kernels' sources)."""
+    import triton
+
+    cfg = artifact.config
+    dtype_name = str(dtype).removeprefix("torch.")
+    shape = json.dumps(dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                            max_new_tokens=artifact.limits.max_new_tokens), sort_keys=True)
+    sources = sorted((ROOT / "kernels").glob("*.py"))
+    key = hashlib.sha256("\n".join([triton.__version__, dtype_name, shape,
+                                    *(hashlib.sha256(p.read_bytes()).hexdigest() for p in sources)])
+                         .encode()).hexdigest()[:16]
+    if cache is None:
+        from .cli import cache_dir
+
+        cache = cache_dir()
+    out = cache / "kernels" / key
+    if (out / "kernels.msgpack").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", shape, "--out", str(tmp),
+                           "--dtype", dtype_name], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the Triton kernels for {artifact.path} failed:\n{proc.stderr[-3000:]}")
+    try:
+        tmp.rename(out)  # atomic; another process may have won the race: its copy is as good
+    except OSError:
+        if not (out / "kernels.msgpack").is_file():
+            raise
+    return out
+
+
+def python_kernels(kernels: str, artifact: Artifact, device: torch.device, dtype: torch.dtype) -> Any:
+    """What the Python runtime's NodeContext.fused gets for a kernels choice."""
+    check_choice(kernels)
+    if kernels == "aten":
+        return None
+    if device.type == "cuda":
+        from cpp_dag import _core
+
+        return _core.TritonKernels(str(kernels_dir(artifact, dtype)), str(device))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return JitKernels()
+    raise ValueError("kernels='triton' on the CPU runs only under Triton's interpreter (TRITON_INTERPRET=1, "
+                     "for tests); use kernels='aten'")

@@ -17,6 +17,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend(q, k, v, kmask, m_i, l_i, acc, scale):
+    """One online-softmax step of the queries q [BQ, E] over keys k / values v [BN, E] (kmask: live keys)."""
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+    s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, sv_ptr, out_ptr,
                             num_slots, num_suffix, scale,
                             H: tl.constexpr, G: tl.constexpr, E: tl.constexpr, QPG: tl.constexpr,
@@ -41,14 +54,7 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
         offs = ((start + keys) * G + g)[:, None] * E + dims[None, :]
         k = tl.load(pk_ptr + offs, mask=kmask[:, None], other=0.0)
         v = tl.load(pv_ptr + offs, mask=kmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, kmask, m_i, l_i, acc, scale)
         n0 += BLOCK_N
 
     slots = tl.arange(0, BLOCK_S)  # this row's own suffix keys (the first num_suffix slots)
@@ -56,13 +62,7 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
     offs = ((row * num_slots + slots) * G + g)[:, None] * E + dims[None, :]
     k = tl.load(sk_ptr + offs, mask=smask[:, None], other=0.0)
     v = tl.load(sv_ptr + offs, mask=smask[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
-    s = tl.where(smask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    m_i, l_i, acc = _attend(q, k, v, smask, m_i, l_i, acc, scale)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (row * H + heads)[:, None] * E + dims[None, :], out.to(q.dtype), mask=hmask[:, None])

@@ -1,11 +1,12 @@
 """Ahead-of-time compilation of the Triton kernels into cubins for the C++ executor (no GPU needed).
 
 `compile_kernels(specs, out_dir)` writes one `<variant>.cubin` per kernel variant and a
-`kernels.json` manifest (and the same as `kernels.msgpack` for the C++ loader): for each variant the cubin file and its SHA-256, the function name,
-the launch parameters in order (name and C type; constexpr arguments are baked in and absent,
-and the two trailing scratch pointers of Triton >= 3.3/3.5 are listed), `num_warps` (block =
-32 x num_warps threads), dynamic shared memory bytes, and the scratch sizes. This is the launch
-ABI of KERNELS-FROM-CPP.md. `model_kernel_specs(cfg, ...)` lists the variants one model needs.
+`kernels.json` manifest (and the same as `kernels.msgpack` for the C++ loader): for each variant
+the cubin file and its SHA-256, the function name, the launch parameters in order (name and C
+type; constexpr arguments are baked in and absent, and the two trailing scratch pointers of
+Triton >= 3.3/3.5 are listed), `num_warps` (block = 32 x num_warps threads), dynamic shared
+memory bytes, and the scratch sizes: the launch ABI of KERNELS-FROM-CPP.md.
+`model_kernel_specs(...)` lists the variants one model needs.
 
   python -m kernels.aot --model embedded:qwen2.5-0.5b --out build/kernels [--arch 90] [--dtype bfloat16]
   python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR
@@ -119,7 +120,8 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
                 {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
                 grid="(rows, 1, 1)", extra={"n_cols": width}))
     specs.append(KernelSpec(
-        variant_name("silu_mul", dt), silu_mul_kernel, {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
+        variant_name("silu_mul", dt), silu_mul_kernel,
+        {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
     qpg = num_heads // num_kv_heads
     slots = max(max_new_tokens - 1, 1)

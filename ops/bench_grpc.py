@@ -316,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         procs["slmrank"] = Proc("slmrank", [
             sys.executable, "-m", "service.cli", "serve", "--model", served_model, "--host", "127.0.0.1",
             "--port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "5",
-            "--capture-graphs", args.capture_graphs],
+            "--capture-graphs", args.capture_graphs, "--kernels", args.kernels],
             out / "slmrank_server.log", args.start_timeout_s)
         if args.peer:
             procs["hf_peer"] = Proc("hf_peer", [
@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="slmrank serve --capture-graphs (lazy: each bucket's graph on its first batch, in warm-up)")
+    p.add_argument("--kernels", default="aten", choices=["aten", "triton"], help="slmrank serve --kernels")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--check-requests", type=int, default=2, help="requests sent to both systems to compare answers")
     p.add_argument("--stop-above-ms", type=float, default=2000.0,

@@ -63,18 +63,18 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None):
+def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten"):
     from .artifact import DTYPES
 
     torch_dtype = DTYPES[dtype] if dtype else None
     if name == "python":
         from .python_runtime import PythonRuntime
 
-        return PythonRuntime(artifact, device=device, dtype=torch_dtype)
+        return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     if name == "cpp":
         from .cpp_runtime import CppRuntime
 
-        return CppRuntime(artifact, device=device, dtype=torch_dtype)
+        return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     raise ValueError(f"--runtime: {name!r} is not one of python, cpp")
 
 
@@ -84,7 +84,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .requests import ExecutionError, RequestError
 
     artifact = resolve_artifact(args.model, quiet=args.quiet)
-    runtime = make_runtime(args.runtime, artifact, args.device, args.dtype)
+    runtime = make_runtime(args.runtime, artifact, args.device, args.dtype, args.kernels)
     # split on "\n" only: U+2028 and friends are legal inside JSON strings
     text = Path(args.requests).read_text(encoding="utf-8")
     lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
@@ -142,7 +142,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  "--beam-width 4 --new-tokens 3")
 
     def loader():
-        return load_model(args.model, args.runtime, args.device, args.dtype, quiet=args.quiet,
+        return load_model(args.model, args.runtime, args.device, args.dtype, kernels=args.kernels, quiet=args.quiet,
                           capture_graphs=args.capture_graphs == "all")
 
     return serve(config, loader, announce, on_ready)
@@ -199,6 +199,8 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--runtime", default="python", choices=["python", "cpp"])
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
+    s.add_argument("--kernels", default="aten", choices=["aten", "triton"],
+                   help="decoder-layer kernels: aten (default) or the fused Triton kernels (CUDA)")
     s.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="C++ runtime on a GPU: capture every bucket's CUDA graph before SERVING (all), "
                         "or each one at its first batch (lazy: faster start, slower first requests)")
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True, help="output JSONL, one result per line, in input order")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
+    r.add_argument("--kernels", default="aten", choices=["aten", "triton"],
+                   help="decoder-layer kernels: aten (default) or the fused Triton kernels (CUDA)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_run)
     _add_serve_parsers(sub)

@@ -93,13 +93,13 @@ class Model:
 
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
-               quiet: bool = True, capture_graphs: bool = True) -> Model:
+               quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten") -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
     from .cli import make_runtime, resolve_artifact
 
     artifact = resolve_artifact(spec, quiet=quiet)
-    rt = make_runtime(runtime, artifact, device, dtype)
+    rt = make_runtime(runtime, artifact, device, dtype, kernels)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir))

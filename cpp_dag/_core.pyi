@@ -78,6 +78,9 @@ class TritonKernels:
     def rms_norm_residual(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def norm_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def decode_attention(
         self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,

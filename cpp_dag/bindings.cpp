@@ -359,6 +359,13 @@ PYBIND11_MODULE(_core, m) {
       .def("rms_norm", &TritonKernels::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"))
       .def("rms_norm_residual", &TritonKernels::rms_norm_residual, py::arg("x"), py::arg("residual"),
            py::arg("weight"), py::arg("eps"))
+      .def(
+          "norm_rope",
+          [](const TritonKernels& k, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+             const std::optional<at::Tensor>& weight, double eps) {
+            return k.norm_rope(x, cos, sin, weight.value_or(at::Tensor()), eps);
+          },
+          py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("weight"), py::arg("eps"))
       .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
            py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),

@@ -59,9 +59,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig&
   at::Tensor q = parts[0].reshape({n, cfg.num_heads, cfg.head_dim});
   at::Tensor k = parts[1].reshape({n, cfg.num_kv_heads, cfg.head_dim});
   at::Tensor v = parts[2].reshape({n, cfg.num_kv_heads, cfg.head_dim});
+  if (fused) {  // q/k norm (Qwen3) and RoPE in one kernel each
+    q = fused->norm_rope(q.contiguous(), cos, sin, cfg.qk_norm ? w.q_norm : at::Tensor(), eps);
+    k = fused->norm_rope(k.contiguous(), cos, sin, cfg.qk_norm ? w.k_norm : at::Tensor(), eps);
+    return {q, k, v.contiguous()};
+  }
   if (cfg.qk_norm) {
-    q = fused ? fused->rms_norm(q.contiguous(), w.q_norm, eps) : rms_norm(q, w.q_norm, eps);
-    k = fused ? fused->rms_norm(k.contiguous(), w.k_norm, eps) : rms_norm(k, w.k_norm, eps);
+    q = rms_norm(q, w.q_norm, eps);
+    k = rms_norm(k, w.k_norm, eps);
   }
   return {apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()};
 }

@@ -15,8 +15,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]. With `fused`, the norms
-// are its Triton RMSNorm.
+// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]. With `fused`, the
+// attention norm and the q/k norm + RoPE are its Triton kernels.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
                                                               const at::Tensor& x, const at::Tensor& cos,
                                                               const at::Tensor& sin, const TritonKernels* fused = nullptr);

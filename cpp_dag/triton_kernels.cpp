@@ -200,6 +200,23 @@ std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Ten
   return {out, total};
 }
 
+at::Tensor TritonKernels::norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                    const at::Tensor& weight, double eps) const {
+  require(x.dim() == 3 && x.is_contiguous(), "norm_rope: x must be a contiguous [N, heads, E]");
+  const int64_t n = x.size(0), heads = x.size(1), e = x.size(2);
+  require(cos.sizes() == at::IntArrayRef({n, e}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+          "norm_rope: cos and sin must be contiguous [N, E] of x's dtype");
+  const bool has_norm = weight.defined();
+  require(!has_norm || (weight.dim() == 1 && weight.size(0) == e && weight.scalar_type() == x.scalar_type()),
+          "norm_rope: weight must be [" + std::to_string(e) + "] of x's dtype");
+  at::Tensor out = at::empty_like(x);
+  launch(variant_name("norm_rope", x.scalar_type(), {{"e", e}, {"norm", has_norm ? 1 : 0}}),
+         {static_cast<uint32_t>(n * heads), 1, 1},
+         {x, has_norm ? weight : x, cos, sin, out, static_cast<int32_t>(heads), static_cast<float>(eps)});
+  return out;
+}
+
 at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
   require(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
           "silu_mul: gate_up must be a contiguous [N, 2I]");
@@ -252,6 +269,10 @@ void TritonKernels::launch(const std::string&, std::array<uint32_t, 3>, const st
 at::Tensor TritonKernels::rms_norm(const at::Tensor&, const at::Tensor&, double) const { no_cuda(); }
 std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, double) const {
+  no_cuda();
+}
+at::Tensor TritonKernels::norm_rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    double) const {
   no_cuda();
 }
 at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }

@@ -40,6 +40,9 @@ class TritonKernels {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
   std::pair<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps) const;
+  // x [N, heads, E] contiguous; cos/sin [N, E]; weight [E] (q/k RMSNorm first) or undefined -> rope(norm(x))
+  at::Tensor norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& weight,
+                       double eps) const;
   // gate_up [N, 2I] -> silu(gate) * up [N, I]
   at::Tensor silu_mul(const at::Tensor& gate_up) const;
   // q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64; suffix_k/v [N, S, G, E] with

@@ -106,11 +106,11 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
                        num_kv_heads: int, max_new_tokens: int, dtype: str = "bfloat16") -> list[KernelSpec]:
     """The kernel variants one model needs, for `dtype` activations."""
     from .decode_attention import decode_attention_kernel
-    from .norm_act import rms_norm_kernel, silu_mul_kernel
+    from .norm_act import norm_rope_kernel, rms_norm_kernel, silu_mul_kernel
 
     dt = DTYPES[dtype]
     specs = []
-    for width, residuals in ((hidden_size, (False, True)), (head_dim, (False,))):
+    for width, residuals in ((hidden_size, (False, True)),):
         for res in residuals:
             block = triton.next_power_of_2(width)
             specs.append(KernelSpec(
@@ -119,6 +119,12 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
                  "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
                 grid="(rows, 1, 1)", extra={"n_cols": width}))
+    for has_norm in (False, True):
+        specs.append(KernelSpec(
+            variant_name("norm_rope", dt, e=head_dim, norm=int(has_norm)), norm_rope_kernel,
+            {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+             "heads": "i32", "eps": "fp32", "E": "constexpr", "HAS_NORM": "constexpr"},
+            {"E": head_dim, "HAS_NORM": has_norm}, num_warps=1, grid="(tokens * heads, 1, 1)"))
     specs.append(KernelSpec(
         variant_name("silu_mul", dt), silu_mul_kernel,
         {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},

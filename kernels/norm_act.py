@@ -73,3 +73,49 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
     silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
+
+
+@triton.jit
+def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
+                     E: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One (token, head) row of q or k: optional RMSNorm over the head dim (Qwen3's q/k norm), then
+    RoPE (half-split layout) with the token's cos/sin, each product and sum rounded to the dtype as
+    torch's element-wise ops round them."""
+    pid = tl.program_id(0).to(tl.int64)
+    token = pid // heads
+    half = tl.arange(0, E // 2)
+    x1 = tl.load(x_ptr + pid * E + half)
+    x2 = tl.load(x_ptr + pid * E + E // 2 + half)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / E + eps)
+        w1 = tl.load(w_ptr + half).to(tl.float32)
+        w2 = tl.load(w_ptr + E // 2 + half).to(tl.float32)
+        x1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        x2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    c1 = tl.load(cos_ptr + token * E + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * E + E // 2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * E + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * E + E // 2 + half).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c1).to(x1.dtype).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1).to(x1.dtype).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2).to(x1.dtype).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(x1.dtype).to(tl.float32)
+    tl.store(out_ptr + pid * E + half, (a1 + b1).to(x1.dtype))
+    tl.store(out_ptr + pid * E + E // 2 + half, (a2 + b2).to(x1.dtype))
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+              eps: float = 0.0) -> torch.Tensor:
+    """x: [N, heads, E] contiguous; cos/sin [N, E] (the tokens' rows of the RoPE tables, x's dtype);
+    weight [E] for the q/k RMSNorm first, or None. Returns rope(norm(x)) [N, heads, E]."""
+    n, heads, e = x.shape
+    if not x.is_contiguous() or e & (e - 1) or cos.shape != (n, e) or sin.shape != (n, e):
+        raise ValueError(f"norm_rope: x must be a contiguous [N, heads, E] (E a power of two) and cos/sin [N, E]; "
+                         f"got {list(x.shape)}, {list(cos.shape)}, {list(sin.shape)}")
+    if weight is not None and weight.shape != (e,):
+        raise ValueError(f"norm_rope: weight must be [{e}], got {list(weight.shape)}")
+    out = torch.empty_like(x)
+    norm_rope_kernel[(n * heads,)](x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
+                                   heads, eps, E=e, HAS_NORM=weight is not None)
+    return out

@@ -1,6 +1,6 @@
 """Which kernels the decoder layers run: "aten" (plain torch / ATen ops, the default) or "triton"
-(the fused Triton kernels of kernels/: RMSNorm, residual add + RMSNorm, SiLU(gate)*up, one-kernel
-decode attention).
+(the fused Triton kernels of kernels/: RMSNorm, residual add + RMSNorm, q/k norm + RoPE,
+SiLU(gate)*up, one-kernel decode attention).
 
 With "triton" on a GPU both runtimes launch the very same ahead-of-time compiled cubins
 (kernels/aot.py, compiled once per model shape into the cache) through the extension
@@ -40,6 +40,12 @@ class JitKernels:
         from kernels.norm_act import rms_norm
 
         return rms_norm(x, weight, eps, residual=residual)
+
+    def norm_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None,
+                  eps: float) -> torch.Tensor:
+        from kernels.norm_act import norm_rope
+
+        return norm_rope(x, cos, sin, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         from kernels.norm_act import silu_mul

@@ -68,11 +68,12 @@ def qkv_projection(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, cos: torc
     q = q.reshape(n, cfg.num_heads, cfg.head_dim)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if fused is not None:  # q/k norm (Qwen3) and RoPE in one kernel each
+        q = fused.norm_rope(q.contiguous(), cos, sin, w.q_norm if cfg.qk_norm else None, eps)
+        k = fused.norm_rope(k.contiguous(), cos, sin, w.k_norm if cfg.qk_norm else None, eps)
+        return q, k, v.contiguous()
     if cfg.qk_norm:
-        if fused is not None:
-            q, k = fused.rms_norm(q.contiguous(), w.q_norm, eps), fused.rms_norm(k.contiguous(), w.k_norm, eps)
-        else:
-            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 

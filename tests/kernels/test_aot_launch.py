@@ -45,6 +45,15 @@ def test_rms_norm_and_silu_mul(kernels) -> None:
     assert (kernels.silu_mul(gu).float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
 
 
+def test_norm_rope_equals_torch(kernels) -> None:
+    from service.layers import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 14, 64, generator=g).to("cuda", torch.bfloat16)
+    cos, sin = (torch.randn(40, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    assert torch.equal(kernels.norm_rope(x, cos, sin, None, 0.0), apply_rope(x, cos, sin))
+
+
 def test_decode_attention_in_a_cuda_graph(kernels) -> None:
     g = torch.Generator().manual_seed(4)
     rows, slots = 64, 4

@@ -67,3 +67,35 @@ def test_bad_shapes_are_refused() -> None:
         rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"\[N, 2I\]"):
         silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_matches_reference(device: str, dtype: torch.dtype, with_norm: bool) -> None:
+    from kernels.norm_act import norm_rope
+    from service.config import ModelConfig
+    from service.layers import apply_rope, rope_table
+
+    g = torch.Generator().manual_seed(17)
+    n, heads, e = 11, 3, 32
+    x = (2 * torch.randn(n, heads, e, generator=g)).to(device, dtype)
+    w = (1 + 0.3 * torch.randn(e, generator=g)).to(device, dtype)
+    cfg = ModelConfig(arch="qwen3", vocab_size=8, hidden_size=heads * e, num_layers=1, num_heads=heads,
+                      num_kv_heads=heads, head_dim=e, intermediate_size=8, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, max_positions=64, tie_word_embeddings=True, attention_bias=False)
+    cos, sin = rope_table(cfg, 64, torch.device(device))
+    pos = torch.randint(0, 64, (n,), generator=g).to(device)
+    cos, sin = cos.to(dtype).index_select(0, pos), sin.to(dtype).index_select(0, pos)
+    normed = rms_norm_ref(x, w, 1e-6) if with_norm else x
+    want = apply_rope(normed, cos, sin)
+    got = norm_rope(x, cos, sin, w if with_norm else None, 1e-6)
+    assert got.shape == want.shape and got.dtype == dtype
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-5 * scale, err
+    elif device == "cuda":  # the same roundings as torch's element-wise ops; the norm's sum order differs
+        assert torch.equal(got, want) if not with_norm else err <= 2 * 2 ** -8 * scale, err
+    else:  # Triton's interpreter truncates at each of the ~4 roundings to bf16 (the GPU rounds to nearest)
+        assert err <= 4 * 2 ** -7 * scale, (err, scale)

@@ -52,7 +52,7 @@ class CapturedGraph {
 
   // static_env: the bucket's input buffers on the device, allocated before capture (outside the pool).
   // With warm_up, runs body once eagerly first (initialises cuBLAS handles and workspaces for the
-  // lane's stream; needed by a lane's first capture only). Then captures body into a graph drawing
+  // lane's stream and this host thread; needed by each thread's first capture on a lane only). Then captures body into a graph drawing
   // on `pool_id` (graphs that never run concurrently share one pool), on lane `lane`'s stream,
   // which also runs its replays. After capture only the inputs and outputs stay referenced: every
   // intermediate buffer goes back to the pool, for the next capture of the lane to reuse (the

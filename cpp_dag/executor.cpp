@@ -196,9 +196,11 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
     add_beam_state(env, batch);
     run_nodes(nodes, env, mark, nullptr);
   };
+  const std::thread::id thread = std::this_thread::get_id();
   auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), nodes.size(),
                                                body, lane.graph_pool, lane.index,
-                                               /*warm_up=*/lane.graphs.empty());
+                                               /*warm_up=*/lane.warmed_threads.count(thread) == 0);
+  lane.warmed_threads.insert(thread);
   if (capture_ms) *capture_ms = ms_between(start, now_ns());
   return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -103,6 +104,9 @@ class Executor {
     std::mutex busy;  // held for a whole run
     std::pair<uint64_t, uint64_t> graph_pool{0, 0};
     std::unordered_map<std::string, std::unique_ptr<CapturedGraph>> graphs;
+    // Host threads that have captured on this lane: cuBLAS handles and workspaces are per thread
+    // and stream, so a thread's first capture on the lane runs a warm-up pass first.
+    std::set<std::thread::id> warmed_threads;
     std::thread worker;
   };
   RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);

@@ -18,14 +18,15 @@ class ScoreMasks final : public Node {
   using Node::Node;
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3);
-    env["mask_self"] = causal_within(pos, seg);
-    env["mask_ctx"] = prefix.unsqueeze(1).eq(seg.unsqueeze(0));  // a sample sees its whole prefix
     if (seg.is_cuda()) {  // one fused attention per request block over the union (a row sees at least itself)
       const int64_t r = blocks.size(0);
       at::Tensor pos_b = pos.view({r, -1}), seg_b = seg.view({r, -1}), prefix_b = prefix.view({r, -1});
       at::Tensor visible = causal_within(pos_b, seg_b).bitwise_or(prefix_b.unsqueeze(-1).eq(seg_b.unsqueeze(-2)));
       env["attn_bias"] = attention_bias(visible, ctx.rope_cos.scalar_type());  // [R, 1, T/R, T/R]
+      return;
     }
+    env["mask_self"] = causal_within(pos, seg);
+    env["mask_ctx"] = prefix.unsqueeze(1).eq(seg.unsqueeze(0));  // a sample sees its whole prefix
   }
 };
 

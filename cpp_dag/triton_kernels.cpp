@@ -9,6 +9,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
@@ -82,8 +83,9 @@ struct TritonKernels::Impl {
 
 TritonKernels::TritonKernels(const std::string& dir, const at::Device& device) : impl_(new Impl) {
   if (!device.is_cuda()) throw std::invalid_argument("triton kernels need a CUDA device, got " + device.str());
-  impl_->device = device;
-  c10::cuda::CUDAGuard guard(device);
+  // "cuda" means the current device: tensors always carry an index, so the launch check needs one
+  impl_->device = device.has_index() ? device : at::Device(at::kCUDA, c10::cuda::current_device());
+  c10::cuda::CUDAGuard guard(impl_->device);
   if (cudaFree(nullptr) != cudaSuccess) throw std::runtime_error("triton kernels: cannot initialise the CUDA context");
   const std::string manifest_path = dir + "/kernels.msgpack";
   const Value manifest = read_msgpack_file(manifest_path);
@@ -246,9 +248,12 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor
   require(kv_start.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_start.numel() == n &&
               kv_len.numel() == n,
           "decode_attention: kv_start and kv_len must be int64 [N]");
+  // one variant serves every bucket's slot count: its BLOCK_S covers the most slots of the model
+  const std::string variant = variant_name("decode_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}});
+  require(slots <= impl_->get(variant).constexprs.at("BLOCK_S"),
+          "decode_attention: " + std::to_string(slots) + " suffix slots exceed the compiled " + variant);
   at::Tensor out = at::empty_like(q);
-  launch(variant_name("decode_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}, {"s", slots}}),
-         {static_cast<uint32_t>(n), static_cast<uint32_t>(g), 1},
+  launch(variant, {static_cast<uint32_t>(n), static_cast<uint32_t>(g), 1},
          {q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, static_cast<int32_t>(slots),
           static_cast<int32_t>(num_suffix), static_cast<float>(scale)});
   return out;

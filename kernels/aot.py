@@ -97,7 +97,7 @@ def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90
 
 
 def variant_name(kernel: str, dt: str, **dims: int) -> str:
-    """e.g. rms_norm.n896.res1.bf16, decode_attention.h14.g2.e64.s4.bf16 (cpp_dag/triton_kernels.cpp
+    """e.g. rms_norm.n896.res1.bf16, decode_attention.h14.g2.e64.bf16 (cpp_dag/triton_kernels.cpp
     builds the same names from a call's shapes)."""
     return ".".join([kernel, *(f"{k}{v}" for k, v in dims.items()), dt])
 
@@ -130,9 +130,9 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
     qpg = num_heads // num_kv_heads
-    slots = max(max_new_tokens - 1, 1)
+    slots = max(max_new_tokens - 1, 1)  # the most suffix slots of any bucket: BLOCK_S covers them all
     specs.append(KernelSpec(
-        variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim, s=slots),
+        variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),
         decode_attention_kernel,
         {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
          "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_slots": "i32", "num_suffix": "i32",

@@ -46,13 +46,14 @@ def _causal_within(pos: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
 
 def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     pos, seg, prefix, blocks = (env[n] for n in node.inputs)
-    env["mask_self"] = _causal_within(pos, seg)  # [T, T]: causal within a segment
-    env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
     if seg.is_cuda:  # one fused attention per request block over the union (a row sees at least itself)
         r = blocks.shape[0]
         pos_b, seg_b, prefix_b = pos.view(r, -1), seg.view(r, -1), prefix.view(r, -1)
         visible = _causal_within(pos_b, seg_b) | (prefix_b.unsqueeze(-1) == seg_b.unsqueeze(-2))
         env["attn_bias"] = attention_bias(visible, ctx.rope_cos.dtype)  # [R, 1, T/R, T/R]
+        return
+    env["mask_self"] = _causal_within(pos, seg)  # [T, T]: causal within a segment
+    env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
 
 
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from service.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.engine import execute
-from service.requests import BeamRequest, ScoreRequest
+from service.requests import BeamRequest, ExecutionError, ScoreRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -108,7 +108,10 @@ def test_triton_kernels_byte_identical_python_eager_graphs(tiny_artifact, runtim
            "graphs": CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, kernels="triton")}
     try:
         reqs = _requests()
-        out = {name: _comparable(execute(tiny_artifact, rt, reqs)) for name, rt in rts.items()}
+        results = {name: execute(tiny_artifact, rt, reqs) for name, rt in rts.items()}
+        failed = [(r.id, str(res)) for r, res in zip(reqs, results["python"]) if isinstance(res, ExecutionError)]
+        assert not failed, failed  # e.g. a kernel variant missing for some bucket
+        out = {name: _comparable(res) for name, res in results.items()}
         assert out["eager"] == out["python"] and out["graphs"] == out["python"]
         aten = execute(tiny_artifact, runtimes["python"], reqs)
         for req, got, want in zip(reqs, execute(tiny_artifact, rts["python"], reqs), aten):

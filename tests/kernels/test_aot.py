@@ -34,7 +34,7 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     variants = {k["variant"] for k in manifest["kernels"]}
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads, 5 new tokens -> 4 suffix slots
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.bf16",
-                        "norm_rope.e32.norm0.bf16", "norm_rope.e32.norm1.bf16", "decode_attention.h4.g2.e32.s4.bf16"}
+                        "norm_rope.e32.norm0.bf16", "norm_rope.e32.norm1.bf16", "decode_attention.h4.g2.e32.bf16"}
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()

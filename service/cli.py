@@ -287,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_parser(sub)
 
     args = p.parse_args(argv)
+    from .requests import BindError
+
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:  # ArtifactError, ConfigError, RequestError are ValueErrors
+    except (FileNotFoundError, ValueError, BindError) as e:  # ArtifactError, ConfigError, RequestError: ValueErrors
         print(f"slmrank {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

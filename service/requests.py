@@ -116,3 +116,7 @@ def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits) -
     _check_ids("prompt_ids", req.prompt_ids, model.vocab_size)
     _check_int("beam_width", req.beam_width, 1, limits.max_beam_width)
     _check_int("new_tokens", req.new_tokens, 1, limits.max_new_tokens)
+
+
+class BindError(OSError):
+    """The server cannot listen on its address (e.g. the port is taken)."""

@@ -40,7 +40,7 @@ from .batcher import BatcherConfig, DeadlineExpired, Scheduler
 from .grpc_codec import Codec
 from .metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
-from .requests import ExecutionError, RequestError
+from .requests import BindError, ExecutionError, RequestError
 from .tokenizer import Tokenizer, load_tokenizer
 from .tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
 
@@ -235,14 +235,20 @@ class RankerServer:
         interceptors = [TracingInterceptor(self.tracer, self.metrics), self.interceptor]
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
-            ("grpc.max_send_message_length", self.config.max_send_message_bytes)])
+            ("grpc.max_send_message_length", self.config.max_send_message_bytes),
+            # a taken port is an error, not a port silently shared with another process (gRPC's default)
+            ("grpc.so_reuseport", 0)])
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             [RANKER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._server)
         await self._set_health(NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise BindError(f"cannot listen on {address}: the port is in use or the address is not available") from e
         if self.config.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, self.config.host, self.config.metrics_port,
                                                 chrome=self.tracer.chrome)

@@ -45,10 +45,10 @@ class ServerThread:
             await self.server.start()
             if self._wait_ready:
                 await self.server.wait_ready()
-        except BaseException as e:  # reported to the constructor's caller
+        except Exception as e:  # reported to the constructor's caller
             self._error = e
             self._bound.set()
-            raise
+            return
         self._bound.set()
         await self._stop.wait()
         await self.server.shutdown()

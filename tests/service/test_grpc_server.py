@@ -346,3 +346,29 @@ def test_status_of_maps_every_error():
         assert ("retry-after-ms" in dict(trailers)) == isinstance(exc, Overloaded)
     assert "secret" not in status_of(KeyError("secret internals"))[1]
     assert dict(status_of(Overloaded("draining", 0.0))[2])["retry-after-ms"] == "1"
+
+
+def test_a_second_server_on_a_taken_port_fails_to_start_clearly(server, model):
+    """ServerThread reports a server that cannot start (here: its port is taken) to its caller."""
+    with pytest.raises(RuntimeError, match="the server failed to start"):
+        ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=server.port, grace_s=1), lambda: model))
+    assert health_status(server.target) == "SERVING"
+
+
+def test_serve_on_a_taken_port_exits_with_a_clear_error(tmp_path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", "embedded:tiny", "--host",
+                               "127.0.0.1", "--port", str(port), "--quiet"],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "SLMRANK_CACHE": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"slmrank serve: error: cannot listen on 127.0.0.1:{port}: the port is in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -28,36 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class JitKernels:
-    """The Triton launchers of kernels/ behind the interface of cpp_dag._core.TritonKernels."""
+    """The Triton launchers of kernels/ behind the interface of cpp_dag._core.TritonKernels.
+
+    kernels/ is imported here, not at module load: Triton reads TRITON_INTERPRET when a kernel is
+    defined, and the plain-torch path should not pay for importing Triton at all."""
+
+    def __init__(self) -> None:
+        from kernels import decode_attention, norm_act
+
+        self.norm_rope, self.silu_mul = norm_act.norm_rope, norm_act.silu_mul
+        self.decode_attention = decode_attention.decode_attention
+        self._rms_norm = norm_act.rms_norm
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from kernels.norm_act import rms_norm
-
-        return rms_norm(x, weight, eps)
+        return self._rms_norm(x, weight, eps)
 
     def rms_norm_residual(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.norm_act import rms_norm
-
-        return rms_norm(x, weight, eps, residual=residual)
-
-    def norm_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None,
-                  eps: float) -> torch.Tensor:
-        from kernels.norm_act import norm_rope
-
-        return norm_rope(x, cos, sin, weight, eps)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        from kernels.norm_act import silu_mul
-
-        return silu_mul(gate_up)
-
-    def decode_attention(self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor,
-                         kv_start: torch.Tensor, kv_len: torch.Tensor, suffix_k: torch.Tensor,
-                         suffix_v: torch.Tensor, num_suffix: int, scale: float) -> torch.Tensor:
-        from kernels.decode_attention import decode_attention
-
-        return decode_attention(q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale)
+        return self._rms_norm(x, weight, eps, residual=residual)
 
 
 def check_choice(kernels: str) -> None:

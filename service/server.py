@@ -186,27 +186,23 @@ class RankerServicer:
             raise NotServing("the model is still loading; retry shortly")
         return self.codec, self.scheduler
 
-    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _handle(self, request: Any, context: grpc.aio.ServicerContext, kind: str) -> Any:
+        """decode (validate + tokenize) -> schedule -> encode; kind: "score" or "beam"."""
         codec, scheduler = self._serving()
         trace = current_trace()
         with trace.stage("decode"):
-            req, priority = codec.score_request(request)
+            req, priority = getattr(codec, f"{kind}_request")(request)
         trace.set_request(req, priority)
         done = await scheduler.submit(req, priority, _deadline(context))
         trace.completed(done)
         with trace.stage("encode"):
-            return codec.score_response(done.result)
+            return getattr(codec, f"{kind}_response")(done.result)
+
+    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._handle(request, context, "score")
 
     async def BeamSearch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        codec, scheduler = self._serving()
-        trace = current_trace()
-        with trace.stage("decode"):
-            req, priority = codec.beam_request(request)
-        trace.set_request(req, priority)
-        done = await scheduler.submit(req, priority, _deadline(context))
-        trace.completed(done)
-        with trace.stage("encode"):
-            return codec.beam_response(done.result)
+        return await self._handle(request, context, "beam")
 
 
 @dataclass

@@ -82,6 +82,17 @@ def embedded_tiny(tmp_path_factory: pytest.TempPathFactory):
     return out, load_artifact(out)
 
 
+@pytest.fixture(scope="module")
+def model(embedded_tiny):
+    """What the gRPC server serves in the tests: embedded:tiny, the Python runtime, its tokenizer."""
+    from service.python_runtime import PythonRuntime
+    from service.server import Model
+    from service.tokenizer import load_tokenizer
+
+    art = embedded_tiny[1]
+    return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
+
+
 @pytest.fixture(scope="session")
 def embedded_tiny_runtime(embedded_tiny):
     from service.python_runtime import PythonRuntime

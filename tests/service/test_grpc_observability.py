@@ -22,10 +22,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service.client import RankerClient
-from service.python_runtime import PythonRuntime
-from service.server import Model, RankerServer, ServerConfig
+from service.server import RankerServer, ServerConfig
 from service.server_thread import ServerThread
-from service.tokenizer import load_tokenizer
 from service.trace_report import breakdown
 from service.tracing import WALL_OFFSET_NS
 
@@ -68,12 +66,6 @@ def eventually(fn: Callable[[], Any], timeout_s: float = 5.0) -> Any:
         assert time.monotonic() < end, "not within the timeout"
         time.sleep(0.01)
     return value
-
-
-@pytest.fixture(scope="module")
-def model(embedded_tiny) -> Model:
-    art = embedded_tiny[1]
-    return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,6 @@ from service.python_runtime import PythonRuntime
 from service.requests import ScoreRequest
 from service.server import Model, RankerServer, ServerConfig
 from service.server_thread import ServerThread as BaseServerThread
-from service.tokenizer import load_tokenizer
 
 pb2 = load_stubs().pb2
 pb2_grpc = load_stubs().pb2_grpc
@@ -96,12 +95,6 @@ class GatedRuntime:
         self.entered.set()
         assert self.gate.wait(30), "the gate was never opened"
         return self.inner.run_beam(batch, trace=trace)
-
-
-@pytest.fixture(scope="module")
-def model(embedded_tiny) -> Model:
-    art = embedded_tiny[1]
-    return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
 
 
 def _score_msg(seed: int, priority: int) -> Any:

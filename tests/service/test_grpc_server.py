@@ -17,7 +17,6 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,39 +26,18 @@ from service.batcher import DeadlineExpired
 from service.client import RankerClient
 from service.engine import execute
 from service.proto_gen import load as load_stubs
-from service.python_runtime import PythonRuntime
 from service.requests import BeamRequest, ExecutionError, RequestError, ScoreRequest
 from service.server import Model, NotServing, RankerServer, ServerConfig, status_of
 from service.server_thread import ServerThread
-from service.tokenizer import load_tokenizer
 
 pb2 = load_stubs().pb2
 VOCAB = 151936  # embedded:tiny: the Qwen vocabulary
 
 
-def health_status(target: str, service: str = "") -> str:
-    with grpc.insecure_channel(target) as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-
-
-def wait_serving(target: str, timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while health_status(target) != "SERVING":
-        assert time.monotonic() < end, "the server never became SERVING"
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def model(embedded_tiny) -> Model:
-    art = embedded_tiny[1]
-    return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
-
-
 @pytest.fixture(scope="module")
 def server(model):
     srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
-    wait_serving(srv.target)
+    srv.wait_serving()
     yield srv
     srv.stop()
 
@@ -279,8 +257,8 @@ def test_fuzz_raw_bytes_are_ok_or_invalid_argument(server, raw):
 
 
 def test_server_healthy_after_fuzz_and_errors(client, server):
-    assert health_status(server.target) == "SERVING"
-    assert health_status(server.target, "slmrank.v1.Ranker") == "SERVING"
+    assert server.health() == "SERVING"
+    assert server.health("slmrank.v1.Ranker") == "SERVING"
     stats = server.on_loop(server.server.stats)
     assert not any(k.endswith("INTERNAL") for k in stats["statuses"]), stats["statuses"]
     assert client.score([[1, 2]], [3]).samples
@@ -299,14 +277,14 @@ def test_health_not_serving_until_loaded_then_serving(model):
     config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, admission=AdmissionConfig(default_service_s=10.0))
     srv = ServerThread(RankerServer(config, slow_loader))
     try:
-        assert health_status(srv.target) == "NOT_SERVING"
-        assert health_status(srv.target, "slmrank.v1.Ranker") == "NOT_SERVING"
+        assert srv.health() == "NOT_SERVING"
+        assert srv.health("slmrank.v1.Ranker") == "NOT_SERVING"
         with RankerClient(srv.target) as c:
             with pytest.raises(grpc.RpcError) as err:
                 c.score([[1]], [2], timeout_s=10)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
             gate.set()
-            wait_serving(srv.target, 30)
+            srv.wait_serving(30)
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 c.score([[1]], [2], timeout_s=2.0)
@@ -352,7 +330,7 @@ def test_a_second_server_on_a_taken_port_fails_to_start_clearly(server, model):
     """ServerThread reports a server that cannot start (here: its port is taken) to its caller."""
     with pytest.raises(RuntimeError, match="the server failed to start"):
         ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=server.port, grace_s=1), lambda: model))
-    assert health_status(server.target) == "SERVING"
+    assert server.health() == "SERVING"
 
 
 def test_serve_on_a_taken_port_exits_with_a_clear_error(tmp_path) -> None:

@@ -61,12 +61,7 @@ class DecoderLayer final : public Node {
       at::Tensor& suffix_v = env.at("suffix_v." + i_);
       suffix_k.select(1, t - 1).copy_(k);
       suffix_v.select(1, t - 1).copy_(v);
-      if (fused) {  // one kernel: the row's own prompt range + its first t suffix slots
-        if (!env.count("kv_start")) {  // per batch, by the first decode layer: prompt range of each beam row
-          const at::Tensor& plen = env.at("beam_pos");
-          env["kv_len"] = plen;
-          env["kv_start"] = env.at("last").index_select(0, env.at("beam_req")).sub(plen).add(1);
-        }
+      if (fused) {  // one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
         attn = fused->decode_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("kv_start"),
                                        env.at("kv_len"), suffix_k, suffix_v, t, ctx.scale);
       } else {

@@ -38,6 +38,11 @@ class BeamMasks final : public Node {
     env["mask_self"] = causal_within(pos, seg);
     env["mask_beam"] = beam_req.unsqueeze(1).eq(seg.unsqueeze(0));  // a beam sees its request's prompt
     if (seg.is_cuda()) env["attn_bias"] = attention_bias(env.at("mask_self"), ctx.rope_cos.scalar_type());
+    if (ctx.fused) {  // the fused decode attention reads each beam row's prompt range instead of mask_beam
+      const at::Tensor& plen = env.at("beam_pos");
+      env["kv_len"] = plen;
+      env["kv_start"] = env.at("last").index_select(0, beam_req).sub(plen).add(1);
+    }
   }
 };
 

@@ -62,6 +62,10 @@ def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
     if seg.is_cuda:
         env["attn_bias"] = attention_bias(env["mask_self"], ctx.rope_cos.dtype)
+    if ctx.fused is not None:  # the fused decode attention reads each beam row's prompt range instead of mask_beam
+        plen = env["beam_pos"]
+        env["kv_len"] = plen
+        env["kv_start"] = env["last"].index_select(0, beam_req) - plen + 1
 
 
 def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -72,21 +76,17 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     cfg, i, mode = ctx.cfg, node.attrs["layer"], node.attrs["mode"]
     w = ctx.layers[i]
     x = env["x"]
-    if mode == "score":
+    if mode in ("score", "prefill"):
         cos, sin = ctx.rope_at(env["positions"])
         q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
-        if "attn_bias" in env:
+        if "attn_bias" in env:  # on CUDA: one fused attention over the batch
             attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
-        else:
+        elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
-    elif mode == "prefill":
-        cos, sin = ctx.rope_at(env["positions"])
-        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
-        if "attn_bias" in env:
-            attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
         else:
             attn, _ = masked_attention_ref(q, k, v, env["mask_self"], ctx.scale)
-        env[f"prompt_k.{i}"], env[f"prompt_v.{i}"] = k, v
+        if mode == "prefill":  # the prompt K/V every beam shares
+            env[f"prompt_k.{i}"], env[f"prompt_v.{i}"] = k, v
     else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
         t = node.step
         cos, sin = ctx.rope_at(env["beam_pos"] + (t - 1))
@@ -94,11 +94,7 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
         suffix_k, suffix_v = env[f"suffix_k.{i}"], env[f"suffix_v.{i}"]  # [R*B, n-1, G, E]
         suffix_k[:, t - 1] = k
         suffix_v[:, t - 1] = v
-        if ctx.fused is not None:  # one kernel: the row's own prompt range + its first t suffix slots
-            if "kv_start" not in env:  # per batch, by the first decode layer: prompt range of each beam row
-                plen = env["beam_pos"]
-                env["kv_len"] = plen
-                env["kv_start"] = env["last"].index_select(0, env["beam_req"]) - plen + 1
+        if ctx.fused is not None:  # one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
             attn = ctx.fused.decode_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
                                               env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
         else:

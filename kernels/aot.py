@@ -40,26 +40,23 @@ class KernelSpec:
     constexprs: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 3
-    divisible_by_16: tuple[str, ...] = ()  # pointer/int arguments the caller guarantees % 16 == 0
     grid: str = ""  # how the C++ side sizes the grid, for the manifest reader
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _compile(spec: KernelSpec, arch: int):
-    names = list(spec.signature)
     unknown = set(spec.constexprs) - {n for n, t in spec.signature.items() if t == "constexpr"}
     if unknown:
         raise ValueError(f"{spec.variant}: constexprs {sorted(unknown)} are not constexpr in the signature")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible_by_16}
     if not isinstance(spec.fn, JITFunction):
         raise RuntimeError(f"{spec.variant}: the kernel was defined under TRITON_INTERPRET=1; compile in a process "
                            "without it")
-    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 
-def _params(spec: KernelSpec, md: Any) -> list[dict[str, str]]:
+def _params(spec: KernelSpec) -> list[dict[str, str]]:
     params = []
     for name, ty in spec.signature.items():
         if ty == "constexpr":
@@ -87,7 +84,7 @@ def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90
             "variant": spec.variant, "cubin": f"{spec.variant}.cubin", "sha256": hashlib.sha256(cubin).hexdigest(),
             "function": md.name, "num_warps": md.num_warps, "shared_bytes": md.shared,
             "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size,
-            "params": _params(spec, md), "constexprs": {k: v for k, v in spec.constexprs.items()},
+            "params": _params(spec), "constexprs": {k: v for k, v in spec.constexprs.items()},
             "grid": spec.grid, **spec.extra, "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)})
     manifest = {"triton_version": triton.__version__, "target": f"sm_{arch}a" if arch >= 90 else f"sm_{arch}",
                 "kernels": entries}
@@ -110,15 +107,14 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
 
     dt = DTYPES[dtype]
     specs = []
-    for width, residuals in ((hidden_size, (False, True)),):
-        for res in residuals:
-            block = triton.next_power_of_2(width)
-            specs.append(KernelSpec(
-                variant_name("rms_norm", dt, n=width, res=int(res)), rms_norm_kernel,
-                {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "sum_ptr": f"*{dt}",
-                 "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
-                {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
-                grid="(rows, 1, 1)", extra={"n_cols": width}))
+    block = triton.next_power_of_2(hidden_size)
+    for res in (False, True):
+        specs.append(KernelSpec(
+            variant_name("rms_norm", dt, n=hidden_size, res=int(res)), rms_norm_kernel,
+            {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "sum_ptr": f"*{dt}",
+             "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
+            {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
+            grid="(rows, 1, 1)", extra={"n_cols": hidden_size}))
     for has_norm in (False, True):
         specs.append(KernelSpec(
             variant_name("norm_rope", dt, e=head_dim, norm=int(has_norm)), norm_rope_kernel,

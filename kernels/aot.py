@@ -145,7 +145,7 @@ def main() -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="an embedded spec or a checkpoint directory")
     what.add_argument("--shape", help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads, "
-                                      "max_new_tokens (what service/fused.py passes)")
+                                      "max_new_tokens (what service/runtime/fused.py passes)")
     p.add_argument("--out", required=True)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -153,8 +153,8 @@ def main() -> None:
     if args.shape:
         shape = json.loads(args.shape)
     else:
-        from service.checkpoint import weight_source
-        from service.config import ServingLimits
+        from service.model.checkpoint import weight_source
+        from service.model.config import ServingLimits
 
         cfg, _, _ = weight_source(args.model)
         shape = dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,

@@ -6,7 +6,7 @@
 - `silu_mul`: silu(gate) * up of a fused [N, 2I] gate/up projection, rounded as torch does
   (silu to the dtype, then the product): replaces chunk + silu + mul.
 
-The references are `service.layers.rms_norm` and torch's `F.silu(gate) * up`;
+The references are `service.model.layers.rms_norm` and torch's `F.silu(gate) * up`;
 tests/kernels/test_norm_act.py checks them on fresh random inputs (on a CPU through Triton's
 interpreter). Not yet called by the runtimes: the C++ executor will launch the ahead-of-time
 compiled cubins (kernels/aot.py), and the Python runtime the same ones.

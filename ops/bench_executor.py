@@ -26,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.artifact import build_artifact, load_artifact  # noqa: E402
-from service.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket  # noqa: E402
-from service.cpp_runtime import CppRuntime  # noqa: E402
-from service.engine import execute  # noqa: E402
-from service.flops import beam_flops, score_flops  # noqa: E402
-from service.jsonl import format_result  # noqa: E402
-from service.python_runtime import PythonRuntime  # noqa: E402
-from service.requests import BeamRequest, ScoreRequest  # noqa: E402
+from service.artifact.artifact import build_artifact, load_artifact  # noqa: E402
+from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket  # noqa: E402
+from service.runtime.cpp_runtime import CppRuntime  # noqa: E402
+from service.runtime.engine import execute  # noqa: E402
+from service.model.flops import beam_flops, score_flops  # noqa: E402
+from service.runtime.jsonl import format_result  # noqa: E402
+from service.runtime.python_runtime import PythonRuntime  # noqa: E402
+from service.runtime.requests import BeamRequest, ScoreRequest  # noqa: E402
 
 PEAK_BF16 = 989e12
 LOG: list[str] = []

@@ -5,12 +5,12 @@
       [--peer] [--device cuda|cpu] [--model embedded:qwen3-0.6b | CHECKPOINT_DIR | ARTIFACT_DIR]
 
 Each system runs as its own subprocess on 127.0.0.1 (`python -m service.cli serve --port 0 ...`,
-`python -m service.hf_peer ...`): its bound port is read from its output, then health is polled
+`python ops/hf_peer.py ...`): its bound port is read from its output, then health is polled
 until SERVING. Per level N: N asyncio tasks on one grpc.aio channel, each sending its next request
 as soon as its last one completes; warm-up, then a measured window: QPS = RPCs completed OK in the
 window / its length; latency = client send -> response, of those RPCs; errors counted by status.
 Capacity = the highest QPS of a level with mean < 20 ms and P99 < 80 ms; effective MFU = logical
-FLOPs per request (service/flops.py) x capacity / 989e12 (H200 dense BF16).
+FLOPs per request (service/model/flops.py) x capacity / 989e12 (H200 dense BF16).
 
 With --peer and an embedded spec, the artifact's weights are written as an HF checkpoint
 (ops/bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
@@ -47,8 +47,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.flops import beam_flops, score_flops  # noqa: E402
-from service.proto_gen import load as load_stubs  # noqa: E402
+from service.model.flops import beam_flops, score_flops  # noqa: E402
+from service.serving.proto_gen import load as load_stubs  # noqa: E402
 
 PEAK_BF16 = 989e12
 SLO_MEAN_MS, SLO_P99_MS = 20.0, 80.0
@@ -267,7 +267,7 @@ async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: in
         else:
             ids_equal &= [list(bx.ids) for bx in x.beams] == [list(by.ids) for by in y.beams]
             max_diff = max(max_diff, max(abs(bx.logprob - by.logprob) for bx, by in zip(x.beams, y.beams)))
-    from service.client import to_json
+    from service.serving.client import to_json
 
     return {"requests": n, "max_abs_logprob_diff": max_diff, "beam_ids_equal": ids_equal,
             "first": {k: to_json(v[0]) for k, v in answers.items()}}
@@ -320,7 +320,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out / "slmrank_server.log", args.start_timeout_s)
         if args.peer:
             procs["hf_peer"] = Proc("hf_peer", [
-                sys.executable, "-m", "service.hf_peer", "--checkpoint", ckpt, "--host", "127.0.0.1",
+                sys.executable, str(Path(__file__).with_name("hf_peer.py")), "--checkpoint", ckpt, "--host", "127.0.0.1",
                 "--port", "0", "--device", args.device], out / "hf_peer.log", args.start_timeout_s)
         for p in procs.values():
             await wait_serving(p.target, args.start_timeout_s)

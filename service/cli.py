@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .artifact import Artifact
+    from .artifact.artifact import Artifact
 
 # torch (behind .artifact) is imported only by the commands that run a model: `slmrank client`
 # and `slmrank trace` start in a fraction of a second.
@@ -35,7 +35,7 @@ def _checkpoint_fingerprint(ckpt: Path) -> str:
 
 def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
     """An artifact directory as it is; an embedded spec or a checkpoint is built once into the cache."""
-    from .artifact import MANIFEST, ArtifactError, build_artifact, load_artifact
+    from .artifact.artifact import MANIFEST, ArtifactError, build_artifact, load_artifact
 
     path = Path(model)
     if path.is_dir() and (path / MANIFEST).exists():
@@ -54,7 +54,7 @@ def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from .artifact import build_artifact, load_artifact
+    from .artifact.artifact import build_artifact, load_artifact
 
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet)
     art = load_artifact(out)
@@ -64,24 +64,24 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten"):
-    from .artifact import DTYPES
+    from .artifact.artifact import DTYPES
 
     torch_dtype = DTYPES[dtype] if dtype else None
     if name == "python":
-        from .python_runtime import PythonRuntime
+        from .runtime.python_runtime import PythonRuntime
 
         return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     if name == "cpp":
-        from .cpp_runtime import CppRuntime
+        from .runtime.cpp_runtime import CppRuntime
 
         return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     raise ValueError(f"--runtime: {name!r} is not one of python, cpp")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .engine import execute
-    from .jsonl import format_result, parse_request
-    from .requests import ExecutionError, RequestError
+    from .runtime.engine import execute
+    from .runtime.jsonl import format_result, parse_request
+    from .runtime.requests import ExecutionError, RequestError
 
     artifact = resolve_artifact(args.model, quiet=args.quiet)
     runtime = make_runtime(args.runtime, artifact, args.device, args.dtype, args.kernels)
@@ -119,7 +119,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from .server import ServerConfig, load_model, serve
+    from .serving.server import ServerConfig, load_model, serve
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[slmrank] %(message)s")
     config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
@@ -152,7 +152,7 @@ def _check_tracing(config) -> None:
     """Bad tracing settings (flags or environment) fail before the model loads, as a usage error."""
     import importlib
 
-    from .tracing import OTLP_PACKAGES
+    from .observe.tracing import OTLP_PACKAGES
 
     tracing = config.tracing()  # ValueError: a value out of range
     if tracing.otlp_endpoint:
@@ -173,7 +173,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from .client import RankerClient, describe_error, parse_ids, to_json
+    from .serving.client import RankerClient, describe_error, parse_ids, to_json
 
     with RankerClient(args.target, timeout_s=args.timeout) as client:
         try:
@@ -247,7 +247,7 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from .trace_report import report
+    from .observe.trace_report import report
 
     print(report(args.file))
     return 0
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_parser(sub)
 
     args = p.parse_args(argv)
-    from .requests import BindError
+    from .runtime.requests import BindError
 
     try:
         return args.func(args)

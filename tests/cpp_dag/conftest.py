@@ -29,9 +29,9 @@ class Model:
 
 def _make(save: Callable[..., Any], root: Path, name: str, arch: str, cls_name: str, seed: int,
           **extra: Any) -> Model:
-    from service.artifact import build_artifact, load_artifact
-    from service.cpp_runtime import CppRuntime
-    from service.python_runtime import PythonRuntime
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.runtime.cpp_runtime import CppRuntime
+    from service.runtime.python_runtime import PythonRuntime
 
     _, ckpt = save(root, name, arch, cls_name, seed, vocab=VOCAB, max_pos=MAX_POS, **extra)
     art = load_artifact(build_artifact(str(ckpt), root / f"{name}.art", quiet=True))

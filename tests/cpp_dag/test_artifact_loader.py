@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from cpp_dag import _core as core
-from service.artifact import FORMAT_VERSION, MANIFEST, WEIGHTS, build_artifact, load_artifact
-from service.layers import rope_table
+from service.artifact.artifact import FORMAT_VERSION, MANIFEST, WEIGHTS, build_artifact, load_artifact
+from service.model.layers import rope_table
 
 QWEN_VOCAB = 151936  # embedded:tiny
 SMALL_VOCAB = 512
@@ -310,7 +310,7 @@ def test_loader_matches_the_python_loader(tiny_dir: Path, qwen3_dir: Path, dtype
                 (n.name, n.type, n.inputs, n.outputs, n.attrs.get("layer", -1), n.attrs.get("step", 0),
                  n.attrs.get("mode", ""), n.attrs.get("weight", "")) for n in nodes]
 
-        # the RoPE tables: byte-identical to service/layers.py::rope_table(...).to(dtype)
+        # the RoPE tables: byte-identical to service/model/layers.py::rope_table(...).to(dtype)
         lim = art.limits
         num_positions = max(lim.max_prompt_tokens + lim.max_new_tokens, lim.max_score_tokens)
         assert got["num_positions"] == num_positions

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from service import cpp_runtime as cpp_runtime_mod
-from service.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
-from service.cpp_runtime import CppRuntime
-from service.layers import rope_table
-from service.requests import BeamRequest, ScoreRequest
+from service.runtime import cpp_runtime as cpp_runtime_mod
+from service.runtime.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
+from service.runtime.cpp_runtime import CppRuntime
+from service.model.layers import rope_table
+from service.runtime.requests import BeamRequest, ScoreRequest
 
 # ---- batches -----------------------------------------------------------------------------------
 
@@ -289,10 +289,10 @@ def test_shutdown_finishes_every_submitted_batch(qwen2_small, helpers, num_lanes
 
 _DROP_WITH_QUEUED_BATCHES = textwrap.dedent("""
     import asyncio, random, sys, time
-    from service.artifact import load_artifact
-    from service.batch import pack_beam, pick_beam_bucket
-    from service.cpp_runtime import CppRuntime
-    from service.requests import BeamRequest
+    from service.artifact.artifact import load_artifact
+    from service.runtime.batch import pack_beam, pick_beam_bucket
+    from service.runtime.cpp_runtime import CppRuntime
+    from service.runtime.requests import BeamRequest
 
     art = load_artifact(sys.argv[1])
     rng = random.Random(0)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from service.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
-from service.engine import execute
-from service.requests import BeamRequest, ExecutionError, ScoreRequest
+from service.runtime.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
+from service.runtime.engine import execute
+from service.runtime.requests import BeamRequest, ExecutionError, ScoreRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -27,15 +27,15 @@ DTYPE = torch.bfloat16
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory):
-    from service.artifact import build_artifact, load_artifact
+    from service.artifact.artifact import build_artifact, load_artifact
 
     return load_artifact(build_artifact("embedded:tiny", tmp_path_factory.mktemp("gpu_tiny") / "art", quiet=True))
 
 
 @pytest.fixture(scope="module")
 def runtimes(tiny_artifact) -> dict[str, Any]:
-    from service.cpp_runtime import CppRuntime
-    from service.python_runtime import PythonRuntime
+    from service.runtime.cpp_runtime import CppRuntime
+    from service.runtime.python_runtime import PythonRuntime
 
     rts = {"python": PythonRuntime(tiny_artifact, device="cuda", dtype=DTYPE),
            "eager": CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=False),
@@ -100,8 +100,8 @@ def _beam_batch(art, widths=(3, 16), new_tokens: int = 5, seed: int = 2) -> Beam
 def test_triton_kernels_byte_identical_python_eager_graphs(tiny_artifact, runtimes) -> None:
     """kernels="triton": both runtimes launch the same AOT cubins: identical bytes, and results within
     bf16 noise of the ATen path (beam ids may differ only where scores tie closely)."""
-    from service.cpp_runtime import CppRuntime
-    from service.python_runtime import PythonRuntime
+    from service.runtime.cpp_runtime import CppRuntime
+    from service.runtime.python_runtime import PythonRuntime
 
     rts = {"python": PythonRuntime(tiny_artifact, device="cuda", dtype=DTYPE, kernels="triton"),
            "eager": CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=False, kernels="triton"),
@@ -149,7 +149,7 @@ def test_eager_mode_device_timings(tiny_artifact, runtimes) -> None:
 
 
 def test_capture_logs_each_bucket(tiny_artifact, runtimes) -> None:
-    from service.cpp_runtime import CppRuntime
+    from service.runtime.cpp_runtime import CppRuntime
 
     rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True)
     try:
@@ -172,7 +172,7 @@ def test_captured_graphs_share_the_lane_pool(tiny_artifact, runtimes) -> None:
     """Capturing many buckets keeps only each graph's inputs and outputs: the intermediates (logits
     of up to 1600 beam rows x 151936 float32 = 0.9 GiB each) go back to the lane's pool and the
     next capture reuses them. Replays of interleaved buckets from that shared pool stay exact."""
-    from service.cpp_runtime import CppRuntime
+    from service.runtime.cpp_runtime import CppRuntime
 
     rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1)
     try:

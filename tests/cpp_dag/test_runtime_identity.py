@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
-from service.engine import plan_batches, validate
-from service.jsonl import parse_request
-from service.requests import BeamRequest, RequestError, ScoreRequest
+from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
+from service.runtime.engine import plan_batches, validate
+from service.runtime.jsonl import parse_request
+from service.runtime.requests import BeamRequest, RequestError, ScoreRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512  # the small checkpoints of tests/cpp_dag/conftest.py

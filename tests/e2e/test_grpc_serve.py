@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.cli import main as cli_main
-from service.client import RankerClient
+from service.serving.client import RankerClient
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 151936  # embedded:tiny uses the Qwen vocabulary

@@ -23,8 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.cli import main as cli_main
-from service.client import RankerClient
-from service.trace_report import breakdown, load_events
+from service.serving.client import RankerClient
+from service.observe.trace_report import breakdown, load_events
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["receive", "decode", "tokenize", "queue", "batch", "execute", "h2d", "d2h", "unpack", "encode", "send"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.layers import rms_norm as rms_norm_ref
-from service.layers import two_part_attention
+from service.model.layers import rms_norm as rms_norm_ref
+from service.model.layers import two_part_attention
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_rms_norm_and_silu_mul(kernels) -> None:
 
 
 def test_norm_rope_equals_torch(kernels) -> None:
-    from service.layers import apply_rope
+    from service.model.layers import apply_rope
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 14, 64, generator=g).to("cuda", torch.bfloat16)

@@ -1,5 +1,5 @@
 """kernels.decode_attention (Triton) against the reference parts + LSE merge that the runtimes use
-today (service.layers.two_part_attention), on fresh random inputs: prompts of several requests
+today (service.model.layers.two_part_attention), on fresh random inputs: prompts of several requests
 packed, beams of each request, padding rows with no prompt. CPU: Triton's interpreter; GPU:
 compiled (marked gpu), where bf16 is held to "no less accurate than the reference"."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.decode_attention import decode_attention
-from service.layers import two_part_attention
+from service.model.layers import two_part_attention
 
 
 def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: int,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norm_act import rms_norm, silu_mul
-from service.layers import rms_norm as rms_norm_ref
+from service.model.layers import rms_norm as rms_norm_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -74,8 +74,8 @@ def test_bad_shapes_are_refused() -> None:
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_norm_rope_matches_reference(device: str, dtype: torch.dtype, with_norm: bool) -> None:
     from kernels.norm_act import norm_rope
-    from service.config import ModelConfig
-    from service.layers import apply_rope, rope_table
+    from service.model.config import ModelConfig
+    from service.model.layers import apply_rope, rope_table
 
     g = torch.Generator().manual_seed(17)
     n, heads, e = 11, 3, 32

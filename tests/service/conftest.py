@@ -30,8 +30,8 @@ class TinyModel:
 
 def _make(save: Callable[..., Any], tmp_root: Path, name: str, arch: str, model_cls_name: str, seed: int,
           save_kw: dict[str, Any] | None = None, **cfg_extra: Any) -> TinyModel:
-    from service.artifact import build_artifact, load_artifact
-    from service.python_runtime import PythonRuntime
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.runtime.python_runtime import PythonRuntime
 
     model, ckpt = save(tmp_root, name, arch, model_cls_name, seed, vocab=VOCAB, max_pos=MAX_POS, save_kw=save_kw,
                        **cfg_extra)
@@ -76,7 +76,7 @@ def qwen2_cls(tiny_root: Path, save_tiny_checkpoint) -> TinyModel:
 @pytest.fixture(scope="session")
 def embedded_tiny(tmp_path_factory: pytest.TempPathFactory):
     """embedded:tiny built once: (artifact dir, Artifact)."""
-    from service.artifact import build_artifact, load_artifact
+    from service.artifact.artifact import build_artifact, load_artifact
 
     out = build_artifact("embedded:tiny", tmp_path_factory.mktemp("embedded") / "tiny", quiet=True)
     return out, load_artifact(out)
@@ -85,9 +85,9 @@ def embedded_tiny(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def model(embedded_tiny):
     """What the gRPC server serves in the tests: embedded:tiny, the Python runtime, its tokenizer."""
-    from service.python_runtime import PythonRuntime
-    from service.server import Model
-    from service.tokenizer import load_tokenizer
+    from service.runtime.python_runtime import PythonRuntime
+    from service.serving.server import Model
+    from service.model.tokenizer import load_tokenizer
 
     art = embedded_tiny[1]
     return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
@@ -95,7 +95,7 @@ def model(embedded_tiny):
 
 @pytest.fixture(scope="session")
 def embedded_tiny_runtime(embedded_tiny):
-    from service.python_runtime import PythonRuntime
+    from service.runtime.python_runtime import PythonRuntime
 
     return PythonRuntime(embedded_tiny[1])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.admission import AdmissionConfig, AdmissionController, Overloaded, Priority, ServiceTimeModel, Ticket
+from service.serving.admission import AdmissionConfig, AdmissionController, Overloaded, Priority, ServiceTimeModel, Ticket
 
 O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
 

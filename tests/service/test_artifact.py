@@ -11,11 +11,11 @@ import msgpack
 import pytest
 import torch
 
-from service.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS, ArtifactError, build_artifact,
+from service.artifact.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS, ArtifactError, build_artifact,
                               load_artifact, sha256_file)
-from service.checkpoint import EMBEDDED, expected_shapes
+from service.model.checkpoint import EMBEDDED, expected_shapes
 from service.cli import main as cli_main
-from service.dag import NODE_TYPES
+from service.artifact.dag import NODE_TYPES
 
 
 def _clone(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:
@@ -217,8 +217,8 @@ def test_unknown_embedded_spec_lists_known_ones(tmp_path, capsys):
 
 def test_manifest_config_not_matching_the_weights_is_refused(embedded_tiny, tmp_path):
     """A manifest whose model config does not describe its weights never reaches a runtime."""
-    from service.config import ConfigError
-    from service.python_runtime import PythonRuntime
+    from service.model.config import ConfigError
+    from service.runtime.python_runtime import PythonRuntime
 
     path, _ = embedded_tiny
     d = _clone(path, tmp_path / "a")

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from service.cli import main as cli_main
-from service.engine import execute
-from service.requests import BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult
+from service.runtime.engine import execute
+from service.runtime.requests import BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult
 
 V = 512  # vocabulary of the tiny checkpoints
 
@@ -223,7 +223,7 @@ def test_cli_refuses_each_bad_line_and_answers_the_rest(tmp_path, lm, alone):
             if isinstance(want, ScoreResult):
                 _assert_close(ScoreResult(got["scores"]), want)
             else:
-                from service.requests import Beam
+                from service.runtime.requests import Beam
                 _assert_close(BeamResult([Beam(b["ids"], b["logprob"]) for b in got["beams"]]), want)
             continue
         assert set(got) == {"id", "error"}, f"{case.name}: {got}"

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from service.admission import AdmissionConfig, Overloaded, Priority
-from service.batch import BeamBatch, ScoreBatch
-from service.batcher import BatcherConfig, Completed, DeadlineExpired, Scheduler
-from service.engine import execute
-from service.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from service.serving.admission import AdmissionConfig, Overloaded, Priority
+from service.runtime.batch import BeamBatch, ScoreBatch
+from service.serving.batcher import BatcherConfig, Completed, DeadlineExpired, Scheduler
+from service.runtime.engine import execute
+from service.runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
 O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
 
@@ -111,12 +111,12 @@ async def started(art, runtime, admission: AdmissionConfig | None = None, **batc
 
 @pytest.fixture(params=["python", "cpp"])
 def runtime(request, art):
-    from service.python_runtime import PythonRuntime
+    from service.runtime.python_runtime import PythonRuntime
 
     if request.param == "python":
         yield PythonRuntime(art)
         return
-    from service.cpp_runtime import CppRuntime  # ops/setup always builds the extension
+    from service.runtime.cpp_runtime import CppRuntime  # ops/setup always builds the extension
 
     rt = CppRuntime(art)
     yield rt

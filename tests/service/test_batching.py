@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.batch import (beam_fits, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, score_fits,
+from service.runtime.batch import (beam_fits, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, score_fits,
                            unpack_beam, unpack_score)
-from service.buckets import BeamBucket, ScoreBucket
-from service.engine import execute, plan_batches
-from service.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
+from service.artifact.buckets import BeamBucket, ScoreBucket
+from service.runtime.engine import execute, plan_batches
+from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 TOL = 1e-5
 
@@ -208,9 +208,9 @@ def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from service.artifact import build_artifact, load_artifact
-    from service.python_runtime import PythonRuntime
-    from service.requests import RequestError
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.runtime.python_runtime import PythonRuntime
+    from service.runtime.requests import RequestError
 
     torch.manual_seed(3)
     cfg = Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from service.engine import execute
-from service.python_runtime import PythonRuntime
-from service.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
+from service.runtime.engine import execute
+from service.runtime.python_runtime import PythonRuntime
+from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 TOL = 1e-4
 
@@ -49,7 +49,7 @@ def test_fused_runtime_equals_hf_and_the_plain_path(fused, hf_ref) -> None:
 
 
 def test_bad_kernel_choices_are_refused(qwen2_tiny, monkeypatch) -> None:
-    from service.cpp_runtime import CppRuntime
+    from service.runtime.cpp_runtime import CppRuntime
 
     with pytest.raises(ValueError, match="kernels: 'fast' is not one of aten, triton"):
         PythonRuntime(qwen2_tiny.artifact, kernels="fast")

@@ -29,15 +29,15 @@ import grpc
 import numpy as np
 import pytest
 
-from service.admission import AdmissionConfig
-from service.batcher import BatcherConfig
-from service.client import RankerClient
-from service.engine import execute
-from service.proto_gen import load as load_stubs
-from service.python_runtime import PythonRuntime
-from service.requests import ScoreRequest
-from service.server import Model, RankerServer, ServerConfig
-from service.server_thread import ServerThread as BaseServerThread
+from service.serving.admission import AdmissionConfig
+from service.serving.batcher import BatcherConfig
+from service.serving.client import RankerClient
+from service.runtime.engine import execute
+from service.serving.proto_gen import load as load_stubs
+from service.runtime.python_runtime import PythonRuntime
+from service.runtime.requests import ScoreRequest
+from service.serving.server import Model, RankerServer, ServerConfig
+from service.serving.server_thread import ServerThread as BaseServerThread
 
 pb2 = load_stubs().pb2
 pb2_grpc = load_stubs().pb2_grpc

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from service import proto_gen
+from service.serving import proto_gen
 
 ROOT = Path(__file__).resolve().parents[2]
 
 _GENERATE = """
 import sys
 from pathlib import Path
-import service.proto_gen as g
+import service.serving.proto_gen as g
 g.GEN_ROOT = Path(sys.argv[1])
 g._generate(g.stubs_dir())
 """
@@ -44,7 +44,7 @@ def test_a_changed_proto_gets_fresh_stubs(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_slmrank_run_needs_no_grpc():
-    code = ("import sys, service.cli, service.engine, service.jsonl; "
+    code = ("import sys, service.cli, service.runtime.engine, service.runtime.jsonl; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_tools', 'slmrank')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -21,14 +21,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.admission import AdmissionConfig, Overloaded
-from service.batcher import DeadlineExpired
-from service.client import RankerClient
-from service.engine import execute
-from service.proto_gen import load as load_stubs
-from service.requests import BeamRequest, ExecutionError, RequestError, ScoreRequest
-from service.server import Model, NotServing, RankerServer, ServerConfig, status_of
-from service.server_thread import ServerThread
+from service.serving.admission import AdmissionConfig, Overloaded
+from service.serving.batcher import DeadlineExpired
+from service.serving.client import RankerClient
+from service.runtime.engine import execute
+from service.serving.proto_gen import load as load_stubs
+from service.runtime.requests import BeamRequest, ExecutionError, RequestError, ScoreRequest
+from service.serving.server import Model, NotServing, RankerServer, ServerConfig, status_of
+from service.serving.server_thread import ServerThread
 
 pb2 = load_stubs().pb2
 VOCAB = 151936  # embedded:tiny: the Qwen vocabulary

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from service.engine import execute, plan_batches
-from service.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
+from service.runtime.engine import execute, plan_batches
+from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 TOL = 1e-4
 ARCHS = ["qwen2_tiny", "qwen3_tiny"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import service.cli as cli
-from service.server import load_model
+from service.serving.server import load_model
 
 
 class _RecordingRuntime:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from service.admission import Priority
-from service.batcher import Completed, RequestTimings
-from service.chrome_trace import ChromeTraceWriter
-from service.metrics import LATENCY_BUCKETS_S, Histogram, MetricsServer, ServerMetrics, scheduler_families
-from service.tracing import RequestTrace, build_records
+from service.serving.admission import Priority
+from service.serving.batcher import Completed, RequestTimings
+from service.observe.chrome_trace import ChromeTraceWriter
+from service.observe.metrics import LATENCY_BUCKETS_S, Histogram, MetricsServer, ServerMetrics, scheduler_families
+from service.observe.tracing import RequestTrace, build_records
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -154,8 +154,8 @@ def test_histogram_refuses_unordered_buckets() -> None:
 
 
 async def _run_scheduler(art: Any, runtime: Any) -> dict[str, Any]:
-    from service.batcher import Scheduler
-    from service.requests import ScoreRequest
+    from service.serving.batcher import Scheduler
+    from service.runtime.requests import ScoreRequest
 
     sched = Scheduler(art, runtime)
     await sched.start()

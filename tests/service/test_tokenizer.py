@@ -1,4 +1,4 @@
-"""Tests for service/tokenizer.py: the embedded Qwen vocabulary (tiktoken), the tokenizer.json
+"""Tests for service/model/tokenizer.py: the embedded Qwen vocabulary (tiktoken), the tokenizer.json
 backend (tokenizers), the segment cache, artifact files and errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import unicodedata
 
 import pytest
 
-from service.tokenizer import (
+from service.model.tokenizer import (
     NOTICE_FILE,
     QWEN2_SPECIAL_TOKENS,
     QWEN3_SPECIAL_TOKENS,

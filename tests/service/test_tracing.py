@@ -16,13 +16,13 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from service.admission import Priority
-from service.batcher import Completed, RequestTimings
-from service.chrome_trace import ChromeTraceWriter
+from service.serving.admission import Priority
+from service.serving.batcher import Completed, RequestTimings
+from service.observe.chrome_trace import ChromeTraceWriter
 from service.cli import main as cli_main
-from service.metrics import ServerMetrics
-from service.trace_report import breakdown, load_events
-from service.tracing import (OTLP_PACKAGES, WALL_OFFSET_NS, RequestTrace, RequestTracer, TracingConfig,
+from service.observe.metrics import ServerMetrics
+from service.observe.trace_report import breakdown, load_events
+from service.observe.tracing import (OTLP_PACKAGES, WALL_OFFSET_NS, RequestTrace, RequestTracer, TracingConfig,
                              TracingInterceptor, build_records, current_trace, otlp_exporter)
 
 MS = 1_000_000
@@ -374,8 +374,8 @@ def test_interceptor_traces_rpcs_with_their_status(inner_parses: bool) -> None:
 # ---- a real scheduler ----------------------------------------------------------------------------
 
 def test_real_scheduler_request_traced_from_its_timings(embedded_tiny, embedded_tiny_runtime) -> None:
-    from service.batcher import Scheduler
-    from service.requests import BeamRequest, ScoreRequest
+    from service.serving.batcher import Scheduler
+    from service.runtime.requests import BeamRequest, ScoreRequest
 
     art = embedded_tiny[1]
 

@@ -60,7 +60,7 @@ def qkv_projection(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, cos: torc
                    sin: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E].
 
-    fused: fused kernels (service.fused) for the norms, or None for these plain-torch ones."""
+    fused: fused kernels (service.runtime.fused) for the norms, or None for these plain-torch ones."""
     n, eps = x.shape[0], cfg.rms_norm_eps
     h = fused.rms_norm(x, w.attn_norm, eps) if fused is not None else rms_norm(x, w.attn_norm, eps)
     qkv = F.linear(h, w.wqkv, w.bqkv)
@@ -81,7 +81,7 @@ def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                              fused: Any = None) -> torch.Tensor:
     """Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E].
 
-    fused: the first residual add + RMSNorm and SiLU(gate)*up as fused kernels (service.fused)."""
+    fused: the first residual add + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused)."""
     o = F.linear(attn.reshape(x.shape[0], cfg.q_size), w.wo)
     if fused is not None:
         h, y = fused.rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps)

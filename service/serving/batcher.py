@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from .admission import AdmissionConfig, AdmissionController, DropReason, Overloaded, Priority, ServiceTimeModel, Ticket
-from .artifact import Artifact
-from .batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam,
+from ..artifact.artifact import Artifact
+from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam,
                     unpack_score)
-from .buckets import BeamBucket, ScoreBucket
-from .engine import validate
-from .requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from ..artifact.buckets import BeamBucket, ScoreBucket
+from ..runtime.engine import validate
+from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
 Request = ScoreRequest | BeamRequest
 Batch = ScoreBatch | BeamBatch

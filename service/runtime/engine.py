@@ -9,7 +9,7 @@ from typing import Protocol, Sequence, Union
 
 import torch
 
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 from .batch import (BeamBatch, ScoreBatch, beam_fits, pack_beam, pack_score, pick_beam_bucket,
                     pick_score_bucket, score_fits, unpack_beam, unpack_score)
 from .requests import (BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult,

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, ServingLimits
+from ..model.config import ConfigError, ServingLimits
 
 
 @dataclass(frozen=True, order=True)

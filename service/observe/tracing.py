@@ -48,7 +48,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
-    from .batcher import Completed, RequestTimings
+    from ..serving.batcher import Completed, RequestTimings
     from .chrome_trace import ChromeTraceWriter
     from .metrics import ServerMetrics
 

@@ -10,7 +10,7 @@ finish the requests in flight, exit 0, all within `grace_s` (shorter than Kubern
 batch that outlasts the grace does not hold the process (it exits 1). A second signal skips what
 is left of the grace.
 
-Observability (service/tracing.py, service/metrics.py): TracingInterceptor, outside StatusInterceptor,
+Observability (service/observe/tracing.py, service/observe/metrics.py): TracingInterceptor, outside StatusInterceptor,
 traces every Ranker RPC (receive, decode, tokenize, queue, batch, execute with the executor's
 phases and DAG nodes, encode, send) and feeds ServerMetrics; with `metrics_port` set, GET /metrics
 (Prometheus) and GET /trace (the Chrome trace of the kept requests) are served on their own port;
@@ -35,14 +35,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .admission import AdmissionConfig, Overloaded
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 from .batcher import BatcherConfig, DeadlineExpired, Scheduler
 from .grpc_codec import Codec
-from .metrics import MetricsServer, ServerMetrics
+from ..observe.metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
-from .requests import BindError, ExecutionError, RequestError
-from .tokenizer import Tokenizer, load_tokenizer
-from .tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
+from ..runtime.requests import BindError, ExecutionError, RequestError
+from ..model.tokenizer import Tokenizer, load_tokenizer
+from ..observe.tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
 
 log = logging.getLogger("slmrank.server")
 
@@ -96,7 +96,7 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
                quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten") -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
-    from .cli import make_runtime, resolve_artifact
+    from ..cli import make_runtime, resolve_artifact
 
     artifact = resolve_artifact(spec, quiet=quiet)
     rt = make_runtime(runtime, artifact, device, dtype, kernels)

@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .buckets import BucketTable, default_bucket_table
-from .checkpoint import check_weights, expected_shapes, weight_source
-from .config import ModelConfig, ServingLimits
+from ..model.checkpoint import check_weights, expected_shapes, weight_source
+from ..model.config import ModelConfig, ServingLimits
 from .dag import Node, beam_dag, dag_from_list, dag_to_list, score_dag
-from .progress import Progress
+from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
 FORMAT_VERSION = 2  # 2: Score buckets of request blocks (block_tokens input, score_masks reads it)
@@ -130,7 +130,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
 
 def _tokenizer_files(model: str) -> tuple[str, dict[str, bytes]]:
     """The checkpoint's tokenizer.json when it has one, else the embedded Qwen vocabulary."""
-    from .tokenizer import load_tokenizer
+    from ..model.tokenizer import load_tokenizer
 
     ckpt = Path(model)
     if not model.startswith("embedded:") and (ckpt / "tokenizer.json").exists():

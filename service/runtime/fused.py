@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 
 KERNEL_CHOICES = ("aten", "triton")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class JitKernels:
@@ -68,7 +68,7 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
                                     *(hashlib.sha256(p.read_bytes()).hexdigest() for p in sources)])
                          .encode()).hexdigest()[:16]
     if cache is None:
-        from .cli import cache_dir
+        from ..cli import cache_dir
 
         cache = cache_dir()
     out = cache / "kernels" / key

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
 
 NODE_TYPES = ("score_masks", "beam_masks", "embedding", "decoder_layer", "rms_norm", "gather_rows", "lm_head", "cls_head",
               "label_logprobs", "beam_init", "beam_step")

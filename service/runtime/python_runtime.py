@@ -9,11 +9,11 @@ from typing import Callable
 
 import torch
 
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 from .batch import BeamBatch, ScoreBatch
-from .dag import Node
+from ..artifact.dag import Node
 from .fused import python_kernels
-from .layers import LayerWeights, rope_table
+from ..model.layers import LayerWeights, rope_table
 from .nodes import NODE_FUNCS, Env, NodeContext
 
 Trace = Callable[[Node, Env], None]
@@ -24,7 +24,7 @@ class PythonRuntime:
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
                  kernels: str = "aten") -> None:
-        """kernels: "aten" (plain torch) or "triton" (the fused kernels; service/fused.py)."""
+        """kernels: "aten" (plain torch) or "triton" (the fused kernels; service/runtime/fused.py)."""
         self.artifact = artifact
         self.cfg = artifact.config
         self.device = torch.device(device)

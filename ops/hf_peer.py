@@ -12,7 +12,7 @@ segments only (text -> INVALID_ARGUMENT "the peer takes ids"; no tokenizer is lo
   beams best first with sequences_scores (B=1, greedy: the sum of the log-softmax of the chosen
   tokens). Beam.text is left empty.
 
-    python -m service.hf_peer --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
+    python ops/hf_peer.py --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
 
 prints "listening on HOST:PORT" once the model is loaded and health says SERVING.
 """
@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .proto_gen import load as load_stubs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.serving.proto_gen import load as load_stubs  # noqa: E402
 
 RANKER = "slmrank.v1.Ranker"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import ModelConfig, ServingLimits
+from ..model.config import ModelConfig, ServingLimits
 
 
 class RequestError(ValueError):

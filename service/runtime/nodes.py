@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from kernels.attention import attention_bias, biased_attention, masked_attention_ref
 
-from .config import ModelConfig
-from .dag import Node
-from .layers import LayerWeights, attention_output_and_mlp, qkv_projection, rms_norm, two_part_attention
+from ..model.config import ModelConfig
+from ..artifact.dag import Node
+from ..model.layers import LayerWeights, attention_output_and_mlp, qkv_projection, rms_norm, two_part_attention
 
 Env = dict[str, torch.Tensor]
 
@@ -28,7 +28,7 @@ class NodeContext:
     layers: list[LayerWeights]
     rope_cos: torch.Tensor  # [P, E] in the compute dtype
     rope_sin: torch.Tensor
-    fused: Any = None  # fused Triton kernels (service.fused), or None: the plain-torch ops
+    fused: Any = None  # fused Triton kernels (service.runtime.fused), or None: the plain-torch ops
 
     @property
     def scale(self) -> float:

@@ -657,7 +657,7 @@ def load_tokenizer(
 
 
 # ---------------------------------------------------------------------------------------------
-# Micro-benchmark: python -m service.tokenizer [SOURCE ...]   (default: qwen)
+# Micro-benchmark: python -m service.model.tokenizer [SOURCE ...]   (default: qwen)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
-from .buckets import BeamBucket, ScoreBucket
+from ..artifact.buckets import BeamBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
-from .progress import Progress
+from ..model.progress import Progress
 
 
 def _load_core() -> Any:
@@ -34,7 +34,7 @@ class CppRuntime:
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
                  use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten") -> None:
-        """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/fused.py)."""
+        """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/runtime/fused.py)."""
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .admission import Priority
-from .artifact import Artifact
+from ..artifact.artifact import Artifact
 from .proto_gen import load as load_stubs
-from .requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
+from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
                        validate_score)
-from .tokenizer import Tokenizer
-from .tracing import current_trace
+from ..model.tokenizer import Tokenizer
+from ..observe.tracing import current_trace
 
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
 PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-PROTO_ROOT = Path(__file__).resolve().parents[1] / "proto"
+PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 PROTO = "slmrank/v1/ranker.proto"
-GEN_ROOT = Path(__file__).resolve().parent / "_gen"
+GEN_ROOT = Path(__file__).resolve().parents[1] / "_gen"
 MODULE = "slmrank.v1.ranker"  # protoc names modules after the .proto's path under PROTO_ROOT
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .buckets import BeamBucket, BucketTable, ScoreBucket
+from ..artifact.buckets import BeamBucket, BucketTable, ScoreBucket
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 NO_CONTEXT = -2  # ctx of a token that has no shared prefix (never equal to any seg)

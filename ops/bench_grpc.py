@@ -276,7 +276,7 @@ async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: in
 # ---- main -------------------------------------------------------------------------------------------
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from service.cli import resolve_artifact
+    from service.artifact.resolve import resolve_artifact
 
     w = parse_workload(args.workload)
     model = args.model or w.get("model") or "embedded:tiny"

@@ -3,54 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .artifact.artifact import Artifact
 
 # torch (behind .artifact) is imported only by the commands that run a model: `slmrank client`
 # and `slmrank trace` start in a fraction of a second.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLMRANK_CACHE", Path.home() / ".cache" / "slmrank"))
-
-
-def _checkpoint_fingerprint(ckpt: Path) -> str:
-    """Path plus every file's name, size and mtime: a changed checkpoint gets a fresh artifact."""
-    parts = [str(ckpt.resolve())]
-    if ckpt.is_dir():
-        for f in sorted(ckpt.iterdir()):
-            if f.is_file():
-                st = f.stat()
-                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    return "\n".join(parts)
-
-
-def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
-    """An artifact directory as it is; an embedded spec or a checkpoint is built once into the cache."""
-    from .artifact.artifact import MANIFEST, ArtifactError, build_artifact, load_artifact
-
-    path = Path(model)
-    if path.is_dir() and (path / MANIFEST).exists():
-        return load_artifact(path)
-    key = model if model.startswith("embedded:") else _checkpoint_fingerprint(path)
-    out = cache_dir() / "artifacts" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (out / MANIFEST).exists():
-        try:
-            return load_artifact(out)
-        except ArtifactError as e:
-            print(f"[slmrank] rebuilding cached artifact {out}: {e}", file=sys.stderr)
-    if not quiet:
-        print(f"[slmrank] building artifact for {model} into {out}", file=sys.stderr)
-    build_artifact(model, out, quiet=quiet)
-    return load_artifact(out)
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -63,23 +22,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten"):
-    from .artifact.artifact import DTYPES
-
-    torch_dtype = DTYPES[dtype] if dtype else None
-    if name == "python":
-        from .runtime.python_runtime import PythonRuntime
-
-        return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
-    if name == "cpp":
-        from .runtime.cpp_runtime import CppRuntime
-
-        return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
-    raise ValueError(f"--runtime: {name!r} is not one of python, cpp")
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .artifact.resolve import resolve_artifact
     from .runtime.engine import execute
+    from .runtime.factory import make_runtime
     from .runtime.jsonl import format_result, parse_request
     from .runtime.requests import ExecutionError, RequestError
 

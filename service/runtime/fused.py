@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..artifact.artifact import Artifact
+from ..artifact.resolve import cache_dir
 
 KERNEL_CHOICES = ("aten", "triton")
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +69,6 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
                                     *(hashlib.sha256(p.read_bytes()).hexdigest() for p in sources)])
                          .encode()).hexdigest()[:16]
     if cache is None:
-        from ..cli import cache_dir
-
         cache = cache_dir()
     out = cache / "kernels" / key
     if (out / "kernels.msgpack").is_file():

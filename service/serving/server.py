@@ -36,10 +36,12 @@ from grpc_reflection.v1alpha import reflection
 
 from .admission import AdmissionConfig, Overloaded
 from ..artifact.artifact import Artifact
+from ..artifact.resolve import resolve_artifact
 from .batcher import BatcherConfig, DeadlineExpired, Scheduler
 from .grpc_codec import Codec
 from ..observe.metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
+from ..runtime import factory
 from ..runtime.requests import BindError, ExecutionError, RequestError
 from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..observe.tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
@@ -96,10 +98,8 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
                quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten") -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
-    from ..cli import make_runtime, resolve_artifact
-
     artifact = resolve_artifact(spec, quiet=quiet)
-    rt = make_runtime(runtime, artifact, device, dtype, kernels)
+    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir))

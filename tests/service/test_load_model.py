@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import service.cli as cli
+from service.runtime import factory
 from service.serving.server import load_model
 
 
@@ -21,14 +21,14 @@ class _RecordingRuntime:
 
 @pytest.mark.parametrize("capture_graphs, expected", [(True, 1), (False, 0)])
 def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_graphs, expected):
-    real_make_runtime = cli.make_runtime
+    real_make_runtime = factory.make_runtime
     made: list[_RecordingRuntime] = []
 
     def make_runtime(name, artifact, device, dtype, kernels="aten"):
         made.append(_RecordingRuntime(real_make_runtime(name, artifact, device, dtype, kernels)))
         return made[-1]
 
-    monkeypatch.setattr(cli, "make_runtime", make_runtime)
+    monkeypatch.setattr(factory, "make_runtime", make_runtime)
     model = load_model(str(qwen2_tiny.artifact.path), "python", capture_graphs=capture_graphs)
     assert model.runtime is made[0]
     assert made[0].captures == expected

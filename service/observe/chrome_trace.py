@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .tracing import WALL_OFFSET_NS, SpanRecord
+from .records import WALL_OFFSET_NS, SpanRecord
 
 PIDS = {"request": 1, "executor": 2, "gpu": 3}
 PROCESS_NAMES = {1: "requests", 2: "executor (host)", 3: "GPU (device time)"}
@@ -45,7 +45,7 @@ class ChromeTraceWriter:
         self.num_added = 0  # requests added, kept or since dropped
 
     def add(self, records: list[SpanRecord]) -> None:
-        """One kept request's span tree (tracing.build_records)."""
+        """One kept request's span tree (records.build_records)."""
         n = self.num_added
         self.num_added += 1
         events = [(r.name, r.category, r.start_ns, r.end_ns,

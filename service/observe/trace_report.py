@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tracing import node_category
+from .records import node_category
 
 NODES = "DAG nodes"
 

@@ -1,42 +1,23 @@
-"""Per-request traces: every stage of one request from explicit timestamps, kept by a tail-based
-sampler, emitted as OpenTelemetry spans (OTLP when configured) and into a Chrome trace.
-
-A request's life, in time.monotonic_ns, comes from three places:
-
-    server      RequestTrace.add_stage / stage(): receive (request bytes -> proto), decode
-                (proto -> request, validation), tokenize (inside decode), encode, send (proto -> bytes)
-    scheduler   Completed.timings: queue (admitted -> taken into a batch), batch (packing), execute
-                (handed to the executor -> results back on the event loop)
-    executor    timings["executor"]: executor_queue, h2d, launch, one span per DAG node, d2h, unpack
-
-`build_records` turns them into one tree of SpanRecords (the request at index 0, every child inside
-its parent's interval); the OTel and Chrome renderers only draw that tree. With a replayed CUDA
-graph the nodes have device times only: they are laid back to back from the graph launch; eager
-nodes are laid out by their host times.
+"""Which request traces are kept, and where they go: a tail-based sampler over the span trees of
+records.py, emitted as OpenTelemetry spans (OTLP when configured) and into a Chrome trace.
 
 Sampling is decided when the request is over (tail-based): always when it was slow, otherwise at
 `sample_rate`; either way within a budget of kept traces per second (a token bucket), because a
 kept trace costs about a millisecond of the event loop (the OTel SDK, ~50 µs a span on a small
 CPU) and under overload every request is slow. A request that is not kept costs a few integers;
-no span is ever built for it.
-
-Wiring into grpc.aio: `TracingInterceptor` first in the server's interceptor list (outside the
-interceptor that maps exceptions to status codes). It times the request's deserialization
-(receive) and the response's serialization (send), binds a RequestTrace to the RPC, and finishes
-it with the final status code. Handlers reach it with `current_trace()`.
+no span is ever built for it. The gRPC side (binding a trace to each RPC) is
+service/serving/interceptor.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import importlib
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -47,13 +28,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-if TYPE_CHECKING:
-    from ..serving.batcher import Completed, RequestTimings
-    from .chrome_trace import ChromeTraceWriter
-    from .metrics import ServerMetrics
-
-# time.monotonic_ns -> time.time_ns, measured once per process: durations stay monotonic
-WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+from .chrome_trace import ChromeTraceWriter
+from .records import WALL_OFFSET_NS, RequestTrace, SpanRecord, build_records
 
 OTLP_PACKAGES = {  # protocol -> (module, the package that has it)
     "grpc": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "opentelemetry-exporter-otlp-proto-grpc"),
@@ -110,194 +86,6 @@ class TracingConfig:
             kw["otlp_endpoint"] = endpoint
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
-
-
-# ---- one request's timestamps ----------------------------------------------------------------------
-
-class RequestTrace:
-    """What the server saw of one request, in time.monotonic_ns. Cheap: a few appends per request."""
-
-    __slots__ = ("kind", "start_ns", "end_ns", "stages", "attrs", "timings", "status", "traceparent")
-
-    def __init__(self, kind: str, start_ns: int | None = None, traceparent: str | None = None) -> None:
-        self.kind = kind  # "Score" / "BeamSearch": the request span's name
-        self.start_ns = time.monotonic_ns() if start_ns is None else start_ns
-        self.end_ns: int | None = None  # set by finish
-        self.stages: list[tuple[str, int, int]] = []  # (name, start_ns, end_ns); a repeated name is merged
-        self.attrs: dict[str, Any] = {}
-        self.timings: RequestTimings | None = None
-        self.status = "OK"  # a grpc.StatusCode name
-        self.traceparent = traceparent  # W3C trace context of the caller, if it sent one
-
-    def add_stage(self, name: str, start_ns: int, end_ns: int) -> None:
-        self.stages.append((name, start_ns, end_ns))
-
-    def stage(self, name: str) -> _StageTimer:
-        """`with trace.stage("decode"): ...` times the block (also when it raises)."""
-        return _StageTimer(self, name)
-
-    def set(self, **attrs: Any) -> None:
-        self.attrs.update(attrs)
-
-    def set_request(self, request: Any, priority: Any) -> None:
-        """Attributes of a ScoreRequest / BeamRequest: samples or beam width, tokens, priority."""
-        if hasattr(request, "num_samples"):
-            self.attrs.update(samples=request.num_samples, tokens=request.num_tokens, labels=len(request.label_ids))
-        else:
-            self.attrs.update(beam_width=request.beam_width, new_tokens=request.new_tokens,
-                              tokens=len(request.prompt_ids))
-        self.attrs["priority"] = getattr(priority, "name", str(priority))
-
-    def completed(self, done: Completed) -> None:
-        """The scheduler's answer: its timings give queue, batch, execute and the DAG nodes."""
-        self.timings = done.timings
-
-    @property
-    def is_finished(self) -> bool:
-        return self.end_ns is not None
-
-    @property
-    def latency_ns(self) -> int:
-        end = time.monotonic_ns() if self.end_ns is None else self.end_ns
-        return end - min([self.start_ns, *(s for _, s, _ in self.stages)])
-
-
-class _StageTimer:
-    __slots__ = ("trace", "name", "start_ns")
-
-    def __init__(self, trace: RequestTrace, name: str) -> None:
-        self.trace, self.name, self.start_ns = trace, name, 0
-
-    def __enter__(self) -> _StageTimer:
-        self.start_ns = time.monotonic_ns()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.trace.stages.append((self.name, self.start_ns, time.monotonic_ns()))
-
-
-# A context variable, not a global: each RPC runs in its own task, whose deserializer, handler and
-# serializer see the same trace without it being passed through the codec.
-_CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("slmrank_trace", default=None)
-
-
-def current_trace() -> RequestTrace:
-    """The trace of the running RPC (bound by TracingInterceptor); a throwaway one outside an RPC,
-    so handlers and the codec can always record into it."""
-    trace = _CURRENT.get()
-    return trace if trace is not None else RequestTrace("untraced")
-
-
-def bind_trace(trace: RequestTrace) -> contextvars.Token:
-    return _CURRENT.set(trace)
-
-
-# ---- the span tree ---------------------------------------------------------------------------------
-
-@dataclass
-class SpanRecord:
-    name: str
-    start_ns: int  # time.monotonic_ns
-    end_ns: int
-    parent: int  # index of the parent record; -1 for the request
-    lane: str  # "request" (server and scheduler), "executor" (the batch on the host), "gpu" (device times)
-    category: str  # "request", "stage" or "node"
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
-
-def node_category(node: str) -> str:
-    """layer.3 -> layers, step2.lm_head -> decode lm_head (as ops/bench_executor.py groups them)."""
-    prefix = ""
-    if node.startswith("step") and "." in node:
-        node, prefix = node.split(".", 1)[1], "decode "
-    kind = node.split(".")[0]
-    return prefix + ("layers" if kind == "layer" else kind)
-
-
-def build_records(trace: RequestTrace) -> list[SpanRecord]:
-    """The request's span tree, parents before children, each child inside its parent."""
-    end = trace.end_ns if trace.end_ns is not None else time.monotonic_ns()
-    records = [SpanRecord(trace.kind, trace.start_ns, end, -1, "request", "request", dict(trace.attrs))]
-    stack: list[int] = []  # server stages that may enclose the next one (tokenize inside decode)
-    for name, start, stop, attrs in _merged(trace.stages):
-        while stack and not records[stack[-1]].start_ns <= start <= stop <= records[stack[-1]].end_ns:
-            stack.pop()
-        records.append(SpanRecord(name, start, stop, stack[-1] if stack else 0, "request", "stage", attrs))
-        stack.append(len(records) - 1)
-    if trace.timings is not None:
-        _add_execution(records, trace.timings)
-    return _clamped(records)
-
-
-def _merged(stages: list[tuple[str, int, int]]) -> list[tuple[str, int, int, dict[str, Any]]]:
-    """A name recorded several times (tokenize, once per text segment) becomes one span over all
-    of them, with its busy time and count as attributes."""
-    by_name: dict[str, list[int]] = {}
-    for name, start, end in stages:
-        s = by_name.setdefault(name, [start, end, 0, 0])
-        s[0], s[1], s[2], s[3] = min(s[0], start), max(s[1], end), s[2] + end - start, s[3] + 1
-    out = [(name, s, e, {"busy_ms": busy / 1e6, "count": n} if n > 1 else {})
-           for name, (s, e, busy, n) in by_name.items()]
-    return sorted(out, key=lambda r: (r[1], -r[2]))
-
-
-def _ns(seconds: float) -> int:
-    return round(seconds * 1e9)
-
-
-def _add_execution(records: list[SpanRecord], t: RequestTimings) -> None:
-    ex = t.executor
-    batch = {"batch_id": t.batch_id, "batch_size": t.batch_size, "batch_index": t.batch_index, "bucket": t.bucket}
-    start, end = _ns(t.batch_start_s), _ns(t.batch_end_s)
-    records[0].attrs.update(batch, priority=t.priority.name)
-    records.append(SpanRecord("queue", _ns(t.enqueued_s), _ns(t.dequeued_s), 0, "request", "stage",
-                              {"priority": t.priority.name}))
-    records.append(SpanRecord("batch", _ns(t.dequeued_s), start, 0, "request", "stage", dict(batch)))
-    execute = len(records)
-    records.append(SpanRecord("execute", start, end, 0, "request", "stage",
-                              {**batch, "graph": bool(ex.get("graph"))}))
-    submit, begin, h2d_end, launch, d2h_end = (int(ex[k]) for k in
-                                               ("submit_ns", "start_ns", "h2d_end_ns", "launch_ns", "d2h_end_ns"))
-
-    def add(name: str, s: int, e: int, lane: str = "executor", kind: str = "stage", **attrs: Any) -> None:
-        records.append(SpanRecord(name, s, e, execute, lane, kind, {"batch_id": t.batch_id, **attrs}))
-
-    if begin > submit:
-        add("executor_queue", submit, begin)  # a free executor lane was awaited
-    add("h2d", begin, h2d_end)
-    nodes = [(str(n), float(h), float(d)) for n, h, d in ex.get("nodes", ())]
-    if ex.get("graph"):  # one replay: device times only, laid back to back from the launch
-        total = sum(round(max(d, 0.0) * 1e6) for _, _, d in nodes)
-        at = max(min(launch, d2h_end - total), h2d_end)
-        if at > h2d_end:
-            add("launch", h2d_end, at)
-        lane = "gpu"
-    else:  # eager: host time per node; a GPU's event times ride along as attributes
-        at, lane = launch, "executor"
-    for name, host_ms, device_ms in nodes:
-        dur = round(max(device_ms if lane == "gpu" else host_ms, 0.0) * 1e6)
-        add(name, at, at + dur, lane, "node", node=name, category=node_category(name), host_ms=host_ms,
-            device_ms=device_ms)
-        at += dur
-    add("d2h", min(at, d2h_end), d2h_end)
-    add("unpack", d2h_end, end, lane="request")  # results back on the event loop, split per request
-
-
-def _clamped(records: list[SpanRecord]) -> list[SpanRecord]:
-    """The request spans everything; every other record lies inside its parent (clocks read in
-    different places may disagree by a rounding)."""
-    root = records[0]
-    root.start_ns = min(r.start_ns for r in records)
-    root.end_ns = max(max(r.end_ns for r in records), root.start_ns)
-    for r in records[1:]:
-        p = records[r.parent]
-        r.start_ns = min(max(r.start_ns, p.start_ns), p.end_ns)
-        r.end_ns = min(max(r.end_ns, r.start_ns), p.end_ns)
-    return records
 
 
 # ---- the tracer: sampling, OTel, Chrome --------------------------------------------------------------
@@ -413,81 +201,4 @@ def otlp_exporter(endpoint: str, protocol: str = "grpc") -> SpanExporter:
     return exporter_cls(endpoint=endpoint)
 
 
-# ---- grpc.aio wiring -------------------------------------------------------------------------------
-
-class TracingInterceptor(grpc.aio.ServerInterceptor):
-    """Traces every unary RPC of `service`: receive (deserialization) -> handler -> send
-    (serialization), with the final status code; then the tracer and the metrics see it.
-    When the inner handler takes raw bytes (it parses them itself), the parse should be timed
-    there as `with current_trace().stage("receive"): ...`.
-
-    Put it first in the server's interceptor list, so that it wraps the interceptor that turns
-    exceptions into status codes and reads the code from the context. A response that never
-    reaches serialization (the client went away) is not counted."""
-
-    def __init__(self, tracer: RequestTracer, metrics: ServerMetrics | None = None,
-                 service: str = "slmrank.v1.Ranker") -> None:
-        self.tracer, self.metrics, self.prefix = tracer, metrics, f"/{service}/"
-
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None or not details.method.startswith(self.prefix):
-            return handler
-        kind = details.method.rsplit("/", 1)[1]
-        traceparent = next((v for k, v in details.invocation_metadata or () if k == "traceparent"), None)
-        behavior = handler.unary_unary
-        deserialize, serialize = handler.request_deserializer, handler.response_serializer
-
-        def receive(raw: bytes) -> Any:
-            start = time.monotonic_ns()
-            trace = RequestTrace(kind, start, traceparent if isinstance(traceparent, str) else None)
-            trace.attrs["request_bytes"] = len(raw)
-            if deserialize is None:  # an inner interceptor parses: it records "receive" itself
-                message = raw
-            else:
-                message = deserialize(raw)
-                trace.add_stage("receive", start, time.monotonic_ns())
-            _CURRENT.set(trace)  # the same task runs the handler and the serializer
-            return message
-
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            trace = _CURRENT.get()
-            if trace is None:
-                trace = RequestTrace(kind)
-                _CURRENT.set(trace)
-            try:
-                return await behavior(request, context)
-            except asyncio.CancelledError:
-                self._finish(trace, "CANCELLED")
-                raise
-            except grpc.aio.AbortError:
-                code = context.code()
-                self._finish(trace, code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN")
-                raise
-            except BaseException:
-                self._finish(trace, "UNKNOWN")
-                raise
-
-        def send(response: Any) -> bytes:
-            start = time.monotonic_ns()
-            raw = serialize(response) if serialize else response
-            trace = _CURRENT.get()
-            if trace is not None and not trace.is_finished:
-                trace.add_stage("send", start, time.monotonic_ns())
-                trace.attrs["response_bytes"] = len(raw)
-                self._finish(trace, "OK")
-            return raw
-
-        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=receive, response_serializer=send)
-
-    def _finish(self, trace: RequestTrace, status: str) -> None:
-        if trace.is_finished:
-            return
-        self.tracer.finish(trace, status)
-        if self.metrics is not None:
-            self.metrics.observe(trace)
-
-
-__all__ = ["RequestTrace", "RequestTracer", "SpanRecord", "TracingConfig", "TracingInterceptor", "WALL_OFFSET_NS",
-           "bind_trace", "build_records", "current_trace", "node_category", "otlp_exporter"]
+__all__ = ["OTLP_PACKAGES", "RequestTracer", "TracingConfig", "otlp_exporter"]

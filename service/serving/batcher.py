@@ -33,6 +33,7 @@ from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from ..observe.records import Completed, RequestTimings
 
 Request = ScoreRequest | BeamRequest
 Batch = ScoreBatch | BeamBatch
@@ -56,36 +57,6 @@ class BatcherConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"batcher.{name}: must be an integer >= 1, got {value!r}")
-
-
-@dataclass(frozen=True)
-class RequestTimings:
-    """Scheduler times are in the Scheduler's clock (seconds; time.monotonic by default). The
-    executor dict is the runtime's own, shared by the batch: submit_ns, start_ns, h2d_end_ns,
-    launch_ns, d2h_end_ns, done_ns (time.monotonic_ns), graph, nodes [(name, host_ms, device_ms)]
-    (device_ms -1 when not measured). For a runtime without `submit`, h2d/launch equal start and
-    d2h equals done: the copies are inside the node times."""
-
-    priority: Priority
-    enqueued_s: float  # admitted
-    dequeued_s: float  # taken into a batch
-    batch_start_s: float  # handed to the executor
-    batch_end_s: float  # results back on the event loop
-    batch_id: int
-    batch_size: int  # whole requests in the batch
-    batch_index: int  # this request's place in the batch
-    bucket: str
-    executor: dict[str, Any]
-
-    @property
-    def queue_wait_s(self) -> float:
-        return self.dequeued_s - self.enqueued_s
-
-
-@dataclass(frozen=True)
-class Completed:
-    result: ScoreResult | BeamResult
-    timings: RequestTimings
 
 
 def request_kind(request: Request) -> str:

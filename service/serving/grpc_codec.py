@@ -20,7 +20,7 @@ from .proto_gen import load as load_stubs
 from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
                        validate_score)
 from ..model.tokenizer import Tokenizer
-from ..observe.tracing import current_trace
+from ..observe.records import current_trace
 
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
 PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}

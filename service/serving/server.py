@@ -44,7 +44,9 @@ from .proto_gen import load as load_stubs
 from ..runtime import factory
 from ..runtime.requests import BindError, ExecutionError, RequestError
 from ..model.tokenizer import Tokenizer, load_tokenizer
-from ..observe.tracing import RequestTracer, TracingConfig, TracingInterceptor, current_trace
+from ..observe.records import current_trace
+from ..observe.tracing import RequestTracer, TracingConfig
+from .interceptor import TracingInterceptor
 
 log = logging.getLogger("slmrank.server")
 

@@ -15,7 +15,8 @@ import torch
 
 from service.serving.admission import AdmissionConfig, Overloaded, Priority
 from service.runtime.batch import BeamBatch, ScoreBatch
-from service.serving.batcher import BatcherConfig, Completed, DeadlineExpired, Scheduler
+from service.observe.records import Completed
+from service.serving.batcher import BatcherConfig, DeadlineExpired, Scheduler
 from service.runtime.engine import execute
 from service.runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 

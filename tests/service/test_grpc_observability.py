@@ -25,7 +25,7 @@ from service.serving.client import RankerClient
 from service.serving.server import RankerServer, ServerConfig
 from service.serving.server_thread import ServerThread
 from service.observe.trace_report import breakdown
-from service.observe.tracing import WALL_OFFSET_NS
+from service.observe.records import WALL_OFFSET_NS
 
 # every request of these tests is kept: rate 1, no budget (the environment's settings do not leak in)
 TRACING_ENV = {"SLMRANK_TRACE_SAMPLE_RATE": "1", "SLMRANK_TRACE_MAX_KEPT_PER_S": "0",

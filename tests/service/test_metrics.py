@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 
 from service.serving.admission import Priority
-from service.serving.batcher import Completed, RequestTimings
 from service.observe.chrome_trace import ChromeTraceWriter
 from service.observe.metrics import LATENCY_BUCKETS_S, Histogram, MetricsServer, ServerMetrics, scheduler_families
-from service.observe.tracing import RequestTrace, build_records
+from service.observe.records import Completed, RequestTimings, RequestTrace, build_records
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

@@ -17,13 +17,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from service.serving.admission import Priority
-from service.serving.batcher import Completed, RequestTimings
 from service.observe.chrome_trace import ChromeTraceWriter
 from service.cli import main as cli_main
 from service.observe.metrics import ServerMetrics
 from service.observe.trace_report import breakdown, load_events
-from service.observe.tracing import (OTLP_PACKAGES, WALL_OFFSET_NS, RequestTrace, RequestTracer, TracingConfig,
-                             TracingInterceptor, build_records, current_trace, otlp_exporter)
+from service.observe.records import WALL_OFFSET_NS, Completed, RequestTimings, RequestTrace, build_records, current_trace
+from service.observe.tracing import OTLP_PACKAGES, RequestTracer, TracingConfig, otlp_exporter
+from service.serving.interceptor import TracingInterceptor
 
 MS = 1_000_000
 NODES = [("masks", 0.01, 0.02), ("embed", 0.01, 0.05), ("layer.0", 0.01, 1.0), ("layer.1", 0.01, 1.0),

@@ -1,0 +1,93 @@
+"""Wiring traces into grpc.aio: `TracingInterceptor` goes first in the server's interceptor list
+(outside the interceptor that maps exceptions to status codes). It times the request's
+deserialization (receive) and the response's serialization (send), binds a RequestTrace to the RPC,
+and finishes it with the final status code; then the tracer and the metrics see it. Handlers reach
+the trace with `service.observe.records.current_trace()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from ..observe.metrics import ServerMetrics
+from ..observe.records import RequestTrace, bind_trace, bound_trace
+from ..observe.tracing import RequestTracer
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Traces every unary RPC of `service`: receive (deserialization) -> handler -> send
+    (serialization), with the final status code; then the tracer and the metrics see it.
+    When the inner handler takes raw bytes (it parses them itself), the parse should be timed
+    there as `with current_trace().stage("receive"): ...`.
+
+    Put it first in the server's interceptor list, so that it wraps the interceptor that turns
+    exceptions into status codes and reads the code from the context. A response that never
+    reaches serialization (the client went away) is not counted."""
+
+    def __init__(self, tracer: RequestTracer, metrics: ServerMetrics | None = None,
+                 service: str = "slmrank.v1.Ranker") -> None:
+        self.tracer, self.metrics, self.prefix = tracer, metrics, f"/{service}/"
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None or not details.method.startswith(self.prefix):
+            return handler
+        kind = details.method.rsplit("/", 1)[1]
+        traceparent = next((v for k, v in details.invocation_metadata or () if k == "traceparent"), None)
+        behavior = handler.unary_unary
+        deserialize, serialize = handler.request_deserializer, handler.response_serializer
+
+        def receive(raw: bytes) -> Any:
+            start = time.monotonic_ns()
+            trace = RequestTrace(kind, start, traceparent if isinstance(traceparent, str) else None)
+            trace.attrs["request_bytes"] = len(raw)
+            if deserialize is None:  # an inner interceptor parses: it records "receive" itself
+                message = raw
+            else:
+                message = deserialize(raw)
+                trace.add_stage("receive", start, time.monotonic_ns())
+            bind_trace(trace)  # the same task runs the handler and the serializer
+            return message
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            trace = bound_trace()
+            if trace is None:
+                trace = RequestTrace(kind)
+                bind_trace(trace)
+            try:
+                return await behavior(request, context)
+            except asyncio.CancelledError:
+                self._finish(trace, "CANCELLED")
+                raise
+            except grpc.aio.AbortError:
+                code = context.code()
+                self._finish(trace, code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN")
+                raise
+            except BaseException:
+                self._finish(trace, "UNKNOWN")
+                raise
+
+        def send(response: Any) -> bytes:
+            start = time.monotonic_ns()
+            raw = serialize(response) if serialize else response
+            trace = bound_trace()
+            if trace is not None and not trace.is_finished:
+                trace.add_stage("send", start, time.monotonic_ns())
+                trace.attrs["response_bytes"] = len(raw)
+                self._finish(trace, "OK")
+            return raw
+
+        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=receive, response_serializer=send)
+
+    def _finish(self, trace: RequestTrace, status: str) -> None:
+        if trace.is_finished:
+            return
+        self.tracer.finish(trace, status)
+        if self.metrics is not None:
+            self.metrics.observe(trace)

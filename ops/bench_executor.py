@@ -63,7 +63,18 @@ def workload(name: str, g: torch.Generator):
         return BeamRequest(prompt_ids=ids(g, 128), beam_width=100, new_tokens=5)
     if name == "W3":
         return BeamRequest(prompt_ids=ids(g, 480), beam_width=100, new_tokens=5)
+    if name == "W4":
+        return ScoreRequest(samples=tuple(ids(g, 24) for _ in range(15)), label_ids=(1000, 2000), prefix_ids=ids(g, 384))
+    if name == "W5":
+        return BeamRequest(prompt_ids=ids(g, 480), beam_width=400, new_tokens=5)
+    if name == "W6":
+        return BeamRequest(prompt_ids=ids(g, 1000), beam_width=256, new_tokens=3)
     raise ValueError(name)
+
+
+# BENCHMARKS.md: (model, requests per batch) of each workload; W6 is one request at a time (latency)
+WORKLOAD_MODELS = {"W1": ("qwen3-0.6b", 8), "W2": ("qwen2.5-0.5b", 8), "W3": ("qwen2.5-0.5b", 4),
+                   "W4": ("qwen3-0.6b", 8), "W5": ("qwen3-0.6b", 2), "W6": ("qwen3-1.7b", 1)}
 
 
 def flops_of(cfg, req) -> int:
@@ -170,8 +181,62 @@ def hf_peer(ckpt_dir: str, name: str, n: int, g) -> dict:
     return {"req_per_s": n / elapsed, "ms_per_req": elapsed / n * 1e3}
 
 
+def hf_strong_peer(ckpt_dir: str, name: str, per_batch: int, seconds: float, g) -> dict:
+    """What a capable user builds without slmrank (BENCHMARKS.md): whole requests concatenated into
+    one batched forward, the LM head only at the positions whose logits are used, under
+    torch.compile (default mode); for BeamSearch, batched `generate` over several requests (equal
+    prompt lengths here, so no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.bfloat16).cuda().eval()
+    batches = [[workload(name, g) for _ in range(per_batch)] for _ in range(3)]
+    if isinstance(batches[0][0], ScoreRequest):
+        body, head = model.model, model.lm_head
+
+        def score(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # x [S, L] -> [S, labels]
+            h = body(input_ids=x).last_hidden_state[:, -1]
+            return torch.log_softmax(head(h).float(), -1).gather(1, labels)
+
+        fn = torch.compile(score)
+        inputs = [(torch.tensor([list(r.prefix_ids) + list(s) for r in reqs for s in r.samples], device="cuda"),
+                   torch.tensor([list(r.label_ids) for r in reqs for _ in r.samples], device="cuda"))
+                  for reqs in batches]
+
+        def one(i: int) -> None:
+            fn(*inputs[i % len(inputs)])
+    else:
+        prompts = [torch.tensor([list(r.prompt_ids) for r in reqs], device="cuda") for reqs in batches]
+        req = batches[0][0]
+
+        def one(i: int) -> None:
+            model.generate(prompts[i % len(prompts)], num_beams=req.beam_width, num_return_sequences=req.beam_width,
+                           max_new_tokens=req.new_tokens, min_new_tokens=req.new_tokens, do_sample=False,
+                           length_penalty=0.0, early_stopping=False, eos_token_id=None, pad_token_id=0)
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for i in range(3):  # compile + warm-up
+            one(i)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        times, t0 = [], time.perf_counter()
+        while time.perf_counter() - t0 < seconds or len(times) < 3:
+            s = time.perf_counter()
+            one(len(times))
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - s) * 1e3)
+    del model
+    torch.cuda.empty_cache()
+    times.sort()
+    p50 = times[len(times) // 2]
+    return {"req_per_s": per_batch * 1e3 / p50, "batch_ms_p50": p50, "requests_per_batch": per_batch,
+            "warmup_s": round(compile_s, 1), "compiled": isinstance(batches[0][0], ScoreRequest)}
+
+
 def save_hf_checkpoint(art, out: str) -> str:
     """Writes the artifact's weights as an HF checkpoint so the peer runs on the very same weights."""
+    if (Path(out) / "config.json").exists():  # written earlier in this run for another workload
+        return out
     from transformers import AutoConfig, AutoModelForCausalLM
 
     c = art.config
@@ -259,18 +324,21 @@ def category(node: str) -> str:
     return prefix + ("layers" if kind == "layer" else kind)
 
 
-def breakdown(arts, g) -> dict:
-    """Device ms by node category, one graph replay of a single request per workload."""
+def breakdown(arts, g, wanted: list[str], kernels: str) -> dict:
+    """Device ms by node category, one graph replay of a batch of each workload."""
     out = {}
-    for name, art in (("W1", arts["qwen3-0.6b"]), ("W2", arts["qwen2.5-0.5b"]), ("W3", arts["qwen2.5-0.5b"])):
-        rt = CppRuntime(art, device="cuda", use_graphs=True)
-        kind, batch = make_batch(art, [workload(name, g)])
+    for name in wanted:
+        spec, per_batch = WORKLOAD_MODELS[name]
+        art = arts[spec]
+        rt = CppRuntime(art, device="cuda", use_graphs=True, kernels=kernels)
+        kind, batch = make_batch(art, [workload(name, g) for _ in range(per_batch)])
         for _ in range(3):
             run_batch(rt, kind, batch)
         cats: dict[str, float] = {}
         for node, _, device_ms in rt.last_timings["nodes"]:
             cats[category(node)] = cats.get(category(node), 0.0) + device_ms
-        out[name] = {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}
+        out[f"{name}/x{per_batch}/{kernels}"] = {"total": round(sum(cats.values()), 3),
+                                                 **{k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
         rt.shutdown()
     return out
 
@@ -311,10 +379,12 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
-    p.add_argument("--workloads", default="W1,W2,W3", help="throughput: comma list of W1,W2,W3")
+    p.add_argument("--workloads", default="W1,W2,W3", help="throughput: comma list of W1..W6")
     p.add_argument("--runtimes", default="cpp_graph,cpp_graph_triton,cpp_eager,python",
                    help="throughput: comma list of cpp_graph, cpp_graph_triton, cpp_eager, python")
-    p.add_argument("--skip", default="", help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf")
+    p.add_argument("--breakdown-kernels", default="aten,triton", help="node breakdown: comma list of aten,triton")
+    p.add_argument("--skip", default="",
+                   help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf,strong")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
@@ -323,11 +393,13 @@ def main() -> None:
     result: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(0)}
     arts = {}
-    for spec in ("qwen2.5-0.5b", "qwen3-0.6b"):
+    wanted = args.workloads.split(",")
+    specs = {"qwen2.5-0.5b", "qwen3-0.6b"} | {WORKLOAD_MODELS[w][0] for w in wanted}
+    for spec in sorted(specs):
         t = time.perf_counter()
         arts[spec] = load_artifact(build_artifact(f"embedded:{spec}", f"/tmp/art-{spec}", quiet=True))
         log(f"built embedded:{spec} in {time.perf_counter() - t:.1f} s")
-    m05, m06 = arts["qwen2.5-0.5b"], arts["qwen3-0.6b"]
+    m05 = arts["qwen2.5-0.5b"]
 
     if "identity" not in skip:
         result["identity"] = identity_check(m05, g)
@@ -349,7 +421,9 @@ def main() -> None:
         save(out, result)
         log(f"graph vs eager (W2 x4): {json.dumps(result['nodes'])}")
     if "breakdown" not in skip:
-        result["breakdown"] = breakdown(arts, g)
+        result["breakdown"] = {}
+        for kernels in args.breakdown_kernels.split(","):
+            result["breakdown"].update(breakdown(arts, g, wanted, kernels))
         save(out, result)
         log(f"device ms by node category, x1 graph: {json.dumps(result['breakdown'])}")
     if "lanes" not in skip:
@@ -357,10 +431,10 @@ def main() -> None:
         save(out, result)
     if "throughput" not in skip:
         rows = {}
-        wanted, runtimes = args.workloads.split(","), args.runtimes.split(",")
-        for name, art, per_batch in (("W1", m06, 8), ("W2", m05, 8), ("W3", m05, 4)):
-            if name not in wanted:
-                continue
+        runtimes = args.runtimes.split(",")
+        for name in wanted:
+            spec, per_batch = WORKLOAD_MODELS[name]
+            art = arts[spec]
             cfg = art.config
             flops = flops_of(cfg, workload(name, g))
             for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
@@ -381,8 +455,15 @@ def main() -> None:
                     rt.shutdown()
                 del rt
                 torch.cuda.empty_cache()
+            ckpt = save_hf_checkpoint(art, f"/tmp/hf-{spec}") if not {"hf", "strong"} <= skip else None
+            if "strong" not in skip:
+                r = hf_strong_peer(ckpt, name, per_batch, args.seconds, g)
+                r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                rows[f"{name}/hf_strong/x{per_batch}"] = r
+                log(f"{name} hf_strong x{per_batch}: {r['req_per_s']:.1f} req/s, batch p50 {r['batch_ms_p50']:.2f} ms, "
+                    f"MFU {r['eff_mfu_bf16']:.1%} (compiled: {r['compiled']}, warm-up {r['warmup_s']} s)")
+                save(out, result | {"throughput": rows})
             if "hf" not in skip:
-                ckpt = save_hf_checkpoint(art, f"/tmp/hf-{name}")
                 r = hf_peer(ckpt, name, 10 if name != "W1" else 40, g)
                 r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
                 rows[f"{name}/hf/x1"] = r
@@ -397,7 +478,8 @@ def main() -> None:
     if "identity_triton" in result:
         print("identity (triton kernels):", result["identity_triton"]["equal_to_python"])
     for k, v in {**result.get("lanes", {}), **result.get("throughput", {})}.items():
-        print(f"{k:24s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}")
+        ms = f"batch p50 {v['batch_ms_p50']:7.2f} ms" if "batch_ms_p50" in v else ""
+        print(f"{k:28s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}  {ms}")
     if "nodes" in result:
         for k, v in result["nodes"].items():
             print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")

@@ -99,7 +99,7 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
-                         max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128,)) -> BucketTable:
+                         max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128, 512)) -> BucketTable:
     """Powers-of-two tiers (padding waste < 2x) up to the limits.
 
     max_batch_tokens bounds a Score batch (requests x a per-request token tier; 1, 2, 4 or 8

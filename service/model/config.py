@@ -120,7 +120,7 @@ class ModelConfig:
 class ServingLimits:
     """Per-request maxima; a request over any of them is refused naming the field."""
 
-    max_prompt_tokens: int = 512  # BeamSearch prompt
+    max_prompt_tokens: int = 1024  # BeamSearch prompt (W6: 1,000 tokens)
     max_beam_width: int = 400
     max_new_tokens: int = 5
     max_samples: int = 64  # Score samples per request

@@ -161,8 +161,8 @@ INVALID = [
     ("empty_prompt", _beam(prompt=S()), "prompt:", ["exactly one"]),
     ("prompt_both", _beam(prompt=S(text="hi", ids=[1])), "prompt:", ["exactly one"]),
     ("prompt_id_over_vocab", _beam(prompt=S(ids=[1, 2, 3, VOCAB])), "prompt.ids[3]:", [str(VOCAB), "vocabulary"]),
-    ("prompt_too_long", _beam(prompt=S(ids=[7] * 513)), "prompt:", ["513", "512"]),
-    ("text_prompt_too_long", _beam(prompt=S(text="word " * 600)), "prompt:", ["512"]),
+    ("prompt_too_long", _beam(prompt=S(ids=[7] * 1025)), "prompt:", ["1025", "1024"]),
+    ("text_prompt_too_long", _beam(prompt=S(text="word " * 1200)), "prompt:", ["1024"]),
     ("beam_priority", _beam(priority=-1), "priority:", ["-1"]),
 ]
 

@@ -258,7 +258,7 @@ async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: in
             stub = stubs.pb2_grpc.RankerStub(ch)
             call = stub.Score if w["kind"] == "score" else stub.BeamSearch
             answers[name] = [await call(m, timeout=120) for m in msgs]
-    a, b = answers["slmrank"], answers["hf_peer"]
+    a, b = answers["slmrank"], next(v for k, v in answers.items() if k != "slmrank")
     max_diff, ids_equal = 0.0, True
     for x, y in zip(a, b):
         if w["kind"] == "score":
@@ -298,7 +298,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-grpc-"))
     served_model, ckpt = model, None
-    if args.peer:
+    peers = {name: extra for name, extra, on in (
+        ("hf_peer", [], args.peer),
+        ("hf_strong", ["--max-batch", str(args.strong_peer), "--compile"], args.strong_peer > 0)) if on}
+    if peers:
         ckpt_path = Path(model)
         if ckpt_path.is_dir() and (ckpt_path / "config.json").exists():
             ckpt = str(ckpt_path)  # an HF checkpoint already: both systems load it
@@ -318,14 +321,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "--port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "5",
             "--capture-graphs", args.capture_graphs, "--kernels", args.kernels],
             out / "slmrank_server.log", args.start_timeout_s)
-        if args.peer:
-            procs["hf_peer"] = Proc("hf_peer", [
+        for name, extra in peers.items():
+            procs[name] = Proc(name, [
                 sys.executable, str(Path(__file__).with_name("hf_peer.py")), "--checkpoint", ckpt, "--host", "127.0.0.1",
-                "--port", "0", "--device", args.device], out / "hf_peer.log", args.start_timeout_s)
+                "--port", "0", "--device", args.device, *extra], out / f"{name}.log", args.start_timeout_s)
         for p in procs.values():
             await wait_serving(p.target, args.start_timeout_s)
         result["startup_s"] = round(time.perf_counter() - t0, 2)
-        if args.peer:
+        if peers:
             result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high, args.check_requests)
         for name, p in procs.items():
             print(f"{name} on {p.target}:", flush=True)
@@ -374,7 +377,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--measure-s", type=float, default=10.0)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_grpc"))
-    p.add_argument("--peer", action="store_true", help="also the Hugging Face peer, on the same weights")
+    p.add_argument("--peer", action="store_true",
+                   help="also the naive Hugging Face peer (one request at a time), on the same weights")
+    p.add_argument("--strong-peer", type=int, default=0, metavar="N",
+                   help="also the strong peer: up to N waiting requests in one batched call, Score under "
+                        "torch.compile (ops/hf_peer.py --max-batch N --compile)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None, help="embedded spec, HF checkpoint or artifact dir (default: the workload's)")
     p.add_argument("--runtime", default=None, choices=["python", "cpp"], help="default: cpp on cuda, python on cpu")

@@ -1,8 +1,14 @@
 """The benchmark's peer: Hugging Face transformers behind the same `slmrank.v1.Ranker` gRPC API.
 
-What a Python user would build without slmrank (BENCHMARKS.md): one request at a time (an
-asyncio.Lock; the model runs in a worker thread so the event loop keeps answering), token-id
-segments only (text -> INVALID_ARGUMENT "the peer takes ids"; no tokenizer is loaded).
+What a Python user would build without slmrank (BENCHMARKS.md), in two strengths:
+- naive (`--max-batch 1`, the default): one request at a time;
+- strong (`--max-batch N --compile`): up to N whole requests that are waiting go into one batched
+  call (Score: every sample of every request in one forward, the LM head only at each sample's last
+  position, under torch.compile in its default mode, shapes padded to a few sizes so it compiles a
+  handful of times; BeamSearch: one batched `generate` over requests of the same beam width and
+  new tokens, prompts left-padded with an attention mask).
+The model runs in one worker thread so the event loop keeps answering; token-id segments only
+(text -> INVALID_ARGUMENT "the peer takes ids"; no tokenizer is loaded).
 
 - Score: log_softmax(model(prefix + sample).logits[last])[label_ids] per sample; the samples of
   one request go through ONE forward, right-padded with an attention mask, the logits read at
@@ -13,6 +19,7 @@ segments only (text -> INVALID_ARGUMENT "the peer takes ids"; no tokenizer is lo
   tokens). Beam.text is left empty.
 
     python ops/hf_peer.py --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
+                          [--max-batch N] [--compile]
 
 prints "listening on HOST:PORT" once the model is loaded and health says SERVING.
 """
@@ -49,7 +56,7 @@ def _ids(segment: Any, what: str) -> list[int]:
 class HFModel:
     """The transformers model and the two operations, synchronous (run them in a thread)."""
 
-    def __init__(self, checkpoint_dir: str, device: str = "cpu") -> None:
+    def __init__(self, checkpoint_dir: str, device: str = "cpu", compile: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -58,6 +65,14 @@ class HFModel:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).to(device).eval()
         self.vocab_size = self.model.config.vocab_size
+        self.compiled = compile
+        self._last_logprobs = torch.compile(self._last_logprobs_eager) if compile else self._last_logprobs_eager
+
+    def _last_logprobs_eager(self, x, mask, last):
+        # x, mask [S, W] (right-padded), last [S] -> log-softmax at each row's last real position [S, V]
+        h = self.model.model(input_ids=x, attention_mask=mask).last_hidden_state
+        picked = h[self.torch.arange(x.shape[0], device=x.device), last]
+        return self.torch.log_softmax(self.model.lm_head(picked).float(), -1)
 
     def _check(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -65,7 +80,9 @@ class HFModel:
             raise PeerError(f"{what}: id {bad[0]} is outside [0, {self.vocab_size})")
 
     def score(self, prefix: list[int], samples: list[list[int]], label_ids: list[int]) -> list[list[float]]:
-        torch = self.torch
+        return self.score_many([(prefix, samples, label_ids)])[0]
+
+    def _check_score(self, prefix: list[int], samples: list[list[int]], label_ids: list[int]) -> list[list[int]]:
         if not samples:
             raise PeerError("samples: at least one is needed")
         if not label_ids:
@@ -77,53 +94,115 @@ class HFModel:
             if not s:
                 raise PeerError(f"samples[{i}]: empty, and so is the prefix")
             self._check(s, f"samples[{i}]")
-        width = max(map(len, seqs))
-        x = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding
+        return seqs
+
+    def score_many(self, requests: list[tuple[list[int], list[list[int]], list[int]]]) -> list[list[list[float]]]:
+        """Every sample of every request in one forward; the LM head only at each sample's last token."""
+        torch = self.torch
+        per_request = [self._check_score(*r) for r in requests]
+        seqs = [s for rows in per_request for s in rows]
+        rows, width = len(seqs), max(map(len, seqs))
+        if self.compiled:  # a few shapes only: rows to a power of two >= 8, width to a multiple of 32
+            rows, width = max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32
+        x = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, width, dtype=torch.long)
+        last = torch.zeros(rows, dtype=torch.long)
+        for i, s in enumerate(seqs):  # right padding; padding rows see one token
             x[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
-        last = torch.tensor([len(s) - 1 for s in seqs])
+            last[i] = len(s) - 1
+        mask[len(seqs):, 0] = 1
         with torch.inference_mode():
-            logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits
-            picked = logits[torch.arange(len(seqs), device=logits.device), last.to(logits.device)].float()
-            out = torch.log_softmax(picked, -1)[:, label_ids]
-        return out.cpu().tolist()
+            logp = self._last_logprobs(x.to(self.device), mask.to(self.device), last.to(self.device))
+            logp = logp[:len(seqs)].cpu()
+        out, at = [], 0
+        for (_, samples, label_ids) in requests:
+            out.append(logp[at:at + len(samples), label_ids].tolist())
+            at += len(samples)
+        return out
 
     def beam(self, prompt: list[int], beam_width: int, new_tokens: int) -> list[tuple[list[int], float]]:
+        return self.beam_many([prompt], beam_width, new_tokens)[0]
+
+    def beam_many(self, prompts: list[list[int]], beam_width: int,
+                  new_tokens: int) -> list[list[tuple[list[int], float]]]:
+        """One batched generate over requests of one beam width and length; prompts left-padded."""
         torch = self.torch
-        if not prompt:
-            raise PeerError("prompt: empty")
         if beam_width < 1 or new_tokens < 1:
             raise PeerError(f"beam_width and new_tokens must be >= 1, got {beam_width} and {new_tokens}")
-        self._check(prompt, "prompt")
-        x = torch.tensor([prompt], device=self.device)
+        for p in prompts:
+            if not p:
+                raise PeerError("prompt: empty")
+            self._check(p, "prompt")
+        width = max(map(len, prompts))
+        x = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            x[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
         with torch.inference_mode():
             gen = self.model.generate(
-                x, attention_mask=torch.ones_like(x), num_beams=beam_width, num_return_sequences=beam_width,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, length_penalty=0.0,
-                early_stopping=False, eos_token_id=None, pad_token_id=0, output_scores=True,
-                return_dict_in_generate=True)
-        seqs = gen.sequences[:, len(prompt):].cpu().tolist()
+                x.to(self.device), attention_mask=mask.to(self.device), num_beams=beam_width,
+                num_return_sequences=beam_width, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, length_penalty=0.0, early_stopping=False, eos_token_id=None, pad_token_id=0,
+                output_scores=True, return_dict_in_generate=True)
+        seqs = gen.sequences[:, width:].cpu().tolist()  # [requests * B, T], each request's beams best first
         if beam_width > 1:
             scores = gen.sequences_scores.float().cpu().tolist()
-        else:
-            scores = [sum(torch.log_softmax(sc[0].float(), -1)[tok].item() for sc, tok in zip(gen.scores, seqs[0]))]
-        return list(zip(seqs, scores))  # generate returns the beams best first
+        else:  # greedy: the sum of the log-softmax of the chosen tokens
+            scores = [sum(torch.log_softmax(sc[i].float(), -1)[tok].item() for sc, tok in zip(gen.scores, seqs[i]))
+                      for i in range(len(prompts))]
+        pairs = list(zip(seqs, scores))
+        return [pairs[i * beam_width:(i + 1) * beam_width] for i in range(len(prompts))]
 
 
 class PeerServicer:
-    """slmrank.v1.Ranker on HFModel, one request at a time."""
+    """slmrank.v1.Ranker on HFModel: one model call at a time over up to max_batch waiting requests
+    of one kind (a bad request fails its whole batch's call, so it is retried alone)."""
 
-    def __init__(self, model: HFModel) -> None:
-        self.model = model
+    def __init__(self, model: HFModel, max_batch: int = 1) -> None:
+        self.model, self.max_batch = model, max_batch
         self.pb2 = load_stubs().pb2
-        self.lock = asyncio.Lock()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.worker: asyncio.Task | None = None
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Any, *args: Any) -> Any:
+    async def _work(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            key = batch[0][0]
+            held = []
+            while len(batch) < self.max_batch and not self.queue.empty():
+                item = self.queue.get_nowait()
+                (batch if item[0] == key else held).append(item)
+            for item in held:
+                self.queue.put_nowait(item)
+            await self._call(key, batch)
+
+    async def _call(self, key: tuple, batch: list) -> None:
         try:
-            async with self.lock:
-                return await asyncio.to_thread(fn, *args)
+            if key[0] == "score":
+                outs = await asyncio.to_thread(self.model.score_many, [item[1] for item in batch])
+            else:
+                outs = await asyncio.to_thread(self.model.beam_many, [item[1] for item in batch], key[1], key[2])
+        except PeerError as e:
+            if len(batch) > 1:  # find the bad one: each alone
+                for item in batch:
+                    await self._call(key, [item])
+                return
+            outs = [e]
+        except Exception as e:  # noqa: BLE001 - reaches the caller as INTERNAL
+            outs = [e] * len(batch)
+        for (_, _, future), out in zip(batch, outs):
+            if not future.done():
+                future.set_exception(out) if isinstance(out, BaseException) else future.set_result(out)
+
+    async def _run(self, context: grpc.aio.ServicerContext, key: tuple, args: Any) -> Any:
+        if self.worker is None:
+            self.worker = asyncio.get_running_loop().create_task(self._work())
+        future = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((key, args, future))
+        try:
+            return await future
         except PeerError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -133,7 +212,7 @@ class PeerServicer:
             samples = [_ids(s, f"samples[{i}]") for i, s in enumerate(request.samples)]
         except PeerError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rows = await self._run(context, self.model.score, prefix, samples, list(request.label_ids))
+        rows = await self._run(context, ("score",), (prefix, samples, list(request.label_ids)))
         return self.pb2.ScoreResponse(samples=[self.pb2.SampleScore(logprobs=r) for r in rows])
 
     async def BeamSearch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -141,18 +220,18 @@ class PeerServicer:
             prompt = _ids(request.prompt, "prompt")
         except PeerError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        beams = await self._run(context, self.model.beam, prompt, request.beam_width, request.new_tokens)
+        beams = await self._run(context, ("beam", request.beam_width, request.new_tokens), prompt)
         return self.pb2.BeamSearchResponse(beams=[self.pb2.Beam(ids=ids, logprob=lp) for ids, lp in beams])
 
 
-async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0,
-                     device: str = "cpu") -> tuple[grpc.aio.Server, int]:
+async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0, device: str = "cpu",
+                     max_batch: int = 1, compile: bool = False) -> tuple[grpc.aio.Server, int]:
     """Loads the checkpoint, binds, starts, health SERVING. Call inside the event loop that serves it."""
-    model = await asyncio.to_thread(HFModel, checkpoint_dir, device)
+    model = await asyncio.to_thread(HFModel, checkpoint_dir, device, compile)
     stubs = load_stubs()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
-    stubs.pb2_grpc.add_RankerServicer_to_server(PeerServicer(model), server)
+    stubs.pb2_grpc.add_RankerServicer_to_server(PeerServicer(model, max_batch), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -165,7 +244,7 @@ async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0
 
 
 async def _main(args: argparse.Namespace) -> None:
-    server, port = await start_peer(args.checkpoint, args.host, args.port, args.device)
+    server, port = await start_peer(args.checkpoint, args.host, args.port, args.device, args.max_batch, args.compile)
     print(f"[hf-peer] listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -181,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="whole requests per model call (1: the naive peer, one at a time)")
+    p.add_argument("--compile", action="store_true", help="Score forward under torch.compile (default mode)")
     asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -64,3 +64,24 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
     assert len(first["slmrank"]["samples"]) == len(first["hf_peer"]["samples"]) == 3
     for a, b in zip(first["slmrank"]["samples"], first["hf_peer"]["samples"]):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_strong_peer_batches_agree_with_one_at_a_time(tiny_checkpoint: Path) -> None:
+    """The strong peer's batched calls (several requests in one forward / one generate, padded)
+    answer each request as the one-at-a-time calls do."""
+    from hf_peer import HFModel
+
+    model = HFModel(str(tiny_checkpoint), "cpu")
+    g = torch.Generator().manual_seed(11)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 512, (n,), generator=g).tolist()
+
+    scores = [(ids(p), [ids(n) for n in lens], [3, 77]) for p, lens in ((0, (4, 9)), (5, (1, 6, 2)), (2, (7,)))]
+    batched = model.score_many(scores)
+    for req, got in zip(scores, batched):
+        assert torch.allclose(torch.tensor(got), torch.tensor(model.score(*req)), atol=1e-4)
+    prompts = [ids(n) for n in (6, 11, 3)]
+    for (want_seqs, got_seqs) in zip((model.beam(p, 4, 3) for p in prompts), model.beam_many(prompts, 4, 3)):
+        assert [s for s, _ in got_seqs] == [s for s, _ in want_seqs]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got_seqs, want_seqs)) < 1e-4

@@ -1,0 +1,210 @@
+"""kernels.beam_topk (Triton) against its plain-torch reference on fresh random inputs: on a CPU
+through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET), on the GPU compiled and
+as the AOT cubins launched from C++ (marked gpu)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.beam_topk import allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _inputs(seed: int, r: int, p: int, vocab: int, dtype: torch.dtype, device: str, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(r * p, vocab, generator=g)).to(device, dtype)
+    scores = (-5 * torch.rand(r, p, generator=g)).to(device)
+    return logits, scores
+
+
+def _check(got, want, logits: torch.Tensor, scores: torch.Tensor, allowed=None, tol: float = 2e-5) -> None:
+    """Equal to the reference; where the reference has near-ties (|gap| <= tol), the kernel's own
+    float32 rounding of the log-sum-exp may order them the other way, so there the check is that
+    each chosen candidate scores (by the reference's arithmetic) what the kernel says."""
+    (s, par, tok), (ws, wpar, wtok) = got, want
+    assert s.dtype == torch.float32 and par.dtype == tok.dtype == torch.int64 and s.shape == ws.shape
+    assert torch.equal(s.isinf(), ws.isinf()), "the dead candidates differ"
+    fin = ws.isfinite()
+    assert (s[fin] - ws[fin]).abs().max().item() <= tol if fin.any() else True
+    r, p = scores.shape
+    vocab = logits.shape[1]
+    cand = torch.log_softmax(logits.float(), -1)
+    if allowed is not None:
+        bits = allowed.to(torch.int64).unsqueeze(-1) >> torch.arange(32, device=allowed.device)
+        cand = cand.masked_fill(~(bits & 1).bool().view(len(allowed), -1)[:, :vocab], float("-inf"))
+    cand = (cand.view(r, p, vocab) + scores.unsqueeze(-1)).view(r, -1)
+    picked = cand.gather(1, par * vocab + tok)
+    fin = picked.isfinite()
+    assert torch.equal(fin, s.isfinite()) and (picked[fin] - s[fin]).abs().max().item() <= tol if fin.any() else True
+    assert (s[:, 1:] <= s[:, :-1]).all() or s.shape[1] == 1, "not best first"
+    flat = par * vocab + tok
+    assert all(len(set(row.tolist())) == len(row) for row in flat), "a candidate was chosen twice"
+    gap = torch.cat([ws[:, 1:] - ws[:, :-1], torch.zeros(r, 1, device=ws.device)], 1).abs()
+    near = (gap <= tol) | torch.cat([torch.zeros(r, 1, device=ws.device, dtype=torch.bool), gap[:, :-1] <= tol], 1)
+    same = (par == wpar) & (tok == wtok)
+    assert (same | near).all(), f"order differs from the reference away from near-ties: {(~same & ~near).nonzero()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r,p,vocab,b", [
+    (2, 4, 3000, 4),  # a small beam step
+    (2, 8, 3000, 8),
+    (1, 1, 2000, 16),  # beam_init: one parent row per request
+    (2, 1, 777, 2),  # V not a multiple of anything
+    (1, 3, 151936, 3),  # the Qwen vocabulary
+])
+def test_matches_reference(device: str, dtype: torch.dtype, r: int, p: int, vocab: int, b: int) -> None:
+    logits, scores = _inputs(r * 100 + vocab + b, r, p, vocab, dtype, device)
+    _check(beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b), logits, scores)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,vocab", [(100, 4096), (400, 6000)])
+def test_wide_beams(device: str, b: int, vocab: int) -> None:
+    """W2/W5 beam widths (sort widths 128 and 512); few rows, the interpreter is slow."""
+    logits, scores = _inputs(b, 1, 2, vocab, torch.bfloat16, device)
+    _check(beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b), logits, scores)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,b", [(8, 100), (4, 400), (1, 256)])
+def test_serving_shapes_on_the_gpu(r: int, b: int) -> None:
+    logits, scores = _inputs(r + b, r, b, 151936, torch.bfloat16, "cuda", scale=4.0)
+    _check(beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b), logits, scores)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dead_beams_and_dead_requests(device: str) -> None:
+    """A request narrower than the bucket has -inf beam scores on its extra parents (nodes'
+    _mask_extra_beams): those rows' candidates are -inf; a request with every beam dead gets
+    parent 0's tokens 0..B-1 at -inf, as a stable sort puts them."""
+    logits, scores = _inputs(7, 3, 6, 1500, torch.float32, device)
+    scores[0, 2:] = float("-inf")  # width 2 of 6
+    scores[1, :] = float("-inf")
+    got, want = beam_topk(logits, scores, 6), beam_topk_ref(logits, scores, 6)
+    _check(got, want, logits, scores)
+    assert got[0][1].isinf().all() and got[1][1].tolist() == [0] * 6 and got[2][1].tolist() == list(range(6))
+    assert got[1][0].tolist() == [0, 0, 0, 0, 0, 0] or torch.equal(got[1][0], want[1][0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_go_to_the_lower_flat_index(device: str, dtype: torch.dtype) -> None:
+    """Integer logits (many equal values in a row) and identical parent rows with equal beam
+    scores: every tie across parents and tokens is broken by parent * V + token, exactly as the
+    reference's stable sort breaks it."""
+    g = torch.Generator().manual_seed(11)
+    vocab, p, b = 3000, 4, 16
+    row = torch.randint(-6, 3, (vocab,), generator=g).float()
+    logits = row.repeat(2 * p, 1)
+    logits[p:] = torch.randint(-6, 3, (p, vocab), generator=g).float()  # request 1: its own rows, more ties
+    logits = logits.to(device, dtype)
+    scores = torch.zeros(2, p, device=device)
+    scores[1] = torch.tensor([-1.0, 0.0, -1.0, 0.0])
+    got, want = beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert (got[0] - want[0]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_mask(device: str) -> None:
+    """The mask applies after the log-softmax (over the whole vocabulary); a disallowed token is
+    -inf; a row allowing fewer than K tokens fills with its first tokens at -inf; a row allowing
+    none is -inf throughout."""
+    r, p, vocab, b = 2, 4, 2100, 8
+    logits, scores = _inputs(5, r, p, vocab, torch.bfloat16, device)
+    g = torch.Generator().manual_seed(6)
+    allowed = torch.rand(r * p, vocab, generator=g) < 0.05
+    allowed[1] = False
+    allowed[1, [7, 900, 2050]] = True  # 3 allowed tokens < K
+    allowed[2] = False  # none
+    bits = allowed_bitmask(allowed).to(device)
+    assert bits.shape == (r * p, (vocab + 31) // 32) and bits.dtype == torch.int32
+    got, want = beam_topk(logits, scores, b, bits), beam_topk_ref(logits, scores, b, bits)
+    _check(got, want, logits, scores, allowed=bits)
+    assert torch.equal(want[0], beam_topk_ref(logits, scores, b, allowed.to(device))[0])
+    lone = beam_topk(logits[4:5], torch.zeros(1, 1, device=device), b, bits[1:2].clone())  # row 1 alone
+    assert lone[2][0, :3].sort().values.tolist() == [7, 900, 2050] and lone[0][0, 3:].isinf().all()
+    assert lone[2][0, 3:].tolist() == [0, 1, 2, 3, 4]  # then tokens in id order at -inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_collect_buffer_falls_back_to_the_exact_search(device: str) -> None:
+    """Tokens of a few groups (v mod NG) above every other group's best: more of them than the
+    collect buffer holds score above the threshold, so the row finds its K-th score by bisection.
+    Equal values around the K-th place check the ties there too."""
+    vocab, b = 151936, 4
+    ng, cap = sizes(b)["NG"], sizes(b)["CAP"]
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, vocab, generator=g) - 20
+    top = torch.arange(vocab) % ng < 3  # 3 groups of ~148 tokens each: > CAP above the threshold
+    assert int(top.sum()) > cap
+    x[:, top] = torch.randint(0, 50, (1, int(top.sum())), generator=g).float()  # many ties
+    logits, scores = x.to(device), torch.tensor([[-1.0]], device=device)
+    got, want = beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b)
+    assert torch.equal(got[2], want[2]) and (got[0] - want[0]).abs().max().item() <= 1e-5
+
+
+def test_bad_arguments_are_refused() -> None:
+    x = torch.randn(4, 100)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        beam_candidates(x.t(), torch.zeros(100), 2, 1)
+    with pytest.raises(ValueError, match=r"beam_scores must be a contiguous float32 \[4\]"):
+        beam_candidates(x, torch.zeros(3), 2, 1)
+    with pytest.raises(ValueError, match="multiple of the parents"):
+        beam_candidates(x, torch.zeros(4), 2, 3)
+    with pytest.raises(ValueError, match=r"K \(101\) <= V \(100\)"):
+        beam_candidates(x, torch.zeros(4), 101, 1)
+    with pytest.raises(ValueError, match="allowed must be"):
+        beam_candidates(x, torch.zeros(4), 2, 1, torch.zeros(4, 3, dtype=torch.int64))
+
+
+# ---- the AOT cubins launched from C++ (the path of both runtimes on the GPU) -------------------
+
+@pytest.fixture(scope="module")
+def aot_kernels(tmp_path_factory: pytest.TempPathFactory):
+    import json
+
+    from cpp_dag import _core
+    from service.model.checkpoint import weight_source
+    from service.runtime.fused import kernel_shape
+
+    out = tmp_path_factory.mktemp("aot_beam")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shape = json.dumps(kernel_shape(weight_source("embedded:qwen2.5-0.5b")[0]))
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", shape, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _core.TritonKernels(str(out), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,p,b", [(8, 100, 100), (2, 400, 400), (8, 1, 100)])
+def test_aot_beam_candidates_equal_the_jit_kernels_in_a_cuda_graph(aot_kernels, r: int, p: int, b: int) -> None:
+    from kernels.beam_topk import merge_candidates
+
+    logits, scores = _inputs(r * p + b, r, p, 151936, torch.bfloat16, "cuda", scale=4.0)
+    flat = scores.reshape(-1).contiguous()
+    scores[0, p // 2:] = float("-inf")
+    flat = scores.reshape(-1).contiguous()
+    eager = aot_kernels.beam_candidates(logits, flat, b, p)
+    assert torch.equal(eager, beam_candidates(logits, flat, b, p)), "AOT cubins and JIT kernels disagree"
+    _check(merge_candidates(eager, r, b, 151936), beam_topk_ref(logits, scores, b), logits, scores)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        aot_kernels.beam_candidates(logits, flat, b, p)  # warm-up on the stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = aot_kernels.beam_candidates(logits, flat, b, p)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -69,6 +69,7 @@ struct TritonKernels::Impl {
     CUfunction function = nullptr;
     uint32_t threads = 0, shared = 0;
     std::vector<std::string> param_types;  // the non-scratch parameters: CUdeviceptr / int32_t / int64_t / float
+    std::vector<bool> divisible_by_16;     // per parameter: compiled assuming a 16-byte aligned pointer
     std::map<std::string, int64_t> constexprs;  // integer / bool ones
   };
   at::Device device = at::kCPU;
@@ -111,7 +112,10 @@ TritonKernels::TritonKernels(const std::string& dir, const at::Device& device) :
                variant + ": dynamic shared memory");
     }
     for (const Value& p : k.at("params").as_array()) {
-      if (p.at("triton").as_str() != "scratch") kernel.param_types.push_back(p.at("type").as_str());
+      if (p.at("triton").as_str() == "scratch") continue;
+      kernel.param_types.push_back(p.at("type").as_str());
+      const Value* div16 = p.find("divisible_by_16");
+      kernel.divisible_by_16.push_back(div16 != nullptr && div16->as_bool());
     }
     for (const auto& [name, value] : k.at("constexprs").as_map()) {
       if (value.is_integer()) kernel.constexprs[name] = value.as_int64();
@@ -152,7 +156,10 @@ void TritonKernels::launch(const std::string& variant, std::array<uint32_t, 3> g
       require(type == "CUdeviceptr", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not a pointer");
       require(t->device() == impl_->device, variant + ": tensor argument " + std::to_string(i) + " is not on " +
                                                 impl_->device.str());
-      *static_cast<CUdeviceptr*>(slot) = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(t->data_ptr()));
+      const auto address = reinterpret_cast<uintptr_t>(t->data_ptr());
+      require(!k.divisible_by_16[i] || address % 16 == 0,
+              variant + ": tensor argument " + std::to_string(i) + " must be 16-byte aligned (compiled so)");
+      *static_cast<CUdeviceptr*>(slot) = static_cast<CUdeviceptr>(address);
     } else if (const auto* v = std::get_if<int32_t>(&args[i])) {
       require(type == "int32_t", variant + ": parameter " + std::to_string(i) + " is a " + type + ", not an int32");
       *static_cast<int32_t*>(slot) = *v;
@@ -248,14 +255,13 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor
   require(kv_start.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_start.numel() == n &&
               kv_len.numel() == n,
           "decode_attention: kv_start and kv_len must be int64 [N]");
-  // one variant serves every bucket's slot count: its BLOCK_S covers the most slots of the model
+  // one program per (tile of BEAMS consecutive beam rows, KV head); any slot count (a loop over num_suffix)
   const std::string variant = variant_name("decode_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}});
-  require(slots <= impl_->get(variant).constexprs.at("BLOCK_S"),
-          "decode_attention: " + std::to_string(slots) + " suffix slots exceed the compiled " + variant);
+  const int64_t beams = impl_->get(variant).constexprs.at("BEAMS");
   at::Tensor out = at::empty_like(q);
-  launch(variant, {static_cast<uint32_t>(n), static_cast<uint32_t>(g), 1},
-         {q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, static_cast<int32_t>(slots),
-          static_cast<int32_t>(num_suffix), static_cast<float>(scale)});
+  launch(variant, {static_cast<uint32_t>((n + beams - 1) / beams), static_cast<uint32_t>(g), 1},
+         {q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, static_cast<int32_t>(n),
+          static_cast<int32_t>(slots), static_cast<int32_t>(num_suffix), static_cast<float>(scale)});
   return out;
 }
 

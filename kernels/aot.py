@@ -40,6 +40,9 @@ class KernelSpec:
     constexprs: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 3
+    # pointer arguments the caller guarantees 16-byte aligned (the launcher checks): Triton's JIT
+    # assumes it of every aligned pointer; without it loads are scalar and registers spill
+    divisible_by_16: tuple[str, ...] = ()
     grid: str = ""  # how the C++ side sizes the grid, for the manifest reader
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -51,7 +54,9 @@ def _compile(spec: KernelSpec, arch: int):
     if not isinstance(spec.fn, JITFunction):
         raise RuntimeError(f"{spec.variant}: the kernel was defined under TRITON_INTERPRET=1; compile in a process "
                            "without it")
-    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+    names = list(spec.signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible_by_16}
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
@@ -61,7 +66,8 @@ def _params(spec: KernelSpec) -> list[dict[str, str]]:
     for name, ty in spec.signature.items():
         if ty == "constexpr":
             continue
-        params.append({"name": name, "type": "CUdeviceptr" if ty.startswith("*") else C_TYPES[ty], "triton": ty})
+        params.append({"name": name, "type": "CUdeviceptr" if ty.startswith("*") else C_TYPES[ty], "triton": ty,
+                       "divisible_by_16": name in spec.divisible_by_16})
     params.append({"name": "global_scratch", "type": "CUdeviceptr", "triton": "scratch"})
     params.append({"name": "profile_scratch", "type": "CUdeviceptr", "triton": "scratch"})
     return params
@@ -100,9 +106,9 @@ def variant_name(kernel: str, dt: str, **dims: int) -> str:
 
 
 def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, num_heads: int,
-                       num_kv_heads: int, max_new_tokens: int, dtype: str = "bfloat16") -> list[KernelSpec]:
+                       num_kv_heads: int, dtype: str = "bfloat16") -> list[KernelSpec]:
     """The kernel variants one model needs, for `dtype` activations."""
-    from .decode_attention import decode_attention_kernel
+    from . import decode_attention
     from .norm_act import norm_rope_kernel, rms_norm_kernel, silu_mul_kernel
 
     dt = DTYPES[dtype]
@@ -125,18 +131,19 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         variant_name("silu_mul", dt), silu_mul_kernel,
         {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
-    qpg = num_heads // num_kv_heads
-    slots = max(max_new_tokens - 1, 1)  # the most suffix slots of any bucket: BLOCK_S covers them all
+    tile = decode_attention.default_tile(head_dim, dtype == "float32")
     specs.append(KernelSpec(
         variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),
-        decode_attention_kernel,
+        decode_attention.decode_attention_kernel,
         {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
-         "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_slots": "i32", "num_suffix": "i32",
-         "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr", "QPG": "constexpr",
-         "BLOCK_Q": "constexpr", "BLOCK_N": "constexpr", "BLOCK_S": "constexpr"},
-        {"H": num_heads, "G": num_kv_heads, "E": head_dim, "QPG": qpg, "BLOCK_Q": max(16, triton.next_power_of_2(qpg)),
-         "BLOCK_N": 64, "BLOCK_S": max(16, triton.next_power_of_2(slots))},
-        grid="(rows, num_kv_heads, 1)"))
+         "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_rows": "i32", "num_slots": "i32",
+         "num_suffix": "i32", "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr",
+         "QPG": "constexpr", "BEAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+         "BLOCK_B": "constexpr", "INTERPRETED": "constexpr"},
+        decode_attention.kernel_constexprs(num_heads, num_kv_heads, head_dim, tile),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr"),
+        grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
     return specs
 
 
@@ -144,8 +151,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="an embedded spec or a checkpoint directory")
-    what.add_argument("--shape", help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads, "
-                                      "max_new_tokens (what service/runtime/fused.py passes)")
+    what.add_argument("--shape", help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads "
+                                      "(what service/runtime/fused.py passes)")
     p.add_argument("--out", required=True)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -154,12 +161,10 @@ def main() -> None:
         shape = json.loads(args.shape)
     else:
         from service.model.checkpoint import weight_source
-        from service.model.config import ServingLimits
 
         cfg, _, _ = weight_source(args.model)
         shape = dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                     max_new_tokens=ServingLimits.for_model(cfg).max_new_tokens)
+                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
     specs = model_kernel_specs(**shape, dtype=args.dtype)
     manifest = compile_kernels(specs, args.out, args.arch)
     for k in manifest["kernels"]:

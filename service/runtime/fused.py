@@ -62,8 +62,7 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
     cfg = artifact.config
     dtype_name = str(dtype).removeprefix("torch.")
     shape = json.dumps(dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                            max_new_tokens=artifact.limits.max_new_tokens), sort_keys=True)
+                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads), sort_keys=True)
     sources = sorted((ROOT / "kernels").glob("*.py"))
     key = hashlib.sha256("\n".join([triton.__version__, dtype_name, shape,
                                     *(hashlib.sha256(p.read_bytes()).hexdigest() for p in sources)])

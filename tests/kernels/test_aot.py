@@ -32,7 +32,7 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     out, manifest = compiled
     assert manifest["target"] == "sm_90a"
     variants = {k["variant"] for k in manifest["kernels"]}
-    # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads, 5 new tokens -> 4 suffix slots
+    # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.bf16",
                         "norm_rope.e32.norm0.bf16", "norm_rope.e32.norm1.bf16", "decode_attention.h4.g2.e32.bf16"}
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
@@ -48,10 +48,11 @@ def test_manifest_states_the_launch_abi(compiled) -> None:
     names = [p["name"] for p in attn["params"]]
     # constexprs are baked in and absent; the two scratch pointers of Triton >= 3.5 come last
     assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr",
-                     "num_slots", "num_suffix", "scale", "global_scratch", "profile_scratch"]
+                     "num_rows", "num_slots", "num_suffix", "scale", "global_scratch", "profile_scratch"]
     types = {p["name"]: p["type"] for p in attn["params"]}
     assert types["scale"] == "float" and types["num_suffix"] == "int32_t" and types["q_ptr"] == "CUdeviceptr"
     assert attn["constexprs"]["E"] == 32 and attn["function"] == "decode_attention_kernel"  # embedded:tiny head_dim
+    assert attn["constexprs"]["BEAMS"] == 32 and attn["constexprs"]["INTERPRETED"] is False  # 64 rows / 2 q heads
 
 
 def test_a_constexpr_missing_from_the_signature_is_refused(tmp_path: Path) -> None:

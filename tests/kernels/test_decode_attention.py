@@ -1,15 +1,19 @@
-"""kernels.decode_attention (Triton) against the reference parts + LSE merge that the runtimes use
-today (service.model.layers.two_part_attention), on fresh random inputs: prompts of several requests
-packed, beams of each request, padding rows with no prompt. CPU: Triton's interpreter; GPU:
-compiled (marked gpu), where bf16 is held to "no less accurate than the reference"."""
+"""kernels.decode_attention (Triton) against its plain-torch reference and against the parts + LSE
+merge the runtimes use without the kernel (service.model.layers.two_part_attention), on fresh
+random inputs: the prompts of several requests packed, each request's beams consecutive rows,
+padding rows with no prompt, tiles that straddle two requests. CPU: Triton's interpreter; GPU:
+compiled (marked gpu), at the head layouts and sizes of W2/W3 (qwen2.5-0.5b), W5 (qwen3-0.6b)
+and W6 (qwen3-1.7b)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention
+from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
 from service.model.layers import two_part_attention
+
+LAYOUTS = {"qwen2.5-0.5b": (14, 2, 64), "qwen3": (16, 8, 128), "mha": (4, 4, 16)}
 
 
 def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: int,
@@ -21,7 +25,7 @@ def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int,
     pk, pv = (torch.randn(p_total, kv_heads, dim, generator=g) for _ in range(2))
     sk, sv = (torch.randn(rows, slots, kv_heads, dim, generator=g) for _ in range(2))
     starts = torch.tensor([0] + prompts[:-1]).cumsum(0).tolist()
-    kv_start = torch.tensor([s for s in starts for _ in range(beams)] + [0] * beams)
+    kv_start = torch.tensor([s for s in starts for _ in range(beams)] + [1] * beams)  # as beam_masks pads
     kv_len = torch.tensor([n for n in prompts for _ in range(beams)] + [0] * beams)
     seg = torch.full((p_total,), -1)
     for r, (s, n) in enumerate(zip(starts, prompts)):
@@ -32,17 +36,53 @@ def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int,
     return (to(q), to(pk), to(pv), kv_start.to(device), kv_len.to(device), to(sk), to(sv), mask.to(device))
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("t", [1, 3, 4])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 16)])
-def test_decode_attention_matches_reference_cpu(seed: int, t: int, heads: int, kv_heads: int, dim: int) -> None:
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tile", [None, Tile(64, 32, 4, 3)], ids=["default", "m64"])
+def test_decode_attention_matches_reference_cpu_float32(seed: int, t: int, layout: str, tile: Tile | None) -> None:
+    heads, kv_heads, dim = LAYOUTS[layout]
+    # 5 beams a request: tiles of 2 (float32's 16 rows, 7 heads a group) or 9 beams straddle the requests
     q, pk, pv, start, length, sk, sv, mask = _case(seed, torch.float32, "cpu", heads, kv_heads, dim,
-                                                   prompts=[7, 70, 1], beams=3, slots=4)
+                                                   prompts=[7, 70, 1, 33], beams=5, slots=4)
     scale = dim ** -0.5
-    want = two_part_attention(q, pk, pv, mask, sk[:, :t], sv[:, :t], None, scale)
-    got = decode_attention(q, pk, pv, start, length, sk, sv, t, scale, block_n=32)
-    assert got.shape == want.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    got = decode_attention(q, pk, pv, start, length, sk, sv, t, scale, tile=tile)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, decode_attention_ref(q, pk, pv, start, length, sk, sv, t, scale),
+                               atol=2e-6, rtol=2e-6)
+    want = two_part_attention(q, pk, pv, mask, sk[:, :t], sv[:, :t], None, scale)  # what the aten path runs
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_attention_matches_reference_cpu_bfloat16(layout: str) -> None:
+    heads, kv_heads, dim = LAYOUTS[layout]
+    q, pk, pv, start, length, sk, sv, _ = _case(3, torch.bfloat16, "cpu", heads, kv_heads, dim,
+                                                prompts=[40, 9], beams=6, slots=3)
+    scale = dim ** -0.5
+    got = decode_attention(q, pk, pv, start, length, sk, sv, 3, scale, tile=Tile(64, 16, 4, 3))
+    assert got.dtype == torch.bfloat16
+    truth = decode_attention_ref(*(x.double() for x in (q, pk, pv)), start, length, sk.double(), sv.double(), 3, scale)
+    ref = decode_attention_ref(q, pk, pv, start, length, sk, sv, 3, scale)
+    err_got, err_ref = (got.double() - truth).abs(), (ref.double() - truth).abs()
+    assert err_got.max() <= 2 * err_ref.max() and err_got.mean() <= 2 * err_ref.mean()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_any_row_layout_is_correct(seed: int) -> None:
+    """Rows need not be grouped by request: each row keys only its own range (any ranges, overlapping,
+    empty, a row's range spanning the tile's others); grouping only makes it fast."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, rows, p_total, slots = 4, 2, 16, 23, 90, 2
+    q = torch.randn(rows, heads, dim, generator=g)
+    pk, pv = (torch.randn(p_total, kv_heads, dim, generator=g) for _ in range(2))
+    sk, sv = (torch.randn(rows, slots, kv_heads, dim, generator=g) for _ in range(2))
+    start = torch.randint(0, p_total, (rows,), generator=g)
+    length = torch.minimum(torch.randint(0, 50, (rows,), generator=g), p_total - start)
+    length[::5] = 0
+    got = decode_attention(q, pk, pv, start, length, sk, sv, 2, 0.3, tile=Tile(16, 16, 4, 2))
+    torch.testing.assert_close(got, decode_attention_ref(q, pk, pv, start, length, sk, sv, 2, 0.3),
+                               atol=2e-6, rtol=2e-6)
 
 
 def test_decode_attention_refuses_bad_arguments() -> None:
@@ -51,17 +91,50 @@ def test_decode_attention_refuses_bad_arguments() -> None:
         decode_attention(q, pk, pv, start, length, sk, sv, 3, 0.25)
     with pytest.raises(ValueError, match="do not agree"):
         decode_attention(q[:, :3], pk, pv, start, length, sk, sv, 1, 0.25)
+    with pytest.raises(ValueError, match="int64"):
+        decode_attention(q, pk, pv, start.int(), length, sk, sv, 1, 0.25)
+    with pytest.raises(ValueError, match="powers of two"):
+        Tile(24, 32, 4, 2)
+    with pytest.raises(ValueError, match="query heads per KV head exceed"):
+        decode_attention(q[:, :1].expand(-1, 32, -1).contiguous(), pk[:, :1].contiguous(), pv[:, :1].contiguous(),
+                         start, length, sk[:, :, :1].contiguous(), sv[:, :, :1].contiguous(), 1, 0.25,
+                         tile=Tile(16, 16, 4, 2))
+
+
+# the issue's workloads at full size on the GPU: (layout, prompts of the requests, beams, suffix slots)
+GPU_CASES = {
+    "W2": ("qwen2.5-0.5b", [128, 97, 128, 5, 128, 128, 64, 128], 100, 4),
+    "W3": ("qwen2.5-0.5b", [480, 300, 480, 480], 100, 4),
+    "W5": ("qwen3", [480], 400, 4),
+    "W6": ("qwen3", [1000], 256, 2),
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(3))
-def test_decode_attention_cuda_bf16(seed: int) -> None:
-    q, pk, pv, start, length, sk, sv, mask = _case(seed, torch.bfloat16, "cuda", 14, 2, 64,
-                                                   prompts=[128, 40, 300, 9], beams=16, slots=4)
-    scale = 64 ** -0.5
-    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, sk[:, :4].double(), sv[:, :4].double(),
-                               None, scale)
-    ref = two_part_attention(q, pk, pv, mask, sk[:, :4], sv[:, :4], None, scale)
-    got = decode_attention(q, pk, pv, start, length, sk, sv, 4, scale)
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_decode_attention_cuda_bfloat16_no_less_accurate(case: str) -> None:
+    layout, prompts, beams, slots = GPU_CASES[case]
+    heads, kv_heads, dim = LAYOUTS[layout]
+    q, pk, pv, start, length, sk, sv, _ = _case(0, torch.bfloat16, "cuda", heads, kv_heads, dim, prompts, beams, slots)
+    scale = dim ** -0.5
+    truth = decode_attention_ref(*(x.double() for x in (q, pk, pv)), start, length, sk.double(), sv.double(), slots,
+                                 scale)
+    ref = decode_attention_ref(q, pk, pv, start, length, sk, sv, slots, scale)
+    got = decode_attention(q, pk, pv, start, length, sk, sv, slots, scale)
     err_got, err_ref = (got.double() - truth).abs(), (ref.double() - truth).abs()
     assert err_got.max() <= err_ref.max() + 1e-3 and err_got.mean() <= err_ref.mean() + 1e-4
+    assert torch.equal(got, decode_attention(q, pk, pv, start, length, sk, sv, slots, scale))  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["W3", "W5"])
+def test_decode_attention_cuda_float32_is_not_tf32(case: str) -> None:
+    """float32 must compute in float32: TF32 products (10-bit mantissa) would be ~1e-3 off here."""
+    layout, prompts, beams, slots = GPU_CASES[case]
+    heads, kv_heads, dim = LAYOUTS[layout]
+    q, pk, pv, start, length, sk, sv, _ = _case(1, torch.float32, "cuda", heads, kv_heads, dim, prompts, beams, slots)
+    scale = dim ** -0.5
+    truth = decode_attention_ref(*(x.double() for x in (q, pk, pv)), start, length, sk.double(), sv.double(), slots,
+                                 scale)
+    got = decode_attention(q, pk, pv, start, length, sk, sv, slots, scale)
+    assert (got.double() - truth).abs().max() < 2e-5

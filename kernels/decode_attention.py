@@ -160,8 +160,8 @@ def kernel_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, tile: Ti
     if qpg > tile.block_m:
         raise ValueError(f"decode_attention: {qpg} query heads per KV head exceed block_m {tile.block_m}")
     beams = tile.block_m // qpg
-    return dict(H=num_heads, G=num_kv_heads, E=head_dim, QPG=qpg, BEAMS=beams, BLOCK_M=tile.block_m,
-                BLOCK_N=tile.block_n, BLOCK_B=max(16, triton.next_power_of_2(beams)), INTERPRETED=interpreted)
+    return {"H": num_heads, "G": num_kv_heads, "E": head_dim, "QPG": qpg, "BEAMS": beams, "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n, "BLOCK_B": max(16, triton.next_power_of_2(beams)), "INTERPRETED": interpreted}
 
 
 def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,

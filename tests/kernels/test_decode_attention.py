@@ -32,7 +32,10 @@ def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int,
         seg[s:s + n] = r
     beam_req = torch.arange(len(prompts) + 1).repeat_interleave(beams)
     mask = beam_req[:, None] == seg[None, :]
-    to = lambda t: t.to(device, dtype)  # noqa: E731
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, dtype)
+
     return (to(q), to(pk), to(pv), kv_start.to(device), kv_len.to(device), to(sk), to(sv), mask.to(device))
 
 

@@ -78,9 +78,11 @@ class TritonKernels:
     def rms_norm_residual(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def norm_rope(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
-    ) -> torch.Tensor: ...
+    def qkv_rope(
+        self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+        k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def decode_attention(
         self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,

@@ -360,12 +360,18 @@ PYBIND11_MODULE(_core, m) {
       .def("rms_norm_residual", &TritonKernels::rms_norm_residual, py::arg("x"), py::arg("residual"),
            py::arg("weight"), py::arg("eps"))
       .def(
-          "norm_rope",
-          [](const TritonKernels& k, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-             const std::optional<at::Tensor>& weight, double eps) {
-            return k.norm_rope(x, cos, sin, weight.value_or(at::Tensor()), eps);
+          "qkv_rope",
+          [](const TritonKernels& k, const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset,
+             const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+             const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+             const std::optional<at::Tensor>& k_out, const std::optional<at::Tensor>& v_out) {
+            return k.qkv_rope(qkv, positions, pos_offset, cos, sin, num_heads, num_kv_heads,
+                              q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), eps,
+                              k_out.value_or(at::Tensor()), v_out.value_or(at::Tensor()));
           },
-          py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("weight"), py::arg("eps"))
+          py::arg("qkv"), py::arg("positions"), py::arg("pos_offset"), py::arg("cos"), py::arg("sin"),
+          py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
+          py::arg("k_out") = py::none(), py::arg("v_out") = py::none())
       .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
            py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),

@@ -48,40 +48,60 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return x.mul(cos.unsqueeze(1)).add(rotated.mul(sin.unsqueeze(1)));
 }
 
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& pending,
+                                                   const at::Tensor& weight, double eps, const TritonKernels* fused) {
+  if (fused) {
+    if (!pending.defined()) return {x, fused->rms_norm(x, weight, eps)};
+    auto [h, total] = fused->rms_norm_residual(pending, x, weight, eps);
+    return {total, h};
+  }
+  at::Tensor y = pending.defined() ? x.add(pending) : x;
+  return {y, rms_norm(y, weight, eps)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
-                                                              const at::Tensor& x, const at::Tensor& cos,
-                                                              const at::Tensor& sin, const TritonKernels* fused) {
-  const int64_t n = x.size(0);
+                                                              const at::Tensor& h, const at::Tensor& positions,
+                                                              int64_t pos_offset, const at::Tensor& rope_cos,
+                                                              const at::Tensor& rope_sin, const TritonKernels* fused,
+                                                              const at::Tensor& k_out, const at::Tensor& v_out) {
+  const int64_t n = h.size(0);
   const double eps = cfg.rms_norm_eps;
-  at::Tensor h = fused ? fused->rms_norm(x, w.attn_norm, eps) : rms_norm(x, w.attn_norm, eps);
-  at::Tensor qkv = at::linear(h, w.wqkv, opt(w.bqkv));
+  at::Tensor qkv = at::linear(h, w.wqkv, opt(w.bqkv));  // the bias rides in the GEMM's epilogue: one rounding
+  if (fused) {
+    const bool norm = cfg.qk_norm;
+    return fused->qkv_rope(qkv, positions, pos_offset, rope_cos, rope_sin, cfg.num_heads, cfg.num_kv_heads,
+                           norm ? w.q_norm : at::Tensor(), norm ? w.k_norm : at::Tensor(), eps, k_out, v_out);
+  }
   auto parts = qkv.split_with_sizes({cfg.q_size(), cfg.kv_size(), cfg.kv_size()}, -1);
   at::Tensor q = parts[0].reshape({n, cfg.num_heads, cfg.head_dim});
   at::Tensor k = parts[1].reshape({n, cfg.num_kv_heads, cfg.head_dim});
   at::Tensor v = parts[2].reshape({n, cfg.num_kv_heads, cfg.head_dim});
-  if (fused) {  // q/k norm (Qwen3) and RoPE in one kernel each
-    q = fused->norm_rope(q.contiguous(), cos, sin, cfg.qk_norm ? w.q_norm : at::Tensor(), eps);
-    k = fused->norm_rope(k.contiguous(), cos, sin, cfg.qk_norm ? w.k_norm : at::Tensor(), eps);
-    return {q, k, v.contiguous()};
-  }
   if (cfg.qk_norm) {
     q = rms_norm(q, w.q_norm, eps);
     k = rms_norm(k, w.k_norm, eps);
   }
-  return {apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()};
+  const at::Tensor rows = pos_offset != 0 ? positions.add(pos_offset) : positions;
+  const at::Tensor cos = rope_cos.index_select(0, rows), sin = rope_sin.index_select(0, rows);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  v = v.contiguous();
+  if (k_out.defined()) k = k_out.copy_(k);
+  if (v_out.defined()) v = v_out.copy_(v);
+  return {q, k, v};
 }
 
-at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
-                                    const at::Tensor& attn, const TritonKernels* fused) {
+std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w,
+                                                           const at::Tensor& x, const at::Tensor& attn,
+                                                           const TritonKernels* fused) {
   at::Tensor o = at::linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo);
   if (fused) {  // residual add + norm in one kernel, then SiLU(gate)*up in one
     auto [h, y] = fused->rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps);
-    return y.add(at::linear(fused->silu_mul(at::linear(h, w.wgu)), w.wdown));
+    return {y, at::linear(fused->silu_mul(at::linear(h, w.wgu)), w.wdown)};
   }
   at::Tensor y = x.add(o);
   at::Tensor h = rms_norm(y, w.mlp_norm, cfg.rms_norm_eps);
   auto gate_up = at::linear(h, w.wgu).chunk(2, -1);
-  return y.add(at::linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown));
+  return {y, at::linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown)};
 }
 
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
+#include <utility>
 
 #include "dag.h"
 
@@ -15,16 +16,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]. With `fused`, the
-// attention norm and the q/k norm + RoPE are its Triton kernels.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
-                                                              const at::Tensor& x, const at::Tensor& cos,
-                                                              const at::Tensor& sin, const TritonKernels* fused = nullptr);
+// (x + pending, rms_norm(x + pending)); pending: the previous layer's MLP output [N, D], or
+// undefined (nothing pending). With `fused`, the add and the norm are one Triton kernel.
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& pending,
+                                                   const at::Tensor& weight, double eps,
+                                                   const TritonKernels* fused = nullptr);
 
-// Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E]. With `fused`, the
-// first residual add + RMSNorm and SiLU(gate)*up are its Triton kernels.
-at::Tensor attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w, const at::Tensor& x,
-                                    const at::Tensor& attn, const TritonKernels* fused = nullptr);
+// h: [N, D] normed -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]; RoPE at
+// positions + pos_offset ([N] int64) from the tables rope_cos/rope_sin [P, E]. k_out/v_out: [N, G, E]
+// views (a decode step's suffix slot) that receive k and v and are returned, or undefined. With
+// `fused`, the split, q/k norm, RoPE and v copy are one Triton kernel over the GEMM's output.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
+                                                              const at::Tensor& h, const at::Tensor& positions,
+                                                              int64_t pos_offset, const at::Tensor& rope_cos,
+                                                              const at::Tensor& rope_sin,
+                                                              const TritonKernels* fused = nullptr,
+                                                              const at::Tensor& k_out = at::Tensor(),
+                                                              const at::Tensor& v_out = at::Tensor());
+
+// o_proj with its residual add, then the SwiGLU MLP. x: [N, D]; attn: [N, H, E] ->
+// (x + o_proj(attn), mlp_out): the MLP's output is left for the next norm to add (residual_rms_norm).
+// With `fused`, the residual add + RMSNorm and SiLU(gate)*up are its Triton kernels.
+std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w,
+                                                           const at::Tensor& x, const at::Tensor& attn,
+                                                           const TritonKernels* fused = nullptr);
 
 // q [N, H, E]; k, v [M, G, E]; mask [N, M] bool -> out [N, H, E], lse [N, H] float32
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

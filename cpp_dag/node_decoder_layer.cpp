@@ -4,6 +4,7 @@
 //   decode:  one token per beam; prompt part + per-beam suffix part, merged by LSE
 // Mirrors service/nodes.py::decoder_layer.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -33,13 +34,13 @@ class DecoderLayer final : public Node {
   void run(const Context& ctx, Env& env) const override {
     const ModelConfig& cfg = ctx.cfg;
     const LayerWeights& w = ctx.layers.at(spec_.layer);
-    const at::Tensor x = env.at("x");
     const TritonKernels* fused = ctx.fused.get();
+    // the previous layer's MLP output, added to x by this layer's first norm
+    auto [x, h] = residual_rms_norm(env.at("x"), has_pending_ ? env.at("mlp_out") : at::Tensor(), w.attn_norm,
+                                    cfg.rms_norm_eps, fused);
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
-      const at::Tensor& pos = env.at("positions");
-      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos),
-                                      fused);
+      auto [q, k, v] = qkv_projection(cfg, w, h, env.at("positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);
       auto bias = env.find("attn_bias");  // on CUDA: one fused attention over the batch
       if (bias != env.end()) {
         attn = biased_attention(q, k, v, bias->second, ctx.scale);
@@ -54,13 +55,11 @@ class DecoderLayer final : public Node {
       }
     } else {
       const int64_t t = spec_.step;
-      at::Tensor pos = env.at("beam_pos").add(t - 1);
-      auto [q, k, v] = qkv_projection(cfg, w, x, ctx.rope_cos.index_select(0, pos), ctx.rope_sin.index_select(0, pos),
-                                      fused);
       at::Tensor& suffix_k = env.at("suffix_k." + i_);  // [R*B, n-1, G, E]
       at::Tensor& suffix_v = env.at("suffix_v." + i_);
-      suffix_k.select(1, t - 1).copy_(k);
-      suffix_v.select(1, t - 1).copy_(v);
+      // this token's k and v go straight into suffix slot t-1
+      at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, env.at("beam_pos"), t - 1, ctx.rope_cos, ctx.rope_sin,
+                                                fused, suffix_k.select(1, t - 1), suffix_v.select(1, t - 1)));
       if (fused) {  // one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
         attn = fused->decode_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("kv_start"),
                                        env.at("kv_len"), suffix_k, suffix_v, t, ctx.scale);
@@ -69,12 +68,24 @@ class DecoderLayer final : public Node {
                                   suffix_k.slice(1, 0, t), suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
       }
     }
-    env["x"] = attention_output_and_mlp(cfg, w, x, attn, fused);
+    auto [y, mlp_out] = attention_output_and_mlp(cfg, w, x, attn, fused);
+    if (defers_mlp_) {  // the next layer's (or the final) norm adds it, in the same kernel
+      env["x"] = y;
+      env["mlp_out"] = mlp_out;
+    } else {  // a DAG without the pending buffer
+      env["x"] = y.add(mlp_out);
+    }
   }
 
  private:
+  static bool declares(const std::vector<std::string>& names, const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  }
+
   Mode mode_;
   std::string i_;
+  bool has_pending_ = declares(spec_.inputs, "mlp_out");
+  bool defers_mlp_ = declares(spec_.outputs, "mlp_out");
 };
 
 }  // namespace

@@ -11,7 +11,10 @@ class RmsNorm final : public Node {
  public:
   using Node::Node;
   void run(const Context& ctx, Env& env) const override {
-    env[spec_.outputs[0]] = rms_norm(in(env, 0), ctx.weight(spec_.weight), ctx.cfg.rms_norm_eps);
+    // a second input: the last layer's MLP output, added first (in one kernel with the norm when fused)
+    const at::Tensor pending = spec_.inputs.size() > 1 ? in(env, 1) : at::Tensor();
+    env[spec_.outputs[0]] =
+        residual_rms_norm(in(env, 0), pending, ctx.weight(spec_.weight), ctx.cfg.rms_norm_eps, ctx.fused.get()).second;
   }
 };
 

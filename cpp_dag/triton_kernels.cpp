@@ -61,6 +61,9 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
+// programs of per_block items covering n
+uint32_t blocks(int64_t n, int64_t per_block) { return static_cast<uint32_t>((n + per_block - 1) / per_block); }
+
 }  // namespace
 
 struct TritonKernels::Impl {
@@ -188,9 +191,10 @@ at::Tensor TritonKernels::rms_norm(const at::Tensor& x, const at::Tensor& weight
   require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
           "rms_norm: weight must be [" + std::to_string(d) + "] of x's dtype");
   at::Tensor out = at::empty_like(x);
-  const auto rows = static_cast<uint32_t>(x.numel() / d);
-  launch(variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 0}}), {rows, 1, 1},
-         {x, x, weight, out, out, static_cast<int32_t>(d), static_cast<float>(eps)});
+  const int64_t rows = x.numel() / d;
+  const std::string variant = variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 0}});
+  launch(variant, {blocks(rows, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {x, x, weight, out, out, static_cast<int32_t>(rows), static_cast<float>(eps)});
   return out;
 }
 
@@ -203,38 +207,62 @@ std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Ten
   require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
           "rms_norm: weight must be [" + std::to_string(d) + "] of x's dtype");
   at::Tensor out = at::empty_like(x), total = at::empty_like(x);
-  const auto rows = static_cast<uint32_t>(x.numel() / d);
-  launch(variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 1}}), {rows, 1, 1},
-         {x, residual, weight, out, total, static_cast<int32_t>(d), static_cast<float>(eps)});
+  const int64_t rows = x.numel() / d;
+  const std::string variant = variant_name("rms_norm", x.scalar_type(), {{"n", d}, {"res", 1}});
+  launch(variant, {blocks(rows, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {x, residual, weight, out, total, static_cast<int32_t>(rows), static_cast<float>(eps)});
   return {out, total};
 }
 
-at::Tensor TritonKernels::norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                    const at::Tensor& weight, double eps) const {
-  require(x.dim() == 3 && x.is_contiguous(), "norm_rope: x must be a contiguous [N, heads, E]");
-  const int64_t n = x.size(0), heads = x.size(1), e = x.size(2);
-  require(cos.sizes() == at::IntArrayRef({n, e}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-          "norm_rope: cos and sin must be contiguous [N, E] of x's dtype");
-  const bool has_norm = weight.defined();
-  require(!has_norm || (weight.dim() == 1 && weight.size(0) == e && weight.scalar_type() == x.scalar_type()),
-          "norm_rope: weight must be [" + std::to_string(e) + "] of x's dtype");
-  at::Tensor out = at::empty_like(x);
-  launch(variant_name("norm_rope", x.scalar_type(), {{"e", e}, {"norm", has_norm ? 1 : 0}}),
-         {static_cast<uint32_t>(n * heads), 1, 1},
-         {x, has_norm ? weight : x, cos, sin, out, static_cast<int32_t>(heads), static_cast<float>(eps)});
-  return out;
+std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::qkv_rope(
+    const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& q_norm, const at::Tensor& k_norm,
+    double eps, const at::Tensor& k_out, const at::Tensor& v_out) const {
+  const int64_t h = num_heads, g = num_kv_heads;
+  require(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+          "qkv_rope: cos and sin must be contiguous [P, E] tables of qkv's dtype");
+  const int64_t e = cos.size(1);
+  require(qkv.dim() == 2 && qkv.is_contiguous() && g > 0 && h % g == 0 && qkv.size(1) == (h + 2 * g) * e,
+          "qkv_rope: qkv must be a contiguous [N, (H + 2G) * E]");
+  const int64_t n = qkv.size(0);
+  require(positions.dim() == 1 && positions.size(0) == n && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous(),
+          "qkv_rope: positions must be a contiguous int64 [" + std::to_string(n) + "]");
+  const bool has_norm = q_norm.defined();
+  require(has_norm == k_norm.defined() &&
+              (!has_norm || (q_norm.dim() == 1 && q_norm.size(0) == e && k_norm.sizes() == q_norm.sizes() &&
+                             q_norm.scalar_type() == qkv.scalar_type() && k_norm.scalar_type() == qkv.scalar_type())),
+          "qkv_rope: q_norm and k_norm must both be [" + std::to_string(e) + "] of qkv's dtype, or both undefined");
+  at::Tensor q = at::empty({n, h, e}, qkv.options());
+  at::Tensor k = k_out.defined() ? k_out : at::empty({n, g, e}, qkv.options());
+  at::Tensor v = v_out.defined() ? v_out : at::empty({n, g, e}, qkv.options());
+  for (const at::Tensor* t : {&k, &v}) {
+    require(t->dim() == 3 && t->size(0) == n && t->size(1) == g && t->size(2) == e && t->stride(2) == 1 &&
+                t->stride(1) == e && t->scalar_type() == qkv.scalar_type(),
+            "qkv_rope: k_out and v_out must be [N, G, E] of qkv's dtype with contiguous heads");
+  }
+  require(k.stride(0) == v.stride(0) && k.stride(0) % 8 == 0,
+          "qkv_rope: k_out and v_out must share one row stride, a multiple of 8 elements");
+  const std::string variant =
+      variant_name("qkv_rope", qkv.scalar_type(), {{"h", h}, {"g", g}, {"e", e}, {"norm", has_norm ? 1 : 0}});
+  const auto& constexprs = impl_->get(variant).constexprs;
+  launch(variant, {blocks(n, constexprs.at("BLOCK_T")), static_cast<uint32_t>((h + 2 * g) / constexprs.at("HB")), 1},
+         {qkv, positions, cos, sin, has_norm ? q_norm : qkv, has_norm ? k_norm : qkv, q, k, v,
+          static_cast<int32_t>(n), static_cast<int32_t>(pos_offset), static_cast<int32_t>(k.stride(0) / 8),
+          static_cast<float>(eps)});
+  return {q, k, v};
 }
 
 at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
   require(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
           "silu_mul: gate_up must be a contiguous [N, 2I]");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
-  const std::string variant = variant_name("silu_mul", gate_up.scalar_type());
-  const int64_t block = impl_->get(variant).constexprs.at("BLOCK");
+  const std::string variant = variant_name("silu_mul", gate_up.scalar_type(), {{"i", inter}});
+  const auto& constexprs = impl_->get(variant).constexprs;
   at::Tensor out = at::empty({n, inter}, gate_up.options());
-  launch(variant, {static_cast<uint32_t>(n), static_cast<uint32_t>((inter + block - 1) / block), 1},
-         {gate_up, out, static_cast<int32_t>(inter)});
+  launch(variant, {blocks(n, constexprs.at("ROWS")), blocks(inter, constexprs.at("BLOCK")), 1},
+         {gate_up, out, static_cast<int32_t>(n)});
   return out;
 }
 
@@ -282,8 +310,11 @@ std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_residual(const at::Ten
                                                                    const at::Tensor&, double) const {
   no_cuda();
 }
-at::Tensor TritonKernels::norm_rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    double) const {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::qkv_rope(const at::Tensor&, const at::Tensor&, int64_t,
+                                                                       const at::Tensor&, const at::Tensor&, int64_t,
+                                                                       int64_t, const at::Tensor&, const at::Tensor&,
+                                                                       double, const at::Tensor&,
+                                                                       const at::Tensor&) const {
   no_cuda();
 }
 at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }

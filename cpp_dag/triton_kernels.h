@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -36,14 +37,22 @@ class TritonKernels {
   // args: the kernel's non-constexpr parameters in order (the scratch pointers are added here).
   void launch(const std::string& variant, std::array<uint32_t, 3> grid, const std::vector<Arg>& args) const;
 
-  // x [..., D] contiguous; weight [D] -> y (and, with a residual, x + residual as well)
+  // x [..., D] contiguous; weight [D] -> y (and, with a residual, x + residual as well); ROWS rows a program
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
   std::pair<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps) const;
-  // x [N, heads, E] contiguous; cos/sin [N, E]; weight [E] (q/k RMSNorm first) or undefined -> rope(norm(x))
-  at::Tensor norm_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& weight,
-                       double eps) const;
-  // gate_up [N, 2I] -> silu(gate) * up [N, I]
+  // qkv [N, (H + 2G) * E] contiguous (the q/k/v GEMM's output); positions [N] int64; cos/sin [P, E]
+  // (the RoPE tables); q_norm/k_norm [E] or undefined -> q [N, H, E], k, v [N, G, E]: the split, q/k
+  // RMSNorm, RoPE at positions + pos_offset and the v copy. k_out/v_out: [N, G, E] views with one
+  // row stride (a multiple of 8 elements) to write k and v into, or undefined (fresh tensors).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& positions,
+                                                          int64_t pos_offset, const at::Tensor& cos,
+                                                          const at::Tensor& sin, int64_t num_heads,
+                                                          int64_t num_kv_heads, const at::Tensor& q_norm,
+                                                          const at::Tensor& k_norm, double eps,
+                                                          const at::Tensor& k_out = at::Tensor(),
+                                                          const at::Tensor& v_out = at::Tensor()) const;
+  // gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]
   at::Tensor silu_mul(const at::Tensor& gate_up) const;
   // q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64; suffix_k/v [N, S, G, E] with
   // num_suffix live slots -> out [N, H, E]

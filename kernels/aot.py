@@ -28,6 +28,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from . import COMPILE_OPTIONS
+
 C_TYPES = {"i1": "int8_t", "i32": "int32_t", "i64": "int64_t", "fp32": "float"}
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -58,7 +60,7 @@ def _compile(spec: KernelSpec, arch: int):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible_by_16}
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages, **COMPILE_OPTIONS})
 
 
 def _params(spec: KernelSpec) -> list[dict[str, str]]:
@@ -109,28 +111,43 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
                        num_kv_heads: int, dtype: str = "bfloat16") -> list[KernelSpec]:
     """The kernel variants one model needs, for `dtype` activations."""
     from . import decode_attention
-    from .norm_act import norm_rope_kernel, rms_norm_kernel, silu_mul_kernel
+    from .norm_act import rms_norm_config, rms_norm_kernel, silu_mul_config, silu_mul_kernel
+    from .qkv_rope import qkv_rope_config, qkv_rope_kernel
 
     dt = DTYPES[dtype]
     specs = []
-    block = triton.next_power_of_2(hidden_size)
+    norm = rms_norm_config(hidden_size)
     for res in (False, True):
         specs.append(KernelSpec(
             variant_name("rms_norm", dt, n=hidden_size, res=int(res)), rms_norm_kernel,
             {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "sum_ptr": f"*{dt}",
-             "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"},
-            {"HAS_RESIDUAL": res, "BLOCK": block}, num_warps=4 if block <= 1024 else 8,
-            grid="(rows, 1, 1)", extra={"n_cols": hidden_size}))
+             "num_rows": "i32", "eps": "fp32", "D": "constexpr", "BLOCK_D": "constexpr", "ROWS": "constexpr",
+             "HAS_RESIDUAL": "constexpr"},
+            {"D": hidden_size, "BLOCK_D": norm["BLOCK_D"], "ROWS": norm["ROWS"], "HAS_RESIDUAL": res},
+            num_warps=norm["num_warps"], divisible_by_16=("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr"),
+            grid="(cdiv(rows, ROWS), 1, 1)"))
+    rope = qkv_rope_config(num_kv_heads, head_dim)
     for has_norm in (False, True):
         specs.append(KernelSpec(
-            variant_name("norm_rope", dt, e=head_dim, norm=int(has_norm)), norm_rope_kernel,
-            {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}",
-             "heads": "i32", "eps": "fp32", "E": "constexpr", "HAS_NORM": "constexpr"},
-            {"E": head_dim, "HAS_NORM": has_norm}, num_warps=1, grid="(tokens * heads, 1, 1)"))
+            variant_name("qkv_rope", dt, h=num_heads, g=num_kv_heads, e=head_dim, norm=int(has_norm)),
+            qkv_rope_kernel,
+            {"qkv_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "qw_ptr": f"*{dt}",
+             "kw_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "num_tokens": "i32",
+             "pos_offset": "i32", "kv_stride8": "i32", "eps": "fp32", "H": "constexpr", "G": "constexpr",
+             "E": "constexpr", "HB": "constexpr", "BLOCK_T": "constexpr", "QK_NORM": "constexpr"},
+            {"H": num_heads, "G": num_kv_heads, "E": head_dim, "HB": rope["HB"], "BLOCK_T": rope["BLOCK_T"],
+             "QK_NORM": has_norm},
+            num_warps=rope["num_warps"],
+            divisible_by_16=("qkv_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "q_ptr", "k_ptr",
+                             "v_ptr"),
+            grid="(cdiv(tokens, BLOCK_T), (H + 2 * G) / HB, 1)"))
+    act = silu_mul_config(intermediate_size)
     specs.append(KernelSpec(
-        variant_name("silu_mul", dt), silu_mul_kernel,
-        {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32", "BLOCK": "constexpr"},
-        {"BLOCK": 1024}, grid="(rows, cdiv(inter, 1024), 1)", extra={"inter": intermediate_size}))
+        variant_name("silu_mul", dt, i=intermediate_size), silu_mul_kernel,
+        {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_rows": "i32", "INTER": "constexpr", "BLOCK": "constexpr",
+         "ROWS": "constexpr"},
+        {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
+        divisible_by_16=("gu_ptr", "out_ptr"), grid="(cdiv(rows, ROWS), cdiv(INTER, BLOCK), 1)"))
     tile = decode_attention.default_tile(head_dim, dtype == "float32")
     specs.append(KernelSpec(
         variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),

@@ -2,14 +2,15 @@
 
 - `rms_norm`: y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), computed in float32 per row;
   with `residual`, x + residual first (rounded to x.dtype, as torch's add) and that sum is
-  returned too (it is the next residual stream). One program per row: replaces ~8 ATen kernels.
+  returned too (it is the next residual stream). ROWS rows per program.
 - `silu_mul`: silu(gate) * up of a fused [N, 2I] gate/up projection, rounded as torch does
   (silu to the dtype, then the product): replaces chunk + silu + mul.
 
 The references are `service.model.layers.rms_norm` and torch's `F.silu(gate) * up`;
 tests/kernels/test_norm_act.py checks them on fresh random inputs (on a CPU through Triton's
-interpreter). Not yet called by the runtimes: the C++ executor will launch the ahead-of-time
-compiled cubins (kernels/aot.py), and the Python runtime the same ones.
+interpreter). The row length D and the intermediate size are constexprs (one AOT variant per
+model shape), so every load and store is a 16-byte vector where the tensors are 16-byte aligned
+(the C++ launchers check it; kernels/aot.py promises it to the compiler).
 """
 
 from __future__ import annotations
@@ -18,35 +19,57 @@ import torch
 import triton
 import triton.language as tl
 
+from . import COMPILE_OPTIONS
+
+TILE_ELEMENTS = 4096  # elements one program handles: 16-32 per thread, enough loads in flight
+
+
+def rms_norm_config(d: int) -> dict[str, int]:
+    """Tile of the RMSNorm kernel for rows of d elements: ROWS rows of BLOCK_D (d rounded up to a
+    power of two) per program."""
+    block_d = triton.next_power_of_2(d)
+    return {"BLOCK_D": block_d, "ROWS": max(1, TILE_ELEMENTS // block_d), "num_warps": 4 if block_d <= 2048 else 8}
+
 
 @triton.jit
-def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # tile [ROWS, BLOCK_D] of x [num_rows, D]
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
+    offs = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # torch's add: the float32 sum rounded to the dtype, which the norm then reads
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+        tl.store(sum_ptr + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / n_cols
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
+    y = (xf * inv[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + offs, (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def silu_mul_config(inter: int) -> dict[str, int]:
+    """Tile of the SiLU*up kernel: ROWS rows x BLOCK columns of the [N, I] output per program."""
+    block = min(1024, triton.next_power_of_2(inter))
+    return {"BLOCK": block, "ROWS": max(1, TILE_ELEMENTS // block), "num_warps": 4}
 
 
 @triton.jit
-def silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def silu_mul_kernel(gu_ptr, out_ptr, num_rows, INTER: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # gate_up [num_rows, 2 * INTER] (gate first) -> out [num_rows, INTER]; tile [ROWS, BLOCK]
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < INTER)
+    src = gu_ptr + rows[:, None] * (2 * INTER) + cols[None, :]
+    g = tl.load(src, mask=mask, other=0.0)
+    u = tl.load(src + INTER, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(out_ptr + row * inter + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu's output, in the dtype
+    tl.store(out_ptr + rows[:, None] * INTER + cols[None, :], (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+             mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -60,62 +83,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows = x.numel() // d
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
-    rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, total, d, eps,
-                             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(d))
+    cfg = rms_norm_config(d)
+    rms_norm_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
+        x, residual if residual is not None else x, weight, out, total, rows, eps, D=d, BLOCK_D=cfg["BLOCK_D"],
+        ROWS=cfg["ROWS"], HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"], **COMPILE_OPTIONS)
     return (out, total) if residual is not None else out
 
 
-def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [N, 2I] contiguous (gate first) -> silu(gate) * up: [N, I]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         raise ValueError(f"silu_mul: gate_up must be a contiguous [N, 2I], got {list(gate_up.shape)}")
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
-    silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
-    return out
-
-
-@triton.jit
-def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                     E: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One (token, head) row of q or k: optional RMSNorm over the head dim (Qwen3's q/k norm), then
-    RoPE (half-split layout) with the token's cos/sin, each product and sum rounded to the dtype as
-    torch's element-wise ops round them."""
-    pid = tl.program_id(0).to(tl.int64)
-    token = pid // heads
-    half = tl.arange(0, E // 2)
-    x1 = tl.load(x_ptr + pid * E + half)
-    x2 = tl.load(x_ptr + pid * E + E // 2 + half)
-    if HAS_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / E + eps)
-        w1 = tl.load(w_ptr + half).to(tl.float32)
-        w2 = tl.load(w_ptr + E // 2 + half).to(tl.float32)
-        x1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-        x2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype)
-    c1 = tl.load(cos_ptr + token * E + half).to(tl.float32)
-    c2 = tl.load(cos_ptr + token * E + E // 2 + half).to(tl.float32)
-    s1 = tl.load(sin_ptr + token * E + half).to(tl.float32)
-    s2 = tl.load(sin_ptr + token * E + E // 2 + half).to(tl.float32)
-    a1 = (x1.to(tl.float32) * c1).to(x1.dtype).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1).to(x1.dtype).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c2).to(x1.dtype).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s2).to(x1.dtype).to(tl.float32)
-    tl.store(out_ptr + pid * E + half, (a1 + b1).to(x1.dtype))
-    tl.store(out_ptr + pid * E + E // 2 + half, (a2 + b2).to(x1.dtype))
-
-
-def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
-              eps: float = 0.0) -> torch.Tensor:
-    """x: [N, heads, E] contiguous; cos/sin [N, E] (the tokens' rows of the RoPE tables, x's dtype);
-    weight [E] for the q/k RMSNorm first, or None. Returns rope(norm(x)) [N, heads, E]."""
-    n, heads, e = x.shape
-    if not x.is_contiguous() or e & (e - 1) or cos.shape != (n, e) or sin.shape != (n, e):
-        raise ValueError(f"norm_rope: x must be a contiguous [N, heads, E] (E a power of two) and cos/sin [N, E]; "
-                         f"got {list(x.shape)}, {list(cos.shape)}, {list(sin.shape)}")
-    if weight is not None and weight.shape != (e,):
-        raise ValueError(f"norm_rope: weight must be [{e}], got {list(weight.shape)}")
-    out = torch.empty_like(x)
-    norm_rope_kernel[(n * heads,)](x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
-                                   heads, eps, E=e, HAS_NORM=weight is not None)
+    cfg = silu_mul_config(inter)
+    silu_mul_kernel[(triton.cdiv(n, cfg["ROWS"]), triton.cdiv(inter, cfg["BLOCK"]))](
+        gate_up, out, n, INTER=inter, BLOCK=cfg["BLOCK"], ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
+        **COMPILE_OPTIONS)
     return out

@@ -59,13 +59,17 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0) -> list[Nod
             ins = ("x", "beam_pos", "mask_beam", f"prompt_k.{i}", f"prompt_v.{i}",
                    f"suffix_k.{i}", f"suffix_v.{i}")
             outs = ("x", f"suffix_k.{i}", f"suffix_v.{i}")
+        # mlp_out: a layer's MLP output is added to x by the next layer's first norm (or the final
+        # norm), in one kernel with it; the first layer of a forward has nothing pending
+        ins = ins[:1] + ("mlp_out",) + ins[1:] if i > 0 else ins
+        outs = outs[:1] + ("mlp_out",) + outs[1:]
         nodes.append(Node(f"{prefix}layer.{i}", "decoder_layer", ins, outs, attrs))
     return nodes
 
 
 def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]:
     attrs = {"step": step} if step else {}
-    nodes = [Node(f"{prefix}final_norm", "rms_norm", ("x",), ("x",), {**attrs, "weight": "final_norm"})]
+    nodes = [Node(f"{prefix}final_norm", "rms_norm", ("x", "mlp_out"), ("x",), {**attrs, "weight": "final_norm"})]
     if rows:
         nodes.append(Node(f"{prefix}gather_last", "gather_rows", ("x", rows), ("h",), dict(attrs)))
     src = "h" if rows else "x"

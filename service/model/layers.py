@@ -56,40 +56,72 @@ class LayerWeights:
         self.wdown = weights[p + "wdown"]
 
 
-def qkv_projection(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [N, D] -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E].
+def residual_rms_norm(x: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + pending, rms_norm(x + pending)). x: [N, D] the residual stream; pending: the previous
+    layer's MLP output not yet added to it ([N, D]), or None. The add is rounded to the dtype first,
+    as HF's `hidden_states = residual + hidden_states`.
 
-    fused: fused kernels (service.runtime.fused) for the norms, or None for these plain-torch ones."""
-    n, eps = x.shape[0], cfg.rms_norm_eps
-    h = fused.rms_norm(x, w.attn_norm, eps) if fused is not None else rms_norm(x, w.attn_norm, eps)
-    qkv = F.linear(h, w.wqkv, w.bqkv)
+    fused: one kernel for the add and the norm (service.runtime.fused), or None for these torch ops."""
+    if fused is not None:
+        if pending is None:
+            return x, fused.rms_norm(x, weight, eps)
+        h, total = fused.rms_norm_residual(pending, x, weight, eps)
+        return total, h
+    if pending is not None:
+        x = x + pending
+    return x, rms_norm(x, weight, eps)
+
+
+def qkv_projection(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, positions: torch.Tensor, pos_offset: int,
+                   rope_cos: torch.Tensor, rope_sin: torch.Tensor, fused: Any = None,
+                   k_out: torch.Tensor | None = None,
+                   v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h: [N, D] the normed input -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E].
+
+    RoPE at positions + pos_offset ([N] int64) from the model's tables rope_cos/rope_sin [P, E].
+    k_out/v_out: [N, G, E] views (a decode step's suffix slot) that receive k and v, which are then
+    returned; None: fresh tensors. fused: the split, q/k norm (Qwen3), RoPE and v copy in one kernel
+    reading the GEMM's output (service.runtime.fused), or None for these torch ops."""
+    n, eps = h.shape[0], cfg.rms_norm_eps
+    qkv = F.linear(h, w.wqkv, w.bqkv)  # the bias rides in the GEMM's epilogue: one rounding
+    if fused is not None:
+        q_norm, k_norm = (w.q_norm, w.k_norm) if cfg.qk_norm else (None, None)
+        return fused.qkv_rope(qkv, positions, pos_offset, rope_cos, rope_sin, cfg.num_heads, cfg.num_kv_heads, q_norm,
+                              k_norm, eps, k_out, v_out)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     q = q.reshape(n, cfg.num_heads, cfg.head_dim)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    if fused is not None:  # q/k norm (Qwen3) and RoPE in one kernel each
-        q = fused.norm_rope(q.contiguous(), cos, sin, w.q_norm if cfg.qk_norm else None, eps)
-        k = fused.norm_rope(k.contiguous(), cos, sin, w.k_norm if cfg.qk_norm else None, eps)
-        return q, k, v.contiguous()
     if cfg.qk_norm:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+    rows = positions + pos_offset if pos_offset else positions
+    cos, sin = rope_cos.index_select(0, rows), rope_sin.index_select(0, rows)
+    q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+    if k_out is not None:
+        k_out.copy_(k)
+        k = k_out
+    if v_out is not None:
+        v_out.copy_(v)
+        v = v_out
+    return q, k, v
 
 
 def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
-                             fused: Any = None) -> torch.Tensor:
-    """Residual adds around o_proj and the SwiGLU MLP. x: [N, D]; attn: [N, H, E].
+                             fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_proj with its residual add, then the SwiGLU MLP. x: [N, D]; attn: [N, H, E].
 
-    fused: the first residual add + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused)."""
+    Returns (x + o_proj(attn), mlp_out): the MLP's output is not added here; the next layer's first
+    norm (residual_rms_norm) adds it in the same kernel, or the caller does. fused: the residual add
+    + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused)."""
     o = F.linear(attn.reshape(x.shape[0], cfg.q_size), w.wo)
     if fused is not None:
         h, y = fused.rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps)
-        return y + F.linear(fused.silu_mul(F.linear(h, w.wgu)), w.wdown)
+        return y, F.linear(fused.silu_mul(F.linear(h, w.wgu)), w.wdown)
     x = x + o
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
     gate, up = F.linear(h, w.wgu).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.wdown)
+    return x, F.linear(F.silu(gate) * up, w.wdown)
 
 
 def two_part_attention(q: torch.Tensor, k_a: torch.Tensor, v_a: torch.Tensor, mask_a: torch.Tensor,

@@ -1,5 +1,5 @@
 """Which kernels the decoder layers run: "aten" (plain torch / ATen ops, the default) or "triton"
-(the fused Triton kernels of kernels/: RMSNorm, residual add + RMSNorm, q/k norm + RoPE,
+(the fused Triton kernels of kernels/: residual add + RMSNorm, the q/k/v split with q/k norm + RoPE,
 SiLU(gate)*up, one-kernel decode attention).
 
 With "triton" on a GPU both runtimes launch the very same ahead-of-time compiled cubins
@@ -35,11 +35,11 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        from kernels import decode_attention, norm_act
+        from kernels import decode_attention, norm_act, qkv_rope
 
-        self.norm_rope, self.silu_mul = norm_act.norm_rope, norm_act.silu_mul
+        self.silu_mul = norm_act.silu_mul
         self.decode_attention = decode_attention.decode_attention
-        self._rms_norm = norm_act.rms_norm
+        self._rms_norm, self._qkv_rope = norm_act.rms_norm, qkv_rope.qkv_rope
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -47,6 +47,13 @@ class JitKernels:
     def rms_norm_residual(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rms_norm(x, weight, eps, residual=residual)
+
+    def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
+                 sin: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None, eps: float, k_out: torch.Tensor | None = None,
+                 v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, pos_offset,
+                              k_out, v_out)
 
 
 def check_choice(kernels: str) -> None:

@@ -16,7 +16,8 @@ from kernels.attention import attention_bias, biased_attention, masked_attention
 
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
-from ..model.layers import LayerWeights, attention_output_and_mlp, qkv_projection, rms_norm, two_part_attention
+from ..model.layers import (LayerWeights, attention_output_and_mlp, qkv_projection, residual_rms_norm,
+                            two_part_attention)
 
 Env = dict[str, torch.Tensor]
 
@@ -33,9 +34,6 @@ class NodeContext:
     @property
     def scale(self) -> float:
         return self.cfg.head_dim ** -0.5
-
-    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
 
 def _causal_within(pos: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
@@ -75,10 +73,10 @@ def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
 def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     cfg, i, mode = ctx.cfg, node.attrs["layer"], node.attrs["mode"]
     w = ctx.layers[i]
-    x = env["x"]
+    pending = env["mlp_out"] if "mlp_out" in node.inputs else None  # the previous layer's MLP output
+    x, h = residual_rms_norm(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused)
     if mode in ("score", "prefill"):
-        cos, sin = ctx.rope_at(env["positions"])
-        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
+        q, k, v = qkv_projection(cfg, w, h, env["positions"], 0, ctx.rope_cos, ctx.rope_sin, ctx.fused)
         if "attn_bias" in env:  # on CUDA: one fused attention over the batch
             attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
         elif mode == "score":
@@ -89,22 +87,26 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
             env[f"prompt_k.{i}"], env[f"prompt_v.{i}"] = k, v
     else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
         t = node.step
-        cos, sin = ctx.rope_at(env["beam_pos"] + (t - 1))
-        q, k, v = qkv_projection(cfg, w, x, cos, sin, ctx.fused)
         suffix_k, suffix_v = env[f"suffix_k.{i}"], env[f"suffix_v.{i}"]  # [R*B, n-1, G, E]
-        suffix_k[:, t - 1] = k
-        suffix_v[:, t - 1] = v
+        q, _, _ = qkv_projection(cfg, w, h, env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin, ctx.fused,
+                                 k_out=suffix_k[:, t - 1], v_out=suffix_v[:, t - 1])
         if ctx.fused is not None:  # one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
             attn = ctx.fused.decode_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
                                               env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
         else:
             attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
                                       suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
-    env["x"] = attention_output_and_mlp(cfg, w, x, attn, ctx.fused)
+    x, mlp_out = attention_output_and_mlp(cfg, w, x, attn, ctx.fused)
+    if "mlp_out" in node.outputs:  # the next layer's (or the final) norm adds it, in the same kernel
+        env["x"], env["mlp_out"] = x, mlp_out
+    else:  # a DAG without the pending buffer
+        env["x"] = x + mlp_out
 
 
 def rms_norm_node(ctx: NodeContext, node: Node, env: Env) -> None:
-    env[node.outputs[0]] = rms_norm(env[node.inputs[0]], ctx.weights[node.attrs["weight"]], ctx.cfg.rms_norm_eps)
+    pending = env[node.inputs[1]] if len(node.inputs) > 1 else None  # the last layer's MLP output
+    _, env[node.outputs[0]] = residual_rms_norm(env[node.inputs[0]], pending, ctx.weights[node.attrs["weight"]],
+                                                ctx.cfg.rms_norm_eps, ctx.fused)
 
 
 def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:

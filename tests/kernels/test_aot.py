@@ -33,8 +33,9 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     assert manifest["target"] == "sm_90a"
     variants = {k["variant"] for k in manifest["kernels"]}
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
-    assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.bf16",
-                        "norm_rope.e32.norm0.bf16", "norm_rope.e32.norm1.bf16", "decode_attention.h4.g2.e32.bf16"}
+    assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.i384.bf16",
+                        "qkv_rope.h4.g2.e32.norm0.bf16", "qkv_rope.h4.g2.e32.norm1.bf16",
+                        "decode_attention.h4.g2.e32.bf16"}
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()
@@ -59,7 +60,8 @@ def test_a_constexpr_missing_from_the_signature_is_refused(tmp_path: Path) -> No
     from kernels.aot import KernelSpec, compile_kernels
     from kernels.norm_act import silu_mul_kernel
 
-    signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32", "BLOCK": "constexpr"}
-    spec = KernelSpec("bad", silu_mul_kernel, signature, {"BLOCK": 64, "NOPE": 1})
+    signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "num_rows": "i32", "INTER": "constexpr", "BLOCK": "constexpr",
+                 "ROWS": "constexpr"}
+    spec = KernelSpec("bad", silu_mul_kernel, signature, {"INTER": 64, "BLOCK": 64, "ROWS": 1, "NOPE": 1})
     with pytest.raises(ValueError, match=r"constexprs \['NOPE'\] are not constexpr"):
         compile_kernels([spec], tmp_path)

@@ -33,25 +33,64 @@ def kernels(tmp_path_factory: pytest.TempPathFactory):
 
 def test_rms_norm_and_silu_mul(kernels) -> None:
     g = torch.Generator().manual_seed(3)
-    x, r = ((2 * torch.randn(300, 896, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))
+    x, r = ((2 * torch.randn(301, 896, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))  # a partial tile
     w = (1 + 0.3 * torch.randn(896, generator=g)).to("cuda", torch.bfloat16)
     want = rms_norm_ref(x, w, 1e-6)
     assert (kernels.rms_norm(x, w, 1e-6).float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
     out, total = kernels.rms_norm_residual(x, r, w, 1e-6)
     assert torch.equal(total, x + r)
-    gu = (3 * torch.randn(64, 2 * 4864, generator=g)).to("cuda", torch.bfloat16)
+    want = rms_norm_ref(x + r, w, 1e-6)
+    assert (out.float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
+    gu = (3 * torch.randn(67, 2 * 4864, generator=g)).to("cuda", torch.bfloat16)
     gate, up = gu.chunk(2, -1)
     want = F.silu(gate) * up
     assert (kernels.silu_mul(gu).float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
 
 
-def test_norm_rope_equals_torch(kernels) -> None:
+def _qkv_aten(qkv, pos, offset, cos, sin, h, g, norms=None):
+    """The ATen path's ops (service.model.layers) on the q/k/v GEMM output."""
     from service.model.layers import apply_rope
 
+    n, e = qkv.shape[0], cos.shape[1]
+    q, k, v = qkv.split([h * e, g * e, g * e], dim=-1)
+    q, k, v = q.reshape(n, h, e), k.reshape(n, g, e), v.reshape(n, g, e)
+    if norms is not None:
+        q, k = rms_norm_ref(q, norms[0], 1e-6), rms_norm_ref(k, norms[1], 1e-6)
+    c, s = cos.index_select(0, pos + offset), sin.index_select(0, pos + offset)
+    return apply_rope(q, c, s), apply_rope(k, c, s), v.contiguous()
+
+
+def test_qkv_rope_equals_the_aten_path(kernels) -> None:
+    """The split + RoPE + v copy from the C++ launch of the cubin give the ATen path's bytes (no FMA
+    contraction: kernels/__init__.py), at a prefill's and a decode step's positions, into a decode
+    step's suffix slot, and inside a CUDA graph; the q/k-norm variant within the norm's rounding."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(40, 14, 64, generator=g).to("cuda", torch.bfloat16)
-    cos, sin = (torch.randn(40, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-    assert torch.equal(kernels.norm_rope(x, cos, sin, None, 0.0), apply_rope(x, cos, sin))
+    n, h, kv, e = 301, 14, 2, 64  # embedded:qwen2.5-0.5b heads; 301 tokens: a partial tile
+    qkv = (2 * torch.randn(n, (h + 2 * kv) * e, generator=g)).to("cuda", torch.bfloat16)
+    cos, sin = ((2 * torch.rand(600, e, generator=g) - 1).to("cuda", torch.bfloat16) for _ in range(2))
+    pos = torch.randint(0, 590, (n,), generator=g).to("cuda")
+    for offset in (0, 3):
+        got = kernels.qkv_rope(qkv, pos, offset, cos, sin, h, kv, None, None, 1e-6)
+        for a, b in zip(got, _qkv_aten(qkv, pos, offset, cos, sin, h, kv)):
+            assert torch.equal(a, b)
+    suffix_k, suffix_v = (torch.zeros(n, 4, kv, e, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, _, _ = kernels.qkv_rope(qkv, pos, 2, cos, sin, h, kv, None, None, 1e-6, suffix_k[:, 2], suffix_v[:, 2])
+    want = _qkv_aten(qkv, pos, 2, cos, sin, h, kv)
+    assert torch.equal(q, want[0]) and torch.equal(suffix_k[:, 2], want[1]) and torch.equal(suffix_v[:, 2], want[2])
+    assert not suffix_k[:, [0, 1, 3]].any() and not suffix_v[:, [0, 1, 3]].any()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.qkv_rope(qkv, pos, 1, cos, sin, h, kv, None, None, 1e-6)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = kernels.qkv_rope(qkv, pos, 1, cos, sin, h, kv, None, None, 1e-6)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, _qkv_aten(qkv, pos, 1, cos, sin, h, kv)))
+    norms = tuple((1 + 0.3 * torch.randn(e, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))
+    got = kernels.qkv_rope(qkv, pos, 0, cos, sin, h, kv, norms[0], norms[1], 1e-6)
+    for a, b in zip(got, _qkv_aten(qkv, pos, 0, cos, sin, h, kv, norms)):
+        assert (a.float() - b.float()).abs().max() <= 2 * 2 ** -8 * b.float().abs().max()
 
 
 def test_decode_attention_in_a_cuda_graph(kernels) -> None:

@@ -21,7 +21,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 896), (33, 128)])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 896), (33, 128), (9, 1024)])  # ROWS rows a program: tails
 def test_rms_norm_matches_reference(device: str, dtype: torch.dtype, rows: int, dim: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + dim)
     x = (3 * torch.randn(rows, dim, generator=g)).to(device, dtype)
@@ -49,13 +49,13 @@ def test_rms_norm_with_residual_returns_the_sum_too(device: str, dtype: torch.dt
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,inter", [(3, 64), (5, 1100)])
+@pytest.mark.parametrize("rows,inter", [(3, 64), (5, 1100)])  # 1100: a partial column block
 def test_silu_mul_matches_reference(device: str, dtype: torch.dtype, rows: int, inter: int) -> None:
     g = torch.Generator().manual_seed(inter)
     gu = (4 * torch.randn(rows, 2 * inter, generator=g)).to(device, dtype)
     gate, up = gu.chunk(2, dim=-1)
     want = F.silu(gate) * up
-    got = silu_mul(gu, block=256)
+    got = silu_mul(gu)
     assert got.shape == want.shape and got.dtype == dtype
     assert _ulps(got, want) <= (8 if dtype == torch.float32 else 2), _ulps(got, want)
 
@@ -68,34 +68,3 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"\[N, 2I\]"):
         silu_mul(torch.randn(2, 7))
 
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_norm", [False, True])
-def test_norm_rope_matches_reference(device: str, dtype: torch.dtype, with_norm: bool) -> None:
-    from kernels.norm_act import norm_rope
-    from service.model.config import ModelConfig
-    from service.model.layers import apply_rope, rope_table
-
-    g = torch.Generator().manual_seed(17)
-    n, heads, e = 11, 3, 32
-    x = (2 * torch.randn(n, heads, e, generator=g)).to(device, dtype)
-    w = (1 + 0.3 * torch.randn(e, generator=g)).to(device, dtype)
-    cfg = ModelConfig(arch="qwen3", vocab_size=8, hidden_size=heads * e, num_layers=1, num_heads=heads,
-                      num_kv_heads=heads, head_dim=e, intermediate_size=8, rope_theta=10000.0,
-                      rms_norm_eps=1e-6, max_positions=64, tie_word_embeddings=True, attention_bias=False)
-    cos, sin = rope_table(cfg, 64, torch.device(device))
-    pos = torch.randint(0, 64, (n,), generator=g).to(device)
-    cos, sin = cos.to(dtype).index_select(0, pos), sin.to(dtype).index_select(0, pos)
-    normed = rms_norm_ref(x, w, 1e-6) if with_norm else x
-    want = apply_rope(normed, cos, sin)
-    got = norm_rope(x, cos, sin, w if with_norm else None, 1e-6)
-    assert got.shape == want.shape and got.dtype == dtype
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.float().abs().max().item()
-    if dtype == torch.float32:
-        assert err <= 1e-5 * scale, err
-    elif device == "cuda":  # the same roundings as torch's element-wise ops; the norm's sum order differs
-        assert torch.equal(got, want) if not with_norm else err <= 2 * 2 ** -8 * scale, err
-    else:  # Triton's interpreter truncates at each of the ~4 roundings to bf16 (the GPU rounds to nearest)
-        assert err <= 4 * 2 ** -7 * scale, (err, scale)

@@ -318,7 +318,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         procs["slmrank"] = Proc("slmrank", [
             sys.executable, "-m", "service.cli", "serve", "--model", served_model, "--host", "127.0.0.1",
-            "--port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "5",
+            "--port", "0", "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype,
+            "--grace-s", "5",
             "--capture-graphs", args.capture_graphs, "--kernels", args.kernels],
             out / "slmrank_server.log", args.start_timeout_s)
         for name, extra in peers.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -27,10 +28,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .runtime.engine import execute
     from .runtime.factory import make_runtime
     from .runtime.jsonl import format_result, parse_request
+    from .runtime.placement import resolve_placement
     from .runtime.requests import ExecutionError, RequestError
+    from .serving.settings import RUN_SETTINGS, resolve
 
-    artifact = resolve_artifact(args.model, quiet=args.quiet)
-    runtime = make_runtime(args.runtime, artifact, args.device, args.dtype, args.kernels)
+    values = resolve(RUN_SETTINGS, args)
+    placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
+    artifact = resolve_artifact(values["model"], quiet=args.quiet)
+    runtime = make_runtime(placement.runtime, artifact, placement.device, placement.dtype, values["kernels"])
     # split on "\n" only: U+2028 and friends are legal inside JSON strings
     text = Path(args.requests).read_text(encoding="utf-8")
     lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
@@ -63,55 +68,81 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import logging
+    from .observe.logs import announce, configure_logging
+    from .runtime.placement import resolve_placement
+    from .serving.server import load_model, serve
+    from .serving.settings import SERVE_SETTINGS, resolve
 
-    from .serving.server import ServerConfig, load_model, serve
-
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[slmrank] %(message)s")
-    config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
-                          trace_sample_rate=args.trace_sample_rate, trace_slow_ms=args.trace_slow_ms,
-                          otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file)
-    _check_tracing(config)
-    target_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]", "") else args.host
-
-    def announce(line: str) -> None:
-        print(f"[slmrank] {line}", flush=True)
+    # every mistake that can be seen before binding is a ValueError here: one line from main(), exit 2
+    values = resolve(SERVE_SETTINGS, args)
+    config = _server_config(values)
+    placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
+    configure_logging("warning" if args.quiet else values["log_level"], values["log_format"])
+    host = values["host"]
+    target_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
 
     def on_ready(server) -> None:
         target = f"{target_host}:{server.port}"
         tok, vocab = server.model.tokenizer, server.model.artifact.config.vocab_size
+        # the label ids of the example: the first token of " yes" and of " no" (a relevance question)
         labels = [i for w in (" yes", " no") for i in tok.encode(w)[:1] if i < vocab] or [0, 1]
-        announce(f"serving {args.model} ({args.runtime} runtime, {args.device}) on {target}; send a request with:")
-        announce(f"  slmrank client score --target {target} --prefix 'Query: running shoes. Relevant?' "
+        tls = " --tls-ca CA.pem" if config.tls_cert else ""
+        announce(f"serving {values['model']} ({placement.describe()}) on {target}; send a request with:")
+        announce(f"  slmrank client score --target {target}{tls} --prefix 'Query: running shoes. Relevant?' "
                  f"--samples ' Trail runner' ' Garden hose' --labels {' '.join(map(str, labels))}")
-        announce(f"  slmrank client beam --target {target} --prompt 'The best running shoes are' "
+        announce(f"  slmrank client beam --target {target}{tls} --prompt 'The best running shoes are' "
                  "--beam-width 4 --new-tokens 3")
 
     def loader():
-        return load_model(args.model, args.runtime, args.device, args.dtype, kernels=args.kernels, quiet=args.quiet,
-                          capture_graphs=args.capture_graphs == "all")
+        return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
+                          kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all")
 
     return serve(config, loader, announce, on_ready)
 
 
-def _check_tracing(config) -> None:
-    """Bad tracing settings (flags or environment) fail before the model loads, as a usage error."""
+def _server_config(values: dict):
+    """ServerConfig from the resolved settings; the tracing settings are checked here too, so that
+    a mistake is a usage error before the model loads (ValueError: exit 2)."""
     import importlib
+    import logging
 
     from .observe.tracing import OTLP_PACKAGES
+    from .serving.admission import AdmissionConfig
+    from .serving.batcher import BatcherConfig
+    from .serving.server import ServerConfig
+    from .serving.settings import section
 
+    trace = section(values, "trace_")
+    config = ServerConfig(
+        host=values["host"], port=values["port"], grace_s=values["grace_s"],
+        health_host=values["health_host"], health_port=values["health_port"],
+        max_receive_message_bytes=values["max_receive_message_bytes"],
+        max_send_message_bytes=values["max_send_message_bytes"],
+        tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_client_ca=values["tls_client_ca"],
+        admission=AdmissionConfig(**section(values, "admission_")),
+        batcher=BatcherConfig(**section(values, "batcher_"), validate_requests=False),
+        metrics_host=values["metrics_host"], metrics_port=values["metrics_port"],
+        trace_sample_rate=trace["sample_rate"], trace_slow_ms=trace["slow_ms"],
+        trace_max_kept_per_s=trace["max_kept_per_s"], trace_chrome_max_events=trace["chrome_max_events"],
+        otlp_endpoint=values["otlp_endpoint"], trace_file=trace["file"], access_log=values["access_log"])
     tracing = config.tracing()  # ValueError: a value out of range
     if tracing.otlp_endpoint:
         module, package = OTLP_PACKAGES[tracing.otlp_protocol]
         try:
             importlib.import_module(module)
         except ImportError:
-            raise ValueError(f"OTLP export to {tracing.otlp_endpoint} ({tracing.otlp_protocol}) needs the Python "
-                             f"package {package}, which is not installed: pip install {package}") from None
+            message = (f"OTLP export to {tracing.otlp_endpoint} ({tracing.otlp_protocol}) needs the Python package "
+                       f"{package}, which is not installed: pip install {package}")
+            if values["otlp_endpoint"]:  # asked for here: a usage error
+                raise ValueError(message) from None
+            # only the standard OTEL_* environment asks (the OpenTelemetry Operator injects it): serve anyway
+            logging.getLogger("slmrank.tracing").warning("%s; serving without span export", message)
+            config = dataclasses.replace(config, otlp_endpoint="")
     if config.trace_file is not None:
         parent = Path(config.trace_file).resolve().parent
         if not parent.is_dir():
             raise ValueError(f"--trace-file: the directory {parent} does not exist")
+    return config
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -121,9 +152,12 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     from .serving.client import RankerClient, describe_error, parse_ids, to_json
 
-    with RankerClient(args.target, timeout_s=args.timeout) as client:
+    with RankerClient(args.target, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                      tls_key=args.tls_key, tls_server_name=args.tls_server_name) as client:
         try:
-            if args.kind == "score":
+            if args.kind == "info":
+                response = client.model_info()
+            elif args.kind == "score":
                 samples = args.samples or [parse_ids(s) for s in args.sample_ids]
                 prefix = parse_ids(args.prefix_ids) if args.prefix_ids is not None else args.prefix
                 response = client.score(samples, args.labels, prefix, args.priority)
@@ -137,36 +171,22 @@ def _cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="serve Score / BeamSearch over gRPC (health, reflection, graceful drain)")
-    s.add_argument("--model", required=True, help="an artifact directory, an embedded spec or a checkpoint directory")
-    s.add_argument("--port", type=int, default=50051, help="0: any free port (the bound one is printed)")
-    s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--runtime", default="python", choices=["python", "cpp"])
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    s.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
-    s.add_argument("--kernels", default="aten", choices=["aten", "triton"],
-                   help="decoder-layer kernels: aten (default) or the fused Triton kernels (CUDA)")
-    s.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
-                   help="C++ runtime on a GPU: capture every bucket's CUDA graph before SERVING (all), "
-                        "or each one at its first batch (lazy: faster start, slower first requests)")
-    s.add_argument("--grace-s", type=float, default=20.0,
-                   help="SIGTERM/SIGINT: finish in-flight requests for at most this long, then exit")
-    o = s.add_argument_group("observability", "tracing flags override SLMRANK_TRACE_SAMPLE_RATE, "
-                             "SLMRANK_TRACE_SLOW_MS and OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT")
-    o.add_argument("--metrics-port", type=int, default=None,
-                   help="serve GET /metrics (Prometheus) and GET /trace (Chrome trace) on this port; "
-                        "0: any free port (printed); default: not served")
-    o.add_argument("--trace-sample-rate", type=float, default=None,
-                   help="share of the requests that are not slow whose trace is kept (default 0.01)")
-    o.add_argument("--trace-slow-ms", type=float, default=None,
-                   help="a request at least this long is always traced (default 20; 0: every request)")
-    o.add_argument("--otlp-endpoint", default=None,
-                   help="export the kept traces as OpenTelemetry spans over OTLP to this endpoint")
-    o.add_argument("--trace-file", default=None,
-                   help="write the Chrome/Perfetto trace of the kept requests here when the server stops "
-                        "(read it with `slmrank trace FILE`)")
-    s.add_argument("--quiet", action="store_true")
+def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
+    """The settings' flags, only for the command that runs: the registry imports torch (through
+    the batcher), and `slmrank client` / `slmrank trace` start in a fraction of a second."""
+    if parser.prog.split()[-1] != command:
+        return
+    from .serving.settings import RUN_SETTINGS, SERVE_SETTINGS, add_arguments
+
+    add_arguments(parser, SERVE_SETTINGS if command == "serve" else RUN_SETTINGS)
+
+
+def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
+    s = sub.add_parser("serve", help="serve Score / BeamSearch over gRPC (health, reflection, graceful drain)",
+                       description="Every setting below is also an SLMRANK_* environment variable and a key of the "
+                                   "--config file; a flag wins over the variable, the variable over the file.")
+    _add_settings(s, command)
+    s.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
     s.set_defaults(func=_cmd_serve)
 
     c = sub.add_parser("client", help="send one Score or BeamSearch request to a server; prints JSON")
@@ -175,6 +195,12 @@ def _add_serve_parsers(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
     common.add_argument("--priority", default="unspecified", choices=["unspecified", "online", "normal", "background"])
     common.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    common.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA of the server's certificate (PEM)")
+    common.add_argument("--tls-cert", default=None, metavar="FILE", help="mTLS: this client's certificate (PEM)")
+    common.add_argument("--tls-key", default=None, metavar="FILE", help="mTLS: its private key (PEM)")
+    common.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="TLS: check the server's certificate for this name instead of the target's host")
+    kinds.add_parser("info", parents=[common], help="ModelInfo: the model, artifact sha256, runtime, limits, buckets")
     sc = kinds.add_parser("score", parents=[common], help="Score: label log-probs per sample")
     samples = sc.add_mutually_exclusive_group(required=True)
     samples.add_argument("--samples", nargs="+", metavar="TEXT")
@@ -206,6 +232,8 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
     p = argparse.ArgumentParser(prog="slmrank", description="Bounded Score / BeamSearch serving for small Qwen models.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -217,19 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 
-    r = sub.add_parser("run", help="run a JSONL request file through a runtime")
-    r.add_argument("--model", required=True, help="an artifact directory, an embedded spec or a checkpoint directory")
-    r.add_argument("--runtime", default="python", choices=["python", "cpp"],
-                   help="python: the reference, node by node; cpp: the C++ DAG executor (CUDA graphs on a GPU)")
+    r = sub.add_parser("run", help="run a JSONL request file through a runtime",
+                       description="The model settings are also SLMRANK_* environment variables and keys of the "
+                                   "--config file (as for `slmrank serve`).")
     r.add_argument("--requests", required=True, help="input JSONL, one request per line")
     r.add_argument("--out", required=True, help="output JSONL, one result per line, in input order")
-    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    r.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES), help="compute dtype (default: the weights')")
-    r.add_argument("--kernels", default="aten", choices=["aten", "triton"],
-                   help="decoder-layer kernels: aten (default) or the fused Triton kernels (CUDA)")
+    _add_settings(r, command)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_run)
-    _add_serve_parsers(sub)
+    _add_serve_parsers(sub, command)
     _add_trace_parser(sub)
 
     args = p.parse_args(argv)
@@ -237,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, BindError) as e:  # ArtifactError, ConfigError, RequestError: ValueErrors
+    # every start-up mistake is one line and exit 2: ArtifactError, ConfigError, RequestError, SettingsError,
+    # PlacementError and the TLS checks are ValueErrors; a missing or unreadable file an OSError
+    except (OSError, ValueError, BindError) as e:
         print(f"slmrank {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

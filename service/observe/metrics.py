@@ -1,126 +1,56 @@
-"""Prometheus metrics in the text exposition format (0.0.4), written here: no client library.
+"""Prometheus metrics (prometheus_client), served on their own address by a thread of their own.
 
-Two sources. Per request, pushed when a request finishes (`ServerMetrics.observe`, called by
-TracingInterceptor): requests by kind and status code, latency and stage-time histograms by kind,
-DAG node time by node category. Per scrape, read from the scheduler (`stats_source`, normally
-Scheduler.stats): queue depth by lane, batches in flight, batch sizes, bucket occupancy, refused
-and dropped requests by reason, the admission model's τ and ρ. Scraping reads, never resets.
+Three sources, one registry per ServerMetrics:
+- per request, pushed when a request finishes (`ServerMetrics.observe`, on the event loop):
+  requests by kind and status code, latency and stage-time histograms by kind, DAG node time by
+  node category;
+- per scrape, read from the scheduler (`stats_source`, normally Scheduler.stats, called on the
+  event loop when one is attached, since the scheduler's counters are the loop's): queue depth by
+  lane, batches in flight, batch sizes, bucket occupancy, refused and dropped requests by
+  reason, the admission model's τ and ρ;
+- the process: CPU, memory, open files (prometheus_client's process collector), device memory
+  per GPU, build info (versions) and the served model's identity (labels of slmrank_model_info).
+Scraping reads, never resets.
 
-`MetricsServer` answers GET /metrics (and GET /trace: the Chrome trace of the kept requests, when
-given a ChromeTraceWriter) on its own port, on the running event loop.
+`MetricsServer` answers GET /metrics and GET /trace (the Chrome trace of the kept requests) on
+its own port, from one daemon thread: a scrape never waits for the gRPC event loop to be free, and
+a slow or malformed HTTP client costs that thread at most a few seconds, never the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+import http.server
+import importlib
+import logging
+import platform
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from importlib import metadata
 from typing import Any
 
+import prometheus_client
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..runtime.requests import BindError
 from .records import RequestTrace, node_category
 
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.5, 1.0)
 STAGE_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# generate_latest writes the classic text format; our names are plain ASCII, so every Prometheus reads it
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LOOP_READ_TIMEOUT_S = 2.0  # a scrape waits this long for the event loop, then shows the last numbers
 
-Labels = tuple[tuple[str, str], ...]
-
-
-# ---- the exposition format ---------------------------------------------------------------------------
-
-@dataclass
-class Family:
-    """One metric family as exposed: samples are (name suffix, labels, value)."""
-
-    name: str
-    type: str  # counter, gauge, histogram, summary, untyped
-    help: str
-    samples: list[tuple[str, Labels, float]] = field(default_factory=list)
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.type}"]
-        lines += [f"{self.name}{suffix}{_labels(labels)} {_value(v)}" for suffix, labels, v in self.samples]
-        return "\n".join(lines) + "\n"
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels)
-    return "{" + body + "}"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _value(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return str(int(v)) if float(v).is_integer() and abs(v) < 2**53 else repr(float(v))
-
-
-def render(families: Iterable[Family]) -> str:
-    return "".join(f.render() for f in families)
-
-
-# ---- live instruments ----------------------------------------------------------------------------------
-
-class Counter:
-    def __init__(self, name: str, help: str, label_names: Sequence[str] = ()) -> None:
-        self.name, self.help, self.label_names = name, help, tuple(label_names)
-        self._values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, *label_values: str, amount: float = 1.0) -> None:
-        self._values[label_values] = self._values.get(label_values, 0.0) + amount
-
-    def value(self, *label_values: str) -> float:
-        return self._values.get(label_values, 0.0)
-
-    def family(self) -> Family:
-        return Family(self.name, "counter", self.help,
-                      [("", tuple(zip(self.label_names, k)), v) for k, v in sorted(self._values.items())])
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: Sequence[float], label_names: Sequence[str] = ()) -> None:
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"{name}: buckets must be increasing, got {buckets!r}")
-        self.name, self.help, self.label_names = name, help, tuple(label_names)
-        self.buckets = tuple(float(b) for b in buckets)
-        self._series: dict[tuple[str, ...], list[float]] = {}  # per bucket count (not cumulative), +Inf, sum
-
-    def observe(self, value: float, *label_values: str) -> None:
-        s = self._series.get(label_values)
-        if s is None:
-            s = self._series[label_values] = [0.0] * (len(self.buckets) + 2)
-        s[bisect.bisect_left(self.buckets, value)] += 1  # le: value <= bound
-        s[-1] += value
-
-    def family(self) -> Family:
-        f = Family(self.name, "histogram", self.help)
-        for key, s in sorted(self._series.items()):
-            f.samples += histogram_samples(tuple(zip(self.label_names, key)), self.buckets, s[:-1], s[-1])
-        return f
-
-
-def histogram_samples(labels: Labels, bounds: Sequence[float], counts: Sequence[float], total: float
-                      ) -> list[tuple[str, Labels, float]]:
-    """_bucket (cumulative, +Inf last), _sum and _count from per-bucket counts (len(bounds) + 1)."""
-    out, running = [], 0.0
-    for bound, n in zip([*bounds, math.inf], counts):
-        running += n
-        out.append(("_bucket", (*labels, ("le", _value(float(bound)))), running))
-    return out + [("_sum", labels, total), ("_count", labels, running)]
+log = logging.getLogger("slmrank.metrics")
+# No `_created` series: the counters here start with the process, whose start time is exported.
+prometheus_client.disable_created_metrics()
 
 
 # ---- the server's metrics ------------------------------------------------------------------------------
@@ -130,131 +60,286 @@ class ServerMetrics:
 
     def __init__(self, stats_source: Callable[[], dict[str, Any]] | None = None) -> None:
         self.stats_source = stats_source  # Scheduler.stats once the model is loaded
-        self.requests = Counter("slmrank_requests_total", "Finished RPCs by kind and gRPC status code.",
-                                ("kind", "code"))
+        self.loop: asyncio.AbstractEventLoop | None = None  # where stats_source must run (None: the caller's)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("slmrank_requests", "Finished RPCs by kind and gRPC status code.",
+                                ("kind", "code"), registry=r)
         self.latency = Histogram("slmrank_request_latency_seconds",
                                  "End-to-end latency of a request (received -> response serialized), by kind.",
-                                 LATENCY_BUCKETS_S, ("kind",))
+                                 ("kind",), buckets=LATENCY_BUCKETS_S, registry=r)
         self.stage = Histogram("slmrank_request_stage_seconds",
                                "Time of one stage of a request (receive, decode, tokenize, queue, batch, execute, "
-                               "encode, send), by kind and stage.", STAGE_BUCKETS_S, ("kind", "stage"))
-        self.node_seconds = Counter("slmrank_node_seconds_total",
-                                    "Executor time of DAG nodes by node category (device time when measured, "
-                                    "else host time), summed over batches.", ("category", "clock"))
-        self.node_batches = Counter("slmrank_node_batches_total", "Batches whose node times are in "
-                                    "slmrank_node_seconds_total, by graph replay or eager.", ("mode",))
+                               "encode, send), by kind and stage.", ("kind", "stage"), buckets=STAGE_BUCKETS_S,
+                               registry=r)
+        self.node_seconds = Counter("slmrank_node_seconds", "Executor time of DAG nodes by node category (device "
+                                    "time when measured, else host time), summed over batches.",
+                                    ("category", "clock"), registry=r)
+        self.node_batches = Counter("slmrank_node_batches", "Batches whose node times are in "
+                                    "slmrank_node_seconds_total, by graph replay or eager.", ("mode",), registry=r)
+        ProcessCollector(namespace="", registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self._model_labels: dict[str, str] | None = None
+        self._last_stats: dict[str, Any] | None = None
+        r.register(_Callback(self._scheduler_families))
+        r.register(_Callback(self._process_families))
+
+    def set_model(self, info: Any) -> None:
+        """The served model's identity (a ModelInfoResponse) as the labels of slmrank_model_info."""
+        self._model_labels = {"model": info.model, "artifact_sha256": info.artifact_sha256, "arch": info.arch,
+                              "runtime": info.runtime, "device": info.device, "dtype": info.compute_dtype,
+                              "kernels": info.kernels}
 
     def observe(self, trace: RequestTrace) -> None:
         kind = trace.kind
-        self.requests.inc(kind, trace.status)
-        self.latency.observe(trace.latency_ns / 1e9, kind)
+        self.requests.labels(kind, trace.status).inc()
+        self.latency.labels(kind).observe(trace.latency_ns / 1e9)
         for name, start, end in trace.stages:
-            self.stage.observe((end - start) / 1e9, kind, name)
+            self.stage.labels(kind, name).observe((end - start) / 1e9)
         t = trace.timings
         if t is None:
             return
         for name, seconds in (("queue", t.dequeued_s - t.enqueued_s), ("batch", t.batch_start_s - t.dequeued_s),
                               ("execute", t.batch_end_s - t.batch_start_s)):
-            self.stage.observe(seconds, kind, name)
+            self.stage.labels(kind, name).observe(seconds)
         if t.batch_index == 0:  # a batch's node times once, with its first request
             ex = t.executor
-            self.node_batches.inc("graph" if ex.get("graph") else "eager")
+            self.node_batches.labels("graph" if ex.get("graph") else "eager").inc()
             for node, host_ms, device_ms in ex.get("nodes", ()):
                 clock, ms = ("device", device_ms) if device_ms >= 0 else ("host", host_ms)
-                self.node_seconds.inc(node_category(node), clock, amount=ms / 1e3)
-
-    def families(self) -> list[Family]:
-        live = [self.requests.family(), self.latency.family(), self.stage.family(), self.node_seconds.family(),
-                self.node_batches.family()]
-        return live + (scheduler_families(self.stats_source()) if self.stats_source is not None else [])
+                self.node_seconds.labels(node_category(node), clock).inc(ms / 1e3)
 
     def exposition(self) -> str:
-        return render(self.families())
+        return prometheus_client.generate_latest(self.registry).decode()
+
+    def _scheduler_families(self) -> list[Metric]:
+        if self.stats_source is None:
+            return []
+        try:
+            self._last_stats = self.call_on_loop(self.stats_source)
+        except TimeoutError:
+            log.warning("scrape: the event loop did not answer within %.0f s; showing older numbers",
+                        LOOP_READ_TIMEOUT_S)
+        return scheduler_families(self._last_stats) if self._last_stats is not None else []
+
+    def call_on_loop(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the event loop whose state it reads (from the HTTP thread); TimeoutError when
+        the loop does not get to it in time."""
+        loop = self.loop
+        if loop is None or not loop.is_running() or _on_loop(loop):
+            return fn()
+
+        async def call() -> Any:
+            return fn()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(call(), loop).result(LOOP_READ_TIMEOUT_S)
+        except (FutureTimeout, RuntimeError) as e:  # a busy or closing loop
+            raise TimeoutError("the event loop did not answer") from e
+
+    def _process_families(self) -> list[Metric]:
+        out = [_build_info()]
+        if self._model_labels is not None:
+            info = GaugeMetricFamily("slmrank_model_info", "The served model: name, artifact sha256, architecture, "
+                                     "runtime, device, compute dtype, kernels (value 1).",
+                                     labels=list(self._model_labels))
+            info.add_metric(list(self._model_labels.values()), 1)
+            out.append(info)
+        return out + gpu_memory_families()
 
 
-def scheduler_families(stats: dict[str, Any]) -> list[Family]:
-    """Families read from Scheduler.stats() (admission counters, batch sizes, occupancy, model)."""
-    g = [
-        Family("slmrank_queue_depth", "gauge", "Requests queued (admitted, not yet batched), by priority lane.",
-               [("", (("lane", lane),), n) for lane, n in stats["queue_depth"].items()]),
-        Family("slmrank_batches_inflight", "gauge", "Batches handed to the executor and not yet back.",
-               [("", (), stats["inflight"])]),
-        Family("slmrank_admitted_total", "counter", "Requests admitted to a queue, by priority.",
-               [("", (("priority", p),), n) for p, n in stats["admitted_by_priority"].items()]),
-        Family("slmrank_refused_total", "counter", "Requests refused at admission (UNAVAILABLE), by reason.",
-               [("", (("reason", r),), n) for r, n in stats["refused"].items()]),
-        Family("slmrank_dropped_total", "counter", "Admitted requests dropped before they ran, by reason.",
-               [("", (("reason", r),), stats[r]) for r in ("expired", "cancelled", "drained")]),
-        Family("slmrank_batches_total", "counter", "Batches run, by outcome.",
-               [("", (("outcome", "ok"),), stats["batches"] - stats["batches_failed"]),
-                ("", (("outcome", "failed"),), stats["batches_failed"])]),
-    ]
-    sizes: dict[int, int] = stats["batch_sizes"]
-    counts = [0.0] * (len(BATCH_SIZE_BUCKETS) + 1)
-    for size, n in sizes.items():
-        counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, size)] += n
-    g.append(Family("slmrank_batch_size", "histogram", "Whole requests per batch.",
-                    histogram_samples((), BATCH_SIZE_BUCKETS, counts, float(sum(s * n for s, n in sizes.items())))))
-    buckets = stats["buckets"]
-    g.append(Family("slmrank_bucket_occupancy", "gauge", "Mean useful share of a shape bucket: real tokens / "
-                    "bucket tokens (Score), real beams / beam rows (BeamSearch), by bucket.",
-                    [("", (("bucket", k),), b["occupancy_mean"]) for k, b in sorted(buckets.items())]))
-    g.append(Family("slmrank_bucket_batches_total", "counter", "Batches run per shape bucket.",
-                    [("", (("bucket", k),), b["batches"]) for k, b in sorted(buckets.items())]))
-    model = stats.get("model")
-    if model:
-        g.append(Family("slmrank_batch_service_seconds", "gauge", "Admission's measured time per batch (τ, EWMA).",
-                        [("", (), model["tau_s"])]))
-        g.append(Family("slmrank_utilisation", "gauge", "Executor busy share over the admission window (ρ), "
-                        "counting the given priority and above.",
-                        [("", (("priority", p),), v) for p, v in model["rho_by_priority"].items()]))
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+class _Callback(Collector):
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self.fn = fn
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.fn()
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: nothing to check against other collectors at registration
+
+
+def _version() -> str:
+    try:
+        return metadata.version("slmrank")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "unknown"
+
+
+def _build_info() -> Metric:
+    try:
+        core = importlib.import_module("cpp_dag._core")
+        extension = "cuda" if core.build_info()["with_cuda"] else "cpu"
+    except ImportError:
+        extension = "none"
+    g = GaugeMetricFamily("slmrank_build_info", "Versions of slmrank and what it runs on (value 1).",
+                          labels=["version", "python", "torch", "cuda", "extension", "platform"])
+    g.add_metric([_version(), platform.python_version(), torch.__version__, torch.version.cuda or "none", extension,
+                  sys.platform], 1)
     return g
 
 
-# ---- HTTP ----------------------------------------------------------------------------------------------
+def gpu_memory_families() -> list[Metric]:
+    """Device memory per GPU: what torch's allocator holds (allocated, reserved) and what the
+    device has (total, free), when this process has initialised CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    used = GaugeMetricFamily("slmrank_gpu_memory_bytes", "Device memory by GPU and kind: allocated (live "
+                             "tensors), reserved (held by torch's caching allocator), total and free (the device).",
+                             labels=["gpu", "kind"])
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        for kind, value in (("allocated", torch.cuda.memory_allocated(i)), ("reserved", torch.cuda.memory_reserved(i)),
+                            ("total", total), ("free", free)):
+            used.add_metric([str(i), kind], value)
+    return [used]
+
+
+def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
+    """Families read from Scheduler.stats() (admission counters, batch sizes, occupancy, model)."""
+    def gauge(name: str, help: str, label: str | None, values: Iterable[tuple[str, float]]) -> Metric:
+        g = GaugeMetricFamily(name, help, labels=[label] if label else [])
+        for key, v in values:
+            g.add_metric([key] if label else [], v)
+        return g
+
+    def counter(name: str, help: str, label: str, values: Iterable[tuple[str, float]]) -> Metric:
+        c = CounterMetricFamily(name, help, labels=[label])
+        for key, v in values:
+            c.add_metric([key], v)
+        return c
+
+    out = [
+        gauge("slmrank_queue_depth", "Requests queued (admitted, not yet batched), by priority lane.", "lane",
+              stats["queue_depth"].items()),
+        gauge("slmrank_batches_inflight", "Batches handed to the executor and not yet back.", None,
+              [("", stats["inflight"])]),
+        counter("slmrank_admitted", "Requests admitted to a queue, by priority.", "priority",
+                stats["admitted_by_priority"].items()),
+        counter("slmrank_refused", "Requests refused at admission (UNAVAILABLE), by reason.", "reason",
+                stats["refused"].items()),
+        counter("slmrank_dropped", "Admitted requests dropped before they ran, by reason.", "reason",
+                [(r, stats[r]) for r in ("expired", "cancelled", "drained")]),
+        counter("slmrank_batches", "Batches run, by outcome.", "outcome",
+                [("ok", stats["batches"] - stats["batches_failed"]), ("failed", stats["batches_failed"])]),
+    ]
+    sizes: dict[int, int] = stats["batch_sizes"]
+    counts = [0] * (len(BATCH_SIZE_BUCKETS) + 1)
+    for size, n in sizes.items():
+        counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, size)] += n
+    cumulative, running = [], 0
+    for bound, n in zip([*map(str, BATCH_SIZE_BUCKETS), "+Inf"], counts):
+        running += n
+        cumulative.append((bound, running))
+    h = HistogramMetricFamily("slmrank_batch_size", "Whole requests per batch.")
+    h.add_metric([], cumulative, sum_value=float(sum(s * n for s, n in sizes.items())))
+    out.append(h)
+    buckets = stats["buckets"]
+    out.append(gauge("slmrank_bucket_occupancy", "Mean useful share of a shape bucket: real tokens / bucket tokens "
+                     "(Score), real beams / beam rows (BeamSearch), by bucket.", "bucket",
+                     [(k, b["occupancy_mean"]) for k, b in sorted(buckets.items())]))
+    out.append(counter("slmrank_bucket_batches", "Batches run per shape bucket.", "bucket",
+                       [(k, b["batches"]) for k, b in sorted(buckets.items())]))
+    model = stats.get("model")
+    if model:
+        out.append(gauge("slmrank_batch_service_seconds", "Admission's measured time per batch (τ, EWMA).", None,
+                         [("", model["tau_s"])]))
+        out.append(gauge("slmrank_utilisation", "Executor busy share over the admission window (ρ), counting the "
+                         "given priority and above.", "priority", model["rho_by_priority"].items()))
+    return out
+
+
+def render(families: Sequence[Metric]) -> str:
+    """Text exposition of metric families (tests; the server renders its whole registry)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Callback(lambda: families))
+    return prometheus_client.generate_latest(registry).decode()
+
+
+# ---- HTTP, off the event loop --------------------------------------------------------------------------
 
 class MetricsServer:
-    """GET /metrics (and /trace with a Chrome writer) on the running event loop; one request per
-    connection. port 0: any free port (see .port after start)."""
+    """GET /metrics (and /trace with a Chrome writer) from one daemon thread, one request at a
+    time, each bounded by a socket timeout. port 0: any free port (see .port after start)."""
 
-    def __init__(self, metrics: ServerMetrics, host: str = "0.0.0.0", port: int = 9464, chrome: Any = None) -> None:
-        self.metrics, self.host, self.port, self.chrome = metrics, host, port, chrome
-        self._server: asyncio.AbstractServer | None = None
+    def __init__(self, metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 9464, chrome: Any = None,
+                 timeout_s: float = 5.0) -> None:
+        self.metrics, self.host, self.port, self.chrome, self.timeout_s = metrics, host, port, chrome, timeout_s
+        self._httpd: http.server.HTTPServer | None = None
+        self._thread: threading.Thread | None = None
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+    def start(self) -> int:
+        """Binds and starts the thread; raises BindError for a taken port or a bad address."""
+        try:
+            self.metrics.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # no loop here: stats are read on the HTTP thread
+        handler = type("Handler", (_Handler,), {"route": self._route, "timeout": self.timeout_s})
+        try:
+            self._httpd = http.server.HTTPServer((self.host, self.port), handler)
+        except (OSError, OverflowError) as e:
+            raise BindError(f"cannot listen on {self.host}:{self.port} (metrics): "
+                            f"{getattr(e, 'strerror', None) or e}") from e
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="slmrank-metrics", daemon=True)
+        self._thread.start()
         return self.port
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
 
-    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+    def _route(self, path: str) -> tuple[int, str, bytes]:
         path = path.split("?", 1)[0]
-        if method != "GET":
-            return "405 Method Not Allowed", "text/plain", b"only GET\n"
         if path == "/metrics":
-            return "200 OK", CONTENT_TYPE, self.metrics.exposition().encode()
+            return 200, CONTENT_TYPE, self.metrics.exposition().encode()
         if path == "/trace" and self.chrome is not None:
-            return "200 OK", "application/json", self.chrome.dumps().encode()
-        return "404 Not Found", "text/plain", b"try /metrics\n"
+            try:  # the writer is the event loop's; its size is bounded (chrome_max_events)
+                body = self.metrics.call_on_loop(self.chrome.dumps)
+            except TimeoutError:
+                return 503, "text/plain; charset=utf-8", b"the server is too busy to copy its trace; retry\n"
+            return 200, "application/json", body.encode()
+        return 404, "text/plain; charset=utf-8", b"not found: try /metrics or /trace\n"
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Bad request lines get the standard library's 400, without a traceback; errors while
+    answering are one log line and a 500."""
+
+    route: Callable[[str], tuple[int, str, bytes]]
+    protocol_version = "HTTP/1.1"
+    server_version = "slmrank-metrics"
+
+    def do_GET(self) -> None:
         try:
-            request_line = (await asyncio.wait_for(reader.readline(), 5.0)).decode("latin-1").split()
-            while (await asyncio.wait_for(reader.readline(), 5.0)).strip():
-                pass  # headers: nothing in them changes the answer
-            if len(request_line) < 2:
-                status, ctype, body = "400 Bad Request", "text/plain", b"bad request line\n"
-            else:
-                status, ctype, body = self._route(request_line[0], request_line[1])
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                         "Connection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+            status, ctype, body = self.route(self.path)
+        except Exception as e:  # noqa: BLE001 -- one line in the log, a 500 to the client
+            log.error("GET %s failed: %s: %s", self.path, type(e).__name__, e)
+            status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error; see the server log\n"
+        self._answer(status, ctype, body)
+
+    def _method_not_allowed(self) -> None:
+        self._answer(405, "text/plain; charset=utf-8", b"only GET\n")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _method_not_allowed
+
+    def _answer(self, status: int, ctype: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- the standard library's name
+        log.debug("%s %s", self.address_string(), format % args)

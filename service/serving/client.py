@@ -4,15 +4,19 @@
         c.score(["a sample", [9707, 11]], label_ids=[9454, 2753], prefix="Is it relevant? ")
         c.beam("The best running shoes are", beam_width=4, new_tokens=3, priority="online")
 
-A segment is text (tokenized by the server) or a list of token ids.
+A segment is text (tokenized by the server) or a list of token ids. With `tls_ca` the channel is
+TLS (the server's certificate must chain to that CA); with `tls_cert` + `tls_key` as well, the
+client presents its own certificate (mTLS).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
 import numpy as np
+from google.protobuf.json_format import MessageToDict
 
 from .proto_gen import load as load_stubs
 
@@ -21,11 +25,12 @@ SegmentValue = str | Sequence[int]
 
 
 class RankerClient:
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None) -> None:
         stubs = load_stubs()
         self.pb2 = stubs.pb2
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(target)
+        self.channel = channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
         self.stub = stubs.pb2_grpc.RankerStub(self.channel)
 
     def score(self, samples: Sequence[SegmentValue], label_ids: Sequence[int] = (), prefix: SegmentValue | None = None,
@@ -43,6 +48,9 @@ class RankerClient:
                                          new_tokens=new_tokens, priority=PRIORITIES.index(priority))
         return self.stub.BeamSearch(msg, timeout=timeout_s or self.timeout_s)
 
+    def model_info(self, timeout_s: float | None = None) -> Any:
+        return self.stub.ModelInfo(self.pb2.ModelInfoRequest(), timeout=timeout_s or self.timeout_s)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -51,6 +59,24 @@ class RankerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def channel(target: str, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+            tls_server_name: str | None = None) -> grpc.Channel:
+    """Plaintext without tls_ca; TLS with it; mTLS with tls_cert + tls_key too. tls_server_name:
+    the name to check the server's certificate against, when the target's host is not in it."""
+    if tls_ca is None:
+        if tls_cert or tls_key:
+            raise ValueError("--tls-cert / --tls-key (a client certificate) need --tls-ca (the server's CA)")
+        return grpc.insecure_channel(target)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(),
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
+    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def segment(pb2: Any, value: SegmentValue) -> Any:
@@ -70,6 +96,8 @@ def _f32(x: float) -> float:
 
 
 def to_json(response: Any) -> dict[str, Any]:
+    if hasattr(response, "artifact_sha256"):  # ModelInfoResponse
+        return MessageToDict(response, preserving_proto_field_name=True)
     if hasattr(response, "beams"):
         return {"beams": [{"ids": list(b.ids), "logprob": _f32(b.logprob), "text": b.text} for b in response.beams]}
     return {"samples": [{"logprobs": [_f32(x) for x in s.logprobs]} for s in response.samples]}

@@ -8,6 +8,7 @@ the trace with `service.observe.records.current_trace()`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,8 +31,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
     reaches serialization (the client went away) is not counted."""
 
     def __init__(self, tracer: RequestTracer, metrics: ServerMetrics | None = None,
-                 service: str = "slmrank.v1.Ranker") -> None:
+                 service: str = "slmrank.v1.Ranker", access_log: logging.Logger | None = None) -> None:
         self.tracer, self.metrics, self.prefix = tracer, metrics, f"/{service}/"
+        self.access_log = access_log  # one record per finished RPC
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -60,6 +62,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             if trace is None:
                 trace = RequestTrace(kind)
                 bind_trace(trace)
+            if self.access_log is not None:
+                trace.attrs["peer"] = context.peer()
             try:
                 return await behavior(request, context)
             except asyncio.CancelledError:
@@ -91,3 +95,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         self.tracer.finish(trace, status)
         if self.metrics is not None:
             self.metrics.observe(trace)
+        if self.access_log is not None:
+            latency_ms = round(trace.latency_ns / 1e6, 3)
+            self.access_log.info("%s %s %.3f ms", trace.kind, status, latency_ms,
+                                 extra={"method": trace.kind, "code": status, "latency_ms": latency_ms, **trace.attrs})

@@ -32,7 +32,6 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from .admission import AdmissionConfig, Overloaded
 from ..artifact.artifact import Artifact
@@ -47,12 +46,16 @@ from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..observe.records import current_trace
 from ..observe.tracing import RequestTracer, TracingConfig
 from .interceptor import TracingInterceptor
+from .model_info import model_info
+from .reflection import enable_reflection
+from .tls import check_tls_settings, server_credentials
 
 log = logging.getLogger("slmrank.server")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 RANKER = "slmrank.v1.Ranker"
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 @dataclass(frozen=True)
@@ -65,15 +68,26 @@ class ServerConfig:
     admission: AdmissionConfig | None = None
     # the codec has run the engine's validation already: the scheduler need not repeat it
     batcher: BatcherConfig = field(default_factory=lambda: BatcherConfig(validate_requests=False))
+    # a second, plaintext listener with grpc.health.v1 only (kubelet probes: pod IP, no TLS); None: none
+    health_host: str = "0.0.0.0"
+    health_port: int | None = None
+    # TLS on the API port with a certificate and key (PEM files); mTLS with a client CA as well
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     # observability; None: the SLMRANK_TRACE_* / OTEL_EXPORTER_OTLP_* environment, else TracingConfig's default
-    metrics_port: int | None = None  # GET /metrics and /trace on this port (0: any free one); None: not served
+    metrics_host: str = "127.0.0.1"  # GET /metrics and /trace: their own address, off the gRPC event loop
+    metrics_port: int | None = None  # (0: any free one); None: not served
     trace_sample_rate: float | None = None
     trace_slow_ms: float | None = None
-    otlp_endpoint: str | None = None
+    trace_max_kept_per_s: float | None = None
+    trace_chrome_max_events: int | None = None
+    otlp_endpoint: str | None = None  # "": no export, whatever the environment says
     trace_file: str | None = None  # the Chrome trace of the kept requests, written when the server stops
+    access_log: bool = False  # one log record per finished RPC (logger slmrank.access)
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is outside [0, 65535]")
@@ -82,11 +96,13 @@ class ServerConfig:
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
+        check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def tracing(self) -> TracingConfig:
         """The environment's tracing settings, these options over them (raises ValueError)."""
         return TracingConfig.from_env(sample_rate=self.trace_sample_rate, slow_ms=self.trace_slow_ms,
-                                      otlp_endpoint=self.otlp_endpoint)
+                                      max_kept_per_s=self.trace_max_kept_per_s,
+                                      chrome_max_events=self.trace_chrome_max_events, otlp_endpoint=self.otlp_endpoint)
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class Model:
     artifact: Artifact
     runtime: Any  # PythonRuntime | CppRuntime
     tokenizer: Tokenizer
+    spec: str = ""  # what --model said
 
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
@@ -104,7 +121,7 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
     rt = factory.make_runtime(runtime, artifact, device, dtype, kernels)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
-    return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir))
+    return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)
 
 
 class NotServing(Exception):
@@ -179,6 +196,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 class RankerServicer:
     codec: Codec | None = None
     scheduler: Scheduler | None = None
+    info: Any = None  # the ModelInfoResponse, once the model is loaded
     is_draining: bool = False
 
     def _serving(self) -> tuple[Codec, Scheduler]:
@@ -206,6 +224,11 @@ class RankerServicer:
     async def BeamSearch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._handle(request, context, "beam")
 
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.info is None:
+            raise NotServing("the model is still loading; retry shortly")
+        return self.info
+
 
 @dataclass
 class RankerServer:
@@ -220,7 +243,9 @@ class RankerServer:
     tracer: RequestTracer | None = None  # set by start()
     metrics: ServerMetrics | None = None
     metrics_server: MetricsServer | None = None  # with config.metrics_port; .port is the bound one
+    health_port: int | None = None  # the bound health-only port, with config.health_port
     _server: grpc.aio.Server | None = None
+    _health_server: grpc.aio.Server | None = None
     _loading: asyncio.Task | None = None
     _observability_closed: bool = False
 
@@ -230,7 +255,8 @@ class RankerServer:
         self.tracer = RequestTracer(self.config.tracing(), exporter=self.span_exporter)
         self.metrics = ServerMetrics()
         # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
-        interceptors = [TracingInterceptor(self.tracer, self.metrics), self.interceptor]
+        access_log = logging.getLogger("slmrank.access") if self.config.access_log else None
+        interceptors = [TracingInterceptor(self.tracer, self.metrics, access_log=access_log), self.interceptor]
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
             ("grpc.max_send_message_length", self.config.max_send_message_bytes),
@@ -238,19 +264,21 @@ class RankerServer:
             ("grpc.so_reuseport", 0)])
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            [RANKER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self._server)
+        enable_reflection([RANKER, HEALTH], self._server)
         await self._set_health(NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
-            raise BindError(f"cannot listen on {address}: the port is in use or the address is not available") from e
+        credentials = None
+        if self.config.tls_cert and self.config.tls_key:
+            credentials = server_credentials(self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca)
+        self.port = _bind(self._server, self.config.host, self.config.port, credentials)
+        if self.config.health_port is not None:
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = _bind(self._health_server, self.config.health_host, self.config.health_port, None)
+            await self._health_server.start()
         if self.config.metrics_port is not None:
-            self.metrics_server = MetricsServer(self.metrics, self.config.host, self.config.metrics_port,
+            self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
                                                 chrome=self.tracer.chrome)
-            await self.metrics_server.start()  # GET /metrics, GET /trace
+            self.metrics_server.start()  # GET /metrics, GET /trace, on a thread of its own; BindError
         await self._server.start()
         self._loading = asyncio.create_task(self._load())
         return self.port
@@ -262,6 +290,9 @@ class RankerServer:
         await scheduler.start()
         if self.metrics is not None:
             self.metrics.stats_source = scheduler.stats
+        self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime)
+        if self.metrics is not None:
+            self.metrics.set_model(self.servicer.info)
         self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler
         await self._set_health(SERVING)
         log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
@@ -292,6 +323,8 @@ class RankerServer:
         finally:
             if self._server is not None:  # answers sent, then the listener closes
                 await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))
+            if self._health_server is not None:
+                await self._health_server.stop(0)
             if self.servicer.scheduler is not None:
                 await self.servicer.scheduler.close()
             if self.model is not None and hasattr(self.model.runtime, "shutdown"):
@@ -301,7 +334,7 @@ class RankerServer:
     async def _close_observability(self) -> None:
         """The metrics port closes, the exporter flushes, the Chrome trace file is written (once)."""
         if self.metrics_server is not None:
-            await self.metrics_server.close()
+            self.metrics_server.close()
         if self.tracer is None or self._observability_closed:
             return
         self._observability_closed = True
@@ -328,6 +361,16 @@ class RankerServer:
             "tracing": {"finished": tracer.num_finished, "kept": tracer.num_kept,
                         "over_budget": tracer.num_over_budget} if tracer else {},
         }
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+        raise BindError(f"cannot listen on {address}: the port is in use or the address is not available") from e
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
@@ -396,16 +439,23 @@ async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model],
         loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
     announce(f"listening on {config.host}:{port} (health NOT_SERVING until the model is loaded)")
+    if server.health_port is not None:
+        announce(f"health (grpc.health.v1, plaintext) on {config.health_host}:{server.health_port}")
     if server.metrics_server is not None:
-        announce(f"metrics on http://{config.host}:{server.metrics_server.port}/metrics "
+        announce(f"metrics on http://{config.metrics_host}:{server.metrics_server.port}/metrics "
                  "(Chrome trace of the kept requests: /trace)")
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if ready.done() and ready.exception() is not None:
-        log.error("loading the model failed", exc_info=ready.exception())
-        code = 1
+        error = ready.exception()
+        if isinstance(error, (ValueError, OSError)):  # a start-up mistake (the model, its files): one line
+            log.error("cannot load the model: %s", error)
+            code = 2
+        else:
+            log.error("loading the model failed", exc_info=error)
+            code = 1
     elif ready.done() and on_ready is not None:
         on_ready(server)
     if code == 0:

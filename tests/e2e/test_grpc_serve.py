@@ -39,7 +39,7 @@ class Served:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--model", "embedded:tiny", "--host", "127.0.0.1",
-             "--port", "0", "--grace-s", str(GRACE_S)],
+             "--port", "0", "--metrics-port", "0", "--grace-s", str(GRACE_S)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -68,6 +68,17 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         proc.wait()
 
 
+def _samples(text: str) -> dict[tuple[str, frozenset[str]], float]:
+    """{(name, {label="value", ...}): value} of an exposition (labels in any order)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            out[name, frozenset(labels.rstrip("}").split(",")) if labels else frozenset()] = float(value)
+    return out
+
+
 def _get(port: int, path: str) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return r.read().decode()
@@ -85,15 +96,18 @@ def test_metrics_trace_endpoint_trace_file_and_report(served, capsys: pytest.Cap
 
     # grpc.aio's abort sends the status before the tracing interceptor sees it: the count may lag a moment
     end = time.monotonic() + 5
-    while 'code="INVALID_ARGUMENT"} 1' not in (metrics := _get(metrics_port, "/metrics")):
+    invalid = ("slmrank_requests_total", frozenset({'kind="Score"', 'code="INVALID_ARGUMENT"'}))
+    while _samples(metrics := _get(metrics_port, "/metrics")).get(invalid) != 1:
         assert time.monotonic() < end, metrics
         time.sleep(0.01)
+    samples = _samples(metrics)
     for line in ('slmrank_requests_total{kind="Score",code="OK"} 2',
                  'slmrank_requests_total{kind="Score",code="INVALID_ARGUMENT"} 1',
                  'slmrank_requests_total{kind="BeamSearch",code="OK"} 1',
                  'slmrank_request_latency_seconds_count{kind="Score"} 3',
                  'slmrank_queue_depth{lane="ONLINE"} 0', 'slmrank_admitted_total{priority="ONLINE"} 1'):
-        assert line in metrics.splitlines(), line
+        ((key, value),) = _samples(line).items()
+        assert samples.get(key) == value, line
 
     served_trace = json.loads(_get(metrics_port, "/trace"))
     kinds = breakdown(served_trace["traceEvents"])

@@ -65,9 +65,14 @@ class ServerThread(BaseServerThread):
         with urllib.request.urlopen(url, timeout=10) as r:
             return r.read().decode()
 
-def metric_value(text: str, line_start: str) -> float:
-    """The value of the exposition line that starts with `name{labels}`."""
-    (value,) = [ln.rsplit(" ", 1)[1] for ln in text.splitlines() if ln.startswith(line_start + " ")]
+def metric_value(text: str, sample: str) -> float:
+    """The value of the exposition line of `name{labels}` (labels in any order)."""
+    def key(s: str) -> tuple[str, frozenset[str]]:
+        name, _, labels = s.partition("{")
+        return name, frozenset(labels.rstrip("}").split(",")) if labels else frozenset()
+
+    (value,) = [ln.rsplit(" ", 1)[1] for ln in text.splitlines()
+                if not ln.startswith("#") and key(ln.rsplit(" ", 1)[0]) == key(sample)]
     return float(value)
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics: the text exposition parses and shows what was observed (requests by kind
 and code, latency and stage histograms, node time, a real Scheduler's queue, batch and bucket
-numbers), and /metrics answers over HTTP."""
+numbers, the process, build and model identity), and /metrics answers over HTTP from its own
+thread: while the event loop is blocked, for bad requests without a traceback, bounded."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import pytest
 
 from service.serving.admission import Priority
 from service.observe.chrome_trace import ChromeTraceWriter
-from service.observe.metrics import LATENCY_BUCKETS_S, Histogram, MetricsServer, ServerMetrics, scheduler_families
+from service.observe.metrics import LATENCY_BUCKETS_S, MetricsServer, ServerMetrics, render, scheduler_families
+from service.runtime.requests import BindError
 from service.observe.records import Completed, RequestTimings, RequestTrace, build_records
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+ALLOWED_SAMPLES = {"process_cpu_seconds_total"}  # prometheus_client's own family names
 
 
 def parse(text: str) -> dict[str, dict[str, Any]]:
@@ -147,9 +150,21 @@ def test_label_values_are_escaped() -> None:
     assert value_of(fam, "slmrank_requests_total", {"kind": 'we\\"ird\\\\kind\\n', "code": "OK"}) == 1
 
 
-def test_histogram_refuses_unordered_buckets() -> None:
-    with pytest.raises(ValueError):
-        Histogram("x", "y", (0.1, 0.01))
+def test_process_build_and_model_identity() -> None:
+    from service.serving.proto_gen import load as load_stubs
+
+    m = ServerMetrics()
+    pb2 = load_stubs().pb2
+    m.set_model(pb2.ModelInfoResponse(model="embedded:tiny", artifact_sha256="ab" * 32, arch="qwen2", runtime="cpp",
+                                      device="cpu", compute_dtype="float32", kernels="aten"))
+    fam = parse(m.exposition())
+    assert value_of(fam, "process_resident_memory_bytes") > 0
+    assert value_of(fam, "process_start_time_seconds") > 0
+    (_, build, _), = fam["slmrank_build_info"]["samples"]
+    assert build["torch"] and build["python"] and build["extension"] in ("cpu", "cuda", "none")
+    assert value_of(fam, "slmrank_model_info", {"model": "embedded:tiny", "artifact_sha256": "ab" * 32,
+                                                "arch": "qwen2", "runtime": "cpp", "device": "cpu",
+                                                "dtype": "float32", "kernels": "aten"}) == 1
 
 
 async def _run_scheduler(art: Any, runtime: Any) -> dict[str, Any]:
@@ -195,7 +210,7 @@ def test_scheduler_families_count_refusals() -> None:
              "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 0, "drained": 0,
              "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
              "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
-    text = "".join(f.render() for f in scheduler_families(stats))
+    text = render(scheduler_families(stats))
     fam = parse(text)
     assert value_of(fam, "slmrank_queue_depth", {"lane": "BACKGROUND"}) == 7
     assert value_of(fam, "slmrank_refused_total", {"reason": "deadline"}) == 2
@@ -226,7 +241,7 @@ def test_metrics_endpoint_answers() -> None:
         chrome = ChromeTraceWriter()
         chrome.add(build_records(executed(1, 0, graph=True)))
         server = MetricsServer(m, "127.0.0.1", 0, chrome=chrome)
-        port = await server.start()
+        port = server.start()
         try:
             status, headers, body = await _get(port, "/metrics")
             assert status == "HTTP/1.1 200 OK" and headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -238,6 +253,80 @@ def test_metrics_endpoint_answers() -> None:
             assert (await _get(port, "/nope"))[0].endswith("404 Not Found")
             assert (await _get(port, "/metrics", "POST"))[0].endswith("405 Method Not Allowed")
         finally:
-            await server.close()
+            server.close()
 
     asyncio.run(run())
+
+
+def test_scrape_does_not_wait_for_a_blocked_event_loop() -> None:
+    """The HTTP thread answers while the loop is busy; the scheduler's numbers are read on the
+    loop, so they are the last ones seen until the loop is free again."""
+    import urllib.request
+
+    async def run() -> None:
+        calls = []
+        m = ServerMetrics(stats_source=lambda: calls.append(1) or {**REFUSALS, "inflight": len(calls)})
+        server = MetricsServer(m, "127.0.0.1", 0)
+        port = server.start()
+        try:
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+            assert value_of(parse(text.decode()), "slmrank_batches_inflight") == 1
+            t0 = time.monotonic()
+            blocked = [None]
+
+            def scrape() -> None:
+                blocked[0] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+
+            import threading
+            thread = threading.Thread(target=scrape)
+            thread.start()
+            time.sleep(3.0)  # blocks the loop for longer than a scrape waits for it
+            thread.join(30)
+            assert blocked[0] is not None and time.monotonic() - t0 < 10
+            fam = parse(blocked[0].decode())
+            assert value_of(fam, "slmrank_batches_inflight") == 1  # the older numbers
+            assert value_of(fam, "process_resident_memory_bytes") > 0
+        finally:
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_malformed_requests_get_an_error_without_traceback(caplog: pytest.LogCaptureFixture,
+                                                      capfd: pytest.CaptureFixture) -> None:
+    import socket
+
+    m = ServerMetrics()
+    server = MetricsServer(m, "127.0.0.1", 0, timeout_s=1.0)
+    port = server.start()
+    try:
+        for raw in (b"garbage\r\n\r\n", b"GET /metrics HTTP/9.9\r\n\r\n", b"\xff\xfe\x00\r\n\r\n",
+                    b"GET " + b"/x" * 40000 + b" HTTP/1.1\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(raw)
+                answer = sock.recv(65536)
+            # (a one-word request line is HTTP/0.9 to the standard library: an error page without a status line)
+            assert re.search(rb"^HTTP/1\.[01] [45]\d\d |Error code: [45]\d\d", answer), answer[:80]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # says nothing: timed out
+            time.sleep(1.5)
+        status, _, _ = asyncio.run(_get(port, "/metrics"))  # still answering
+        assert status.endswith("200 OK")
+    finally:
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err + caplog.text
+
+
+def test_a_taken_metrics_port_is_a_bind_error() -> None:
+    first = MetricsServer(ServerMetrics(), "127.0.0.1", 0)
+    port = first.start()
+    try:
+        with pytest.raises(BindError, match=f"cannot listen on 127.0.0.1:{port} \\(metrics\\)"):
+            MetricsServer(ServerMetrics(), "127.0.0.1", port).start()
+    finally:
+        first.close()
+
+
+REFUSALS = {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "inflight": 0,
+            "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
+            "refused": {"queue_full": 0, "deadline": 0, "draining": 0}, "expired": 0, "cancelled": 0, "drained": 0,
+            "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}

@@ -1,0 +1,43 @@
+"""The ModelInfo RPC's answer: what a server serves, built once when the model is loaded.
+
+artifact_sha256 is the sha256 of the artifact's manifest, which itself holds the sha256 of the
+weights and of every tokenizer file: two servers with the same value serve the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import metadata
+from typing import Any
+
+from ..artifact.artifact import MANIFEST, Artifact, sha256_file
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("slmrank")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "unknown"
+
+
+def artifact_identity(artifact: Artifact) -> str:
+    return sha256_file(artifact.path / MANIFEST)
+
+
+def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
+    """A ModelInfoResponse; runtime: the PythonRuntime / CppRuntime serving the artifact."""
+    cfg = artifact.config
+    # a runtime stand-in (tests wrap one) may lack these: then the artifact's own dtype, "cpu"
+    dtype = getattr(runtime, "dtype", artifact.weight_dtype)
+    device = getattr(getattr(runtime, "device", None), "type", "cpu")
+    return pb2.ModelInfoResponse(
+        model=spec, source=str(artifact.manifest.get("source", "")), artifact_sha256=artifact_identity(artifact),
+        arch=cfg.arch, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+        num_labels=cfg.num_labels, weights_dtype=str(artifact.manifest["weights"]["dtype"]),
+        compute_dtype=str(dtype).removeprefix("torch."), runtime=runtime.name, device=str(device),
+        kernels=getattr(runtime, "kernels", "aten"),
+        limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),
+        score_buckets=[pb2.ScoreBucket(max_requests=b.max_requests, request_tokens=b.request_tokens,
+                                       max_samples=b.max_samples) for b in artifact.buckets.score],
+        beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
+        server_version=server_version())

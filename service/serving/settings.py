@@ -1,0 +1,263 @@
+"""The one registry of `slmrank serve` / `slmrank run` settings, and where each value comes from.
+
+Every setting has one snake_case name, which is its config-file key; its flag is the name with
+dashes (`--batcher-max-wait-s`) and its environment variable the name upper-cased behind
+SLMRANK_ (`SLMRANK_BATCHER_MAX_WAIT_S`). A value is taken from the first of
+
+    flag  >  SLMRANK_* environment variable  >  config file (TOML, --config / SLMRANK_CONFIG)  >  default
+
+`--help` shows each default and variable. Defaults of the batching, admission and tracing settings
+are those of their layer's frozen config dataclass; the values are validated there when the
+configs are built (ServerConfig, BatcherConfig, AdmissionConfig, TracingConfig).
+Every mistake (an unknown file key, a value of the wrong type, a missing file) is a
+SettingsError: one line, naming the flag, variable or file key, and exit 2 in the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..observe.tracing import TracingConfig
+from .admission import AdmissionConfig
+from .batcher import BatcherConfig
+
+ENV_PREFIX = "SLMRANK_"
+NOT_GIVEN = argparse.SUPPRESS  # a flag's default: absent from the namespace unless given
+OFF = ("off", "none", "")  # an optional setting (a port, a path) turned off from a string
+
+
+class SettingsError(ValueError):
+    """A setting's value (from a flag, the environment or the config file) is unusable."""
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, (bool, float)):
+        raise ValueError("not an integer")
+    return int(value)  # int("5.0") raises too
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("not a number")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("not a string")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("true/false, 1/0, yes/no or on/off")
+
+
+_int.__name__, _float.__name__, _str.__name__, _bool.__name__ = "integer", "number", "string", "boolean"
+PARSERS = {int: _int, float: _float, str: _str, bool: _bool}
+
+
+def _optional(cast: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """cast, or None for "off" / "none" / "" (a port or a path turned off from a string)."""
+    def parse(value: Any) -> Any:
+        return None if isinstance(value, str) and value.strip().lower() in OFF else cast(value)
+    parse.__name__ = cast.__name__
+    return parse
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # config-file key; flag --name-with-dashes; environment SLMRANK_NAME
+    parse: Callable[[Any], Any]  # str (flag, environment) or TOML value -> value
+    default: Any
+    help: str
+    group: str
+    choices: tuple[str, ...] | None = None
+    required: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def convert(self, value: Any, source: str) -> Any:
+        """value from `source` ("--port", "SLMRANK_PORT", "config file F: port") -> the setting's value."""
+        try:
+            converted = self.parse(value)
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"{source}: {value!r} is not a valid {self.parse.__name__} ({e})") from None
+        if self.choices is not None and converted not in self.choices:
+            raise SettingsError(f"{source}: {converted!r} is not one of {', '.join(self.choices)}")
+        return converted
+
+
+def _dataclass_section(config: type, prefix: str, group: str, exclude: tuple[str, ...] = ()) -> list[Setting]:
+    """A setting per field of a layer's config dataclass: its default (one place for it), and the
+    comment on its line as help. Fields without a plain default (None, a factory) are left out."""
+    comments = dict(_FIELD_COMMENT.findall(inspect.getsource(config)))
+    return [Setting(prefix + f.name, PARSERS[type(f.default)], f.default,
+                    comments.get(f.name, f"{config.__name__}.{f.name}"), group)
+            for f in dataclasses.fields(config) if type(f.default) in PARSERS and f.name not in exclude]
+
+
+_FIELD_COMMENT = re.compile(r"^    (\w+): [^=\n]+= [^#\n]+#\s*(.+)$", re.MULTILINE)
+
+MODEL_SETTINGS = (
+    Setting("model", _str, None, "an artifact directory, an embedded spec (embedded:tiny, embedded:qwen2.5-0.5b, "
+            "...) or a local Hugging Face checkpoint directory", "model", required=True),
+    Setting("runtime", _str, "auto", "cpp: the C++ DAG executor (CUDA graphs on a GPU); python: the reference; "
+            "auto: cpp when the extension is installed", "model", ("auto", "cpp", "python")),
+    Setting("device", _str, "auto", "auto: cuda when a GPU is visible, else cpu", "model", ("auto", "cuda", "cpu")),
+    Setting("dtype", _str, "auto", "compute dtype; auto: bfloat16 on a GPU, else the weights'", "model",
+            ("auto", "bfloat16", "float32", "float16")),
+    Setting("kernels", _str, "aten", "decoder-layer kernels: aten, or the fused Triton kernels (CUDA)", "model",
+            ("aten", "triton")),
+)
+
+SERVE_SETTINGS = MODEL_SETTINGS + (
+    Setting("capture_graphs", _str, "all", "C++ runtime on a GPU: capture every bucket's CUDA graph before "
+            "SERVING (all), or each at its first batch (lazy: faster start, slower first requests)", "model",
+            ("all", "lazy")),
+    Setting("host", _str, "0.0.0.0", "address of the gRPC API (127.0.0.1: a sidecar's loopback only)", "server"),
+    Setting("port", _int, 50051, "port of the gRPC API (0: any free port, printed)", "server"),
+    Setting("health_host", _str, "0.0.0.0", "address of the health-only gRPC listener", "server"),
+    Setting("health_port", _optional(_int), None, "a second, plaintext gRPC listener serving grpc.health.v1 only "
+            "(kubelet probes reach the pod IP, and speak no TLS); off: health on the API port only", "server"),
+    Setting("grace_s", _float, 20.0, "SIGTERM/SIGINT: finish in-flight requests for at most this long (seconds), "
+            "then exit", "server"),
+    Setting("max_receive_message_bytes", _int, 1 << 20, "largest request message accepted (bytes)", "server"),
+    Setting("max_send_message_bytes", _int, 4 << 20, "largest response message sent (bytes)", "server"),
+    Setting("tls_cert", _optional(_str), None, "PEM certificate chain of the server: TLS on the API port", "tls"),
+    Setting("tls_key", _optional(_str), None, "PEM private key of --tls-cert", "tls"),
+    Setting("tls_client_ca", _optional(_str), None, "PEM CA bundle: clients must present a certificate it "
+            "signed (mTLS)", "tls"),
+    # validate_requests: the server validates in the codec, before admission
+    *_dataclass_section(BatcherConfig, "batcher_", "batching", exclude=("validate_requests",)),
+    *_dataclass_section(AdmissionConfig, "admission_", "admission"),
+    Setting("metrics_host", _str, "127.0.0.1", "address of GET /metrics (Prometheus) and GET /trace "
+            "(0.0.0.0 to be scraped from outside the pod)", "observability"),
+    Setting("metrics_port", _optional(_int), 9464, "port of /metrics and /trace (0: any free port, printed; "
+            "off: not served)", "observability"),
+    # otlp_*: from the standard OTEL_EXPORTER_OTLP_* variables (and --otlp-endpoint below)
+    *_dataclass_section(TracingConfig, "trace_", "observability", exclude=("otlp_endpoint", "otlp_protocol", "seed")),
+    Setting("trace_file", _optional(_str), None, "write the Chrome/Perfetto trace of the kept requests here when "
+            "the server stops (read it with `slmrank trace FILE`)", "observability"),
+    Setting("otlp_endpoint", _optional(_str), None, "export kept traces as OpenTelemetry spans over OTLP to this "
+            "endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)", "observability"),
+    Setting("log_level", _str, "info", "least severe log record written", "logging",
+            ("debug", "info", "warning", "error")),
+    Setting("log_format", _str, "text", "text: one readable line per record; json: one JSON object per line",
+            "logging", ("text", "json")),
+    Setting("access_log", _bool, False, "one log record per finished RPC (method, code, latency, peer)", "logging"),
+)
+
+RUN_SETTINGS = MODEL_SETTINGS
+
+GROUP_TITLES = {
+    "model": "model and placement",
+    "server": "gRPC server",
+    "tls": "TLS (plaintext unless --tls-cert and --tls-key are given)",
+    "batching": "batching",
+    "admission": "admission (bounded priority lanes, deadline-aware refusal)",
+    "observability": "metrics and tracing (standard OTEL_* variables are honoured too)",
+    "logging": "logging",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: Sequence[Setting], with_config: bool = True) -> None:
+    """One flag per setting, in groups, with the default and the variable in its help. A flag left
+    out is absent from the parsed namespace (resolve() then looks further)."""
+    if with_config:
+        parser.add_argument("--config", default=NOT_GIVEN, metavar="FILE",
+                            help=f"a TOML file of settings, keys as the flags without '--' and with '_' for '-' "
+                                 f"[env {ENV_PREFIX}CONFIG]")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for s in settings:
+        group = groups.get(s.group)
+        if group is None:
+            group = groups[s.group] = parser.add_argument_group(GROUP_TITLES.get(s.group, s.group))
+        default = "required" if s.required else "off" if s.default is None else s.default
+        kw: dict[str, Any] = dict(default=NOT_GIVEN, help=f"{s.help} [default: {default}; env {s.env}]")
+        if s.parse is _bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["metavar"] = "{" + ",".join(s.choices) + "}" if s.choices else _metavar(s)
+        group.add_argument(s.flag, dest=s.name, **kw)
+
+
+def _metavar(s: Setting) -> str:
+    for suffix, metavar in (("_per_s", "N"), ("_s", "SECONDS"), ("_ms", "MS"), ("_port", "PORT"), ("_host", "ADDR"),
+                            ("_bytes", "BYTES"), ("_file", "FILE"), ("_cert", "FILE"), ("_key", "FILE"),
+                            ("_ca", "FILE"), ("_endpoint", "URL")):
+        if s.name.endswith(suffix) or s.name == suffix[1:]:
+            return metavar
+    return {"integer": "N", "number": "X"}.get(s.parse.__name__, "VALUE")
+
+
+def read_config_file(path: str | os.PathLike[str], settings: Iterable[Setting]) -> dict[str, Any]:
+    """{key: value} of a TOML config file; every key must be a setting's name."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path}: not found") from None
+    except OSError as e:
+        raise SettingsError(f"config file {path}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {path}: not valid TOML ({e})") from None
+    known = {s.name for s in (*SERVE_SETTINGS, *settings)}  # one file may serve `serve` and `run`
+    for key in data:
+        if key not in known:
+            raise SettingsError(f"config file {path}: unknown key {key!r} (`slmrank serve --help` lists the settings; "
+                                "keys are the flags without '--', with '_' for '-')")
+    return data
+
+
+def resolve(settings: Sequence[Setting], args: argparse.Namespace,
+            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """{name: value} for every setting: flag > SLMRANK_* environment > config file > default."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    given = vars(args)
+    config_path = given.get("config") or env.get(ENV_PREFIX + "CONFIG") or None
+    from_file = read_config_file(config_path, settings) if config_path else {}
+    values: dict[str, Any] = {}
+    for s in settings:
+        if s.name in given:
+            value = s.convert(given[s.name], s.flag)
+        elif env.get(s.env, "") != "":
+            value = s.convert(env[s.env], s.env)
+        elif s.name in from_file:
+            value = s.convert(from_file[s.name], f"config file {config_path}: {s.name}")
+        elif s.required:
+            raise SettingsError(f"{s.flag} is required (or {s.env}, or `{s.name} = ...` in the config file)")
+        else:
+            value = s.default
+        values[s.name] = value
+    return values
+
+
+def section(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The values whose names start with prefix, without it: section(v, "batcher_") -> BatcherConfig(**...)."""
+    return {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+
+
+__all__ = ["ENV_PREFIX", "GROUP_TITLES", "MODEL_SETTINGS", "RUN_SETTINGS", "SERVE_SETTINGS", "Setting",
+           "SettingsError", "add_arguments", "read_config_file", "resolve", "section"]
+

@@ -1,0 +1,102 @@
+"""Every start-up mistake of `slmrank serve` is one line on stderr and exit status 2, never a
+traceback: settings (missing, malformed, unknown config key, out of range), placement (CUDA
+without a GPU), TLS files, a taken port, a model that does not load. Mistakes seen before the
+server starts run in this process; those seen while it starts or loads run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _one_error_line(stderr: str, expected: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    errors = [ln for ln in stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and expected in errors[0], stderr
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {}, "--model is required"),
+    (["--model", "embedded:tiny"], {"SLMRANK_PORT": "abc"}, "SLMRANK_PORT: 'abc' is not a valid integer"),
+    (["--model", "embedded:tiny", "--config", "/nonexistent/slmrank.toml"], {}, "not found"),
+    (["--model", "embedded:tiny", "--trace-sample-rate", "2"], {}, "sample_rate: must be in [0, 1]"),
+    (["--model", "embedded:tiny", "--trace-file", "/nonexistent/dir/t.json"], {}, "does not exist"),
+    (["--model", "embedded:tiny", "--tls-cert", "server.pem"], {}, "--tls-cert and --tls-key go together"),
+    (["--model", "embedded:tiny", "--port", "70000"], {}, "port: 70000 is outside [0, 65535]"),
+    (["--model", "embedded:tiny", "--batcher-max-inflight", "0"], {}, "batcher.max_inflight: must be an integer >= 1"),
+    (["--model", "embedded:tiny", "--runtime", "java"], {}, "--runtime: 'java' is not one of auto, cpp, python"),
+])
+def test_mistakes_before_start(argv, environ, expected, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("SLMRANK_")]:
+        monkeypatch.delenv(key)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    try:
+        code = cli_main(["serve", *argv])
+    except SystemExit as e:  # argparse exits 2 by itself
+        code = e.code
+    assert code == 2
+    _one_error_line(capsys.readouterr().err, expected)
+
+
+def test_unknown_config_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "slmrank.toml"
+    config.write_text('model = "embedded:tiny"\nmetrics_prot = 1\n')
+    assert cli_main(["serve", "--config", str(config)]) == 2
+    _one_error_line(capsys.readouterr().err, "unknown key 'metrics_prot'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--model", "embedded:tiny", "--device", "cuda"]) == 2
+    _one_error_line(capsys.readouterr().err, "--device cuda: no CUDA GPU is visible here")
+
+
+def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLMRANK_", "OTEL_"))}
+    env.update(SLMRANK_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                           "--metrics-port", "0", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("embedded:nope", "cannot load the model: "),
+    ("/nonexistent/checkpoint", "cannot load the model: "),
+])
+def test_a_model_that_does_not_load(tmp_path: Path, model: str, expected: str) -> None:
+    proc = _serve(tmp_path, "--model", model)
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, expected)
+    assert model.split(":")[-1] in proc.stderr
+
+
+def test_a_taken_metrics_port(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(tmp_path, "--model", "embedded:tiny", "--metrics-port", str(port))
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, f"cannot listen on 127.0.0.1:{port} (metrics)")
+
+
+def test_a_missing_tls_file(tmp_path: Path) -> None:
+    key = tmp_path / "server.key"
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    proc = _serve(tmp_path, "--model", "embedded:tiny", "--tls-cert", str(tmp_path / "missing.pem"),
+                  "--tls-key", str(key))
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, f"--tls-cert: cannot read {tmp_path / 'missing.pem'}")

@@ -62,7 +62,8 @@ class TracingConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TracingConfig:
         """SLMRANK_TRACE_SAMPLE_RATE, _SLOW_MS, _MAX_KEPT_PER_S, _CHROME_MAX_EVENTS and the
-        standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT / _PROTOCOL; keyword overrides win (flags)."""
+        standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT / _PROTOCOL; keyword overrides win (flags).
+        OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn the OTLP export off."""
         env: Mapping[str, str] = os.environ if environ is None else environ
         kw: dict[str, Any] = {}
         for key, name, cast in (("SLMRANK_TRACE_SAMPLE_RATE", "sample_rate", float),
@@ -85,10 +86,35 @@ class TracingConfig:
         if endpoint:
             kw["otlp_endpoint"] = endpoint
         kw.update({k: v for k, v in overrides.items() if v is not None})
+        exporters = {e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporters == {"none"}:
+            kw["otlp_endpoint"] = None
         return cls(**kw)
 
 
 # ---- the tracer: sampling, OTel, Chrome --------------------------------------------------------------
+
+def service_resource() -> Resource:
+    """The spans' resource: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES as the SDK reads them;
+    service.name "slmrank" only where neither names the service."""
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "slmrank"}))
+    return resource
+
+
+def is_sampled(traceparent: str | None) -> bool:
+    """The sampled flag of a W3C traceparent ("00-<trace id>-<parent id>-<flags>")."""
+    if not traceparent:
+        return False
+    parts = traceparent.strip().split("-")
+    if len(parts) < 4 or len(parts[3]) != 2:
+        return False
+    try:
+        return bool(int(parts[3], 16) & 1)
+    except ValueError:
+        return False
+
 
 class RequestTracer:
     """Finishes RequestTraces: the sampling decision, then spans (OTel) and events (Chrome) for the
@@ -106,7 +132,7 @@ class RequestTracer:
         elif exporter is not None:
             processor = SimpleSpanProcessor(exporter)
         if exporter is not None:
-            self._provider = TracerProvider(resource=Resource.create({"service.name": "slmrank"}))
+            self._provider = TracerProvider(resource=service_resource())
             self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer("slmrank") if self._provider else None
         if chrome is None and self.config.chrome_max_events:
@@ -118,9 +144,11 @@ class RequestTracer:
         self._tokens, self._tokens_at = self.config.max_kept_per_s, time.monotonic_ns()  # one second's burst
 
     def sample(self, trace: RequestTrace) -> str | None:
-        """Why the trace is kept ("slow" or "rate"), or None."""
+        """Why the trace is kept ("slow", "parent": the caller sampled it, or "rate"), or None."""
         if trace.latency_ns >= self._slow_ns:
             return "slow"
+        if is_sampled(trace.traceparent):
+            return "parent"
         rate = self.config.sample_rate
         return "rate" if rate > 0 and self._rng.random() < rate else None
 

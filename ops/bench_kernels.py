@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -120,8 +123,258 @@ def bench_decode_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[str
     return [row for name in DECODE_SHAPES for row in _decode_workload(name, dtype)]
 
 
+# --- the decoder layer's element-wise kernels (kernels/norm_act.py, kernels/qkv_rope.py) ----------
+
+HBM_TB_S = 4.8  # the H200's HBM3e peak: the floor of a kernel is its bytes / this
+# workload: (model, hidden, heads, kv heads, head dim, intermediate, layers, rows, q/k norm, decode)
+LAYER_SHAPES = {
+    "W1x8": ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 28, 7680, True, False),  # 8 x 15 samples x 64 tokens
+    "W2x8-decode": ("qwen2.5-0.5b", 896, 14, 2, 64, 4864, 24, 800, False, True),  # 8 x 100 beams, step t = 3
+}
+EPS = 1e-6
+
+
+@triton.jit
+def _old_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # kernels/norm_act.py as of c579ef9: one program per row, n_cols a runtime value
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _old_silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    # as of c579ef9: one row x 1024 columns per program
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * inter + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+@triton.jit
+def _old_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps, E: tl.constexpr,
+                          HAS_NORM: tl.constexpr):
+    # as of c579ef9: one (token, head) row per program, one warp, on a contiguous q or k
+    pid = tl.program_id(0).to(tl.int64)
+    token = pid // heads
+    half = tl.arange(0, E // 2)
+    x1 = tl.load(x_ptr + pid * E + half)
+    x2 = tl.load(x_ptr + pid * E + E // 2 + half)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / E + eps)
+        w1 = tl.load(w_ptr + half).to(tl.float32)
+        w2 = tl.load(w_ptr + E // 2 + half).to(tl.float32)
+        x1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        x2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    c1 = tl.load(cos_ptr + token * E + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * E + E // 2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * E + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * E + E // 2 + half).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c1).to(x1.dtype).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1).to(x1.dtype).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2).to(x1.dtype).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(x1.dtype).to(tl.float32)
+    tl.store(out_ptr + pid * E + half, (a1 + b1).to(x1.dtype))
+    tl.store(out_ptr + pid * E + E // 2 + half, (a2 + b2).to(x1.dtype))
+
+
+def _old_rms_norm(x, w, residual=None):
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    _old_rms_norm_kernel[(x.numel() // d,)](x, residual if residual is not None else x, w, out, total, d, EPS,
+                                            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(d),
+                                            num_warps=4 if d <= 1024 else 8)
+    return (out, total) if residual is not None else out
+
+
+def _old_silu_mul(gu):
+    n, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(n, inter, dtype=gu.dtype, device=gu.device)
+    _old_silu_mul_kernel[(n, triton.cdiv(inter, 1024))](gu, out, inter, BLOCK=1024)
+    return out
+
+
+def _old_norm_rope(x, cos, sin, w):
+    n, heads, e = x.shape
+    out = torch.empty_like(x)
+    _old_norm_rope_kernel[(n * heads,)](x, w if w is not None else x, cos, sin, out, heads, EPS, E=e,
+                                        HAS_NORM=w is not None, num_warps=1)
+    return out
+
+
+def layer_inputs(d: int, h: int, g: int, e: int, inter: int, rows: int, qk_norm: bool, decode: bool,
+                 dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """One layer's element-wise inputs: x and the previous layer's pending MLP output, the GEMMs'
+    outputs (qkv, o_proj, gate/up) as they come, weights, RoPE tables, positions, suffix slots."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape, s=1.0: s * torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
+    num_pos = 2048
+    angles = torch.arange(num_pos, device="cuda")[:, None] * (1e4 ** (-torch.arange(0, e, 2, device="cuda") / e))
+    inp = {"x": rnd(rows, d), "pending": rnd(rows, d, s=0.5), "qkv": rnd(rows, (h + 2 * g) * e, s=2.0),
+           "o": rnd(rows, d, s=0.5), "gu": rnd(rows, 2 * inter, s=2.0), "attn_norm": 1 + rnd(d, s=0.1),
+           "mlp_norm": 1 + rnd(d, s=0.1), "q_norm": 1 + rnd(e, s=0.1) if qk_norm else None,
+           "k_norm": 1 + rnd(e, s=0.1) if qk_norm else None,
+           "cos": torch.cat([angles, angles], -1).cos(), "sin": torch.cat([angles, angles], -1).sin()}
+    inp = {k: v.to(dtype) if v is not None else None for k, v in inp.items()}
+    inp["positions"] = torch.randint(0, num_pos - 8, (rows,), generator=gen, device="cuda")
+    inp.update(h=h, g=g, e=e, step=3 if decode else 0)
+    if decode:  # suffix_k/v [rows, slots, G, E]: step t writes slot t - 1
+        inp["suffix_k"], inp["suffix_v"] = (torch.zeros(rows, 4, g, e, device="cuda", dtype=dtype) for _ in range(2))
+    return inp
+
+
+def _qkv_parts(inp):
+    n, h, g, e = inp["qkv"].shape[0], inp["h"], inp["g"], inp["e"]
+    q, k, v = inp["qkv"].split([h * e, g * e, g * e], dim=-1)
+    return q.reshape(n, h, e), k.reshape(n, g, e), v.reshape(n, g, e)
+
+
+def _rope_rows(inp):
+    t = inp["step"]
+    rows = inp["positions"] + (t - 1) if t else inp["positions"]
+    return inp["cos"].index_select(0, rows), inp["sin"].index_select(0, rows)
+
+
+def layer_aten(inp) -> dict[str, torch.Tensor]:
+    """kernels='aten' around the GEMMs and the attention (service.model.layers' torch ops)."""
+    from service.model.layers import apply_rope, rms_norm
+
+    x = inp["x"] + inp["pending"]  # the previous layer's last residual add
+    h = rms_norm(x, inp["attn_norm"], EPS)
+    q, k, v = _qkv_parts(inp)
+    if inp["q_norm"] is not None:
+        q, k = rms_norm(q, inp["q_norm"], EPS), rms_norm(k, inp["k_norm"], EPS)
+    cos, sin = _rope_rows(inp)
+    q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+    if inp["step"]:
+        inp["suffix_k"][:, inp["step"] - 1] = k
+        inp["suffix_v"][:, inp["step"] - 1] = v
+    y = x + inp["o"]
+    h2 = rms_norm(y, inp["mlp_norm"], EPS)
+    gate, up = inp["gu"].chunk(2, dim=-1)
+    return {"h": h, "q": q, "k": k, "v": v, "y": y, "h2": h2, "act": F.silu(gate) * up}
+
+
+def layer_triton_before(inp) -> dict[str, torch.Tensor]:
+    """kernels='triton' as of c579ef9: RMSNorm kernel, contiguous q/k copies, gathered cos/sin,
+    norm_rope per tensor, v copy, residual add + norm kernel, SiLU*up kernel, the final add in ATen."""
+    x = inp["x"] + inp["pending"]
+    h = _old_rms_norm(x, inp["attn_norm"])
+    q, k, v = _qkv_parts(inp)
+    cos, sin = _rope_rows(inp)
+    q = _old_norm_rope(q.contiguous(), cos, sin, inp["q_norm"])
+    k = _old_norm_rope(k.contiguous(), cos, sin, inp["k_norm"])
+    v = v.contiguous()
+    if inp["step"]:
+        inp["suffix_k"][:, inp["step"] - 1] = k
+        inp["suffix_v"][:, inp["step"] - 1] = v
+    h2, y = _old_rms_norm(inp["o"], inp["mlp_norm"], residual=x)
+    return {"h": h, "q": q, "k": k, "v": v, "y": y, "h2": h2, "act": _old_silu_mul(inp["gu"])}
+
+
+def layer_triton(inp) -> dict[str, torch.Tensor]:
+    """kernels='triton' now: pending add + norm, qkv_rope (k/v into the suffix slot when decoding),
+    residual add + norm, SiLU*up: four launches."""
+    from kernels.norm_act import rms_norm, silu_mul
+    from kernels.qkv_rope import qkv_rope
+
+    h, x = rms_norm(inp["pending"], inp["attn_norm"], EPS, residual=inp["x"])
+    t = inp["step"]
+    slots = {"k_out": inp["suffix_k"][:, t - 1], "v_out": inp["suffix_v"][:, t - 1]} if t else {}
+    q, k, v = qkv_rope(inp["qkv"], inp["positions"], inp["cos"], inp["sin"], inp["h"], inp["g"], inp["q_norm"],
+                       inp["k_norm"], EPS, max(t - 1, 0), **slots)
+    h2, y = rms_norm(inp["o"], inp["mlp_norm"], EPS, residual=x)
+    return {"h": h, "q": q, "k": k, "v": v, "y": y, "h2": h2, "act": silu_mul(inp["gu"])}
+
+
+def _layer_kernels(inp) -> dict[str, tuple[Callable[[], Any], int]]:
+    """Each new kernel alone with the bytes it must move (its floor)."""
+    from kernels.norm_act import rms_norm, silu_mul
+    from kernels.qkv_rope import qkv_rope
+
+    s = inp["x"].element_size()
+    n, d = inp["x"].shape
+    inter = inp["gu"].shape[1] // 2
+    h, g, e, t = inp["h"], inp["g"], inp["e"], inp["step"]
+    slots = {"k_out": inp["suffix_k"][:, t - 1], "v_out": inp["suffix_v"][:, t - 1]} if t else {}
+    qkv_bytes = 2 * n * (h + 2 * g) * e * s + 2 * n * e * s + 8 * n  # read + write; cos/sin rows; positions
+    return {
+        "rms_norm+pending": (lambda: rms_norm(inp["pending"], inp["attn_norm"], EPS, residual=inp["x"]), 4 * n * d * s),
+        "qkv_rope": (lambda: qkv_rope(inp["qkv"], inp["positions"], inp["cos"], inp["sin"], h, g, inp["q_norm"],
+                                      inp["k_norm"], EPS, max(t - 1, 0), **slots), qkv_bytes),
+        "silu_mul": (lambda: silu_mul(inp["gu"]), 3 * n * inter * s),
+    }
+
+
+def _check_layer(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> float:
+    """Largest error relative to each output's magnitude; refuses a variant that is not the layer."""
+    worst = 0.0
+    for name, ref in want.items():
+        err = (got[name].float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-30)
+        if err > 2 ** -5:  # a few bf16 roundings; a mis-wired kernel is off by O(1)
+            raise AssertionError(f"layer {label}: {name} is off the ATen path by {err:.3e} of its scale")
+        worst = max(worst, err)
+    return worst
+
+
+def _layer_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+    model, d, h, g, e, inter, layers, rows, qk_norm, decode = LAYER_SHAPES[name]
+    inp = layer_inputs(d, h, g, e, inter, rows, qk_norm, decode, dtype)
+    want = layer_aten(inp)
+    launches = {"aten": None, "triton_before": 11 + 3 * decode, "triton": 4}  # element-wise launches a layer
+    results = []
+    for label, fn in (("aten", layer_aten), ("triton_before", layer_triton_before), ("triton", layer_triton)):
+        err = _check_layer(fn(inp), want, label)
+        ms = graph_time_ms(lambda fn=fn: fn(inp))
+        row = {"bench": "layer_kernels", "workload": name, "model": model, "variant": label, "dtype": str(dtype),
+               "rows": rows, "launches_per_layer": launches[label], "ms_per_layer": ms, "ms_per_batch": ms * layers,
+               "max_rel_err_vs_aten": err}
+        print(f"layer_kernels {name:11s} {label:14s} {ms * 1e3:8.1f} us/layer  {ms * layers:7.3f} ms/batch "
+              f"({layers} layers)  launches/layer {launches[label] or '-'}  err {err:.1e}", flush=True)
+        results.append(row)
+    for kernel, (fn, nbytes) in _layer_kernels(inp).items():
+        ms = graph_time_ms(fn)
+        floor_ms = nbytes / (HBM_TB_S * 1e12) * 1e3
+        row = {"bench": "layer_kernels", "workload": name, "model": model, "variant": f"kernel:{kernel}",
+               "dtype": str(dtype), "rows": rows, "bytes": nbytes, "ms": ms, "floor_ms": floor_ms,
+               "of_floor": floor_ms / ms, "ms_per_batch": ms * layers}
+        print(f"layer_kernels {name:11s} {kernel:16s} {ms * 1e3:8.1f} us  {nbytes / 1e6:7.1f} MB  floor "
+              f"{floor_ms * 1e3:6.1f} us ({floor_ms / ms:5.1%} of it)  {ms * layers:7.3f} ms/batch", flush=True)
+        results.append(row)
+    return results
+
+
+def bench_layer_kernels(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """A decoder layer's work around its GEMMs and attention, three ways, checked against the ATen
+    path first: "aten" (kernels='aten'), "triton_before" (the Triton path as of c579ef9: 11 element-
+    wise launches a layer, 14 in a decode step) and "triton" (now: 4), per layer and per batch (x
+    layers); then each new kernel alone against its bandwidth floor (bytes / 4.8 TB/s). W1x8: 7,680
+    tokens of qwen3-0.6b (Score); W2x8-decode: 800 beam rows of qwen2.5-0.5b, a decode step.
+    Baseline at b258f99, W1x8 profile: norm_rope 3.4 ms, silu_mul 1.2 ms, 144 other element-wise
+    launches 4.5 ms per batch."""
+    return [row for name in LAYER_SHAPES for row in _layer_workload(name, dtype)]
+
+
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
+    "layer_kernels": bench_layer_kernels,
 }
 
 

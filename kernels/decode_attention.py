@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from . import COMPILE_OPTIONS
 from .attention import masked_attention_ref, rowwise_attention_ref
 from .attention_merge import merge_attention_states_ref
 
@@ -192,7 +193,7 @@ def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Te
     out = torch.empty_like(q)
     decode_attention_kernel[(triton.cdiv(n, consts["BEAMS"]), g)](
         q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, n, suffix_k.shape[1], num_suffix, scale,
-        **consts, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **consts, num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
     return out
 
 

@@ -54,6 +54,11 @@ class CppRuntime:
             self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
         self.last_timings: dict[str, Any] | None = None
 
+    @property
+    def num_lanes(self) -> int:
+        """Batches the executor runs at once (each lane: its own worker thread, stream, graphs)."""
+        return self._executor.num_lanes
+
     @staticmethod
     def _beam_dims(batch: BeamBatch) -> dict[str, int]:
         b = batch.bucket

@@ -1,32 +1,55 @@
-"""Admission control: three bounded priority lanes, and refusal of work that cannot finish in time.
+"""Admission control: bounded priority lanes, fair shares between clients, and refusal of work that
+cannot finish in time — decided at once, from the work actually queued ahead.
 
-A request is refused at once (Overloaded, which the server maps to UNAVAILABLE with a retry hint)
-when its lane is full, when the server is draining, or when its predicted completion misses its
-deadline; it is never run late. The prediction is ServiceTimeModel's: the batches queued ahead of
-it times the measured batch time, plus Kingman's G/G/1 waiting term (DESIGN.md), with every
-quantity measured online.
+A request is refused at once when the server is draining, when its lane is full (requests, or
+predicted seconds of work), when its client already has `max_client_work_s` outstanding, or when
+its predicted completion misses its deadline (Overloaded: UNAVAILABLE with a retry hint, never
+above `max_retry_after_s`). A deadline shorter than the request's own service time on an idle
+executor, or already passed, can never be met: DeadlineUnmeetable (DEADLINE_EXCEEDED, no retry).
+
+The prediction (ServiceTimeModel measures the executor, per bucket):
+
+  own      the request's bucket time when it runs alone
+  share    its share of a batch: its kind's bucket for n requests / n, n the batch that the
+           requests of its kind queued with it would make (1, 2, 4, ...)
+  ahead    executor time owed to the batches in flight + the shares queued in higher lanes +
+           the shares before it in its own lane
+  finish = now + (ahead / parallelism · h + own) · (1 + safety_margin) + response_margin_s
+
+where h stretches a lower lane's wait by the higher lanes' utilisation, 1/(1 − ρ_higher), at
+most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits.
+Nothing is clamped into a queueing formula: the queue ahead is known at admission.
+
+Within a lane, clients (a client-id metadata key, else the peer) are served in start-time fair
+queuing order by cost, in seconds of predicted executor share: a client's request starts its
+virtual time where the client's previous one finished, or where the lane is now, so a light
+client's request goes ahead of a heavy client's backlog. A request only goes ahead of queued
+requests whose deadline slack covers its share (each queued request keeps its slack, less the
+shares that went ahead of it), so admitted work is not made late by later arrivals.
 
 Lanes are served in strict priority (ONLINE, NORMAL, BACKGROUND), except that after `online_burst`
-consecutive picks of ONLINE while a lower lane waits, a lower lane gets one pick (and likewise
-NORMAL over BACKGROUND), so the lower lanes keep a share and never starve. Cancelled and expired
-tickets are dropped before they are taken: they never reach the executor.
+consecutive ONLINE picks while a lower lane waits, a lower lane gets one (likewise NORMAL over
+BACKGROUND). Cancelled and expired tickets are dropped before they are taken: they never reach the
+executor.
 
-Everything here is synchronous and single-threaded (the event loop's thread); time comes from an
-injected clock in seconds, so the policy is tested with a fake one.
+Everything here runs on the event loop's thread; time comes from an injected clock in seconds.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .cost import RequestCost
+from .service_time import ServiceTimeModel
+
 Clock = Callable[[], float]
-RefusalReason = Literal["queue_full", "deadline", "draining"]
+RefusalReason = Literal["queue_full", "client_limit", "deadline", "draining"]
 DropReason = Literal["cancelled", "expired", "drained"]
 
 
@@ -50,227 +73,91 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineExpired(Exception):
+    """The request's deadline passed before it ran; it was never executed (DEADLINE_EXCEEDED)."""
+
+
+class DeadlineUnmeetable(DeadlineExpired):
+    """A deadline no request could meet (already passed, or shorter than the request's own service
+    time on an idle executor): refused at admission; retrying does not help."""
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_queue_online: int = 128  # queued (not yet batched) requests per lane
     max_queue_normal: int = 256
     max_queue_background: int = 512
+    max_lane_work_s: float = 30.0  # predicted executor seconds queued per lane (one request always fits)
+    max_client_work_s: float = 0.0  # per client, queued + in flight (one request always fits); 0: no cap
     online_burst: int = 8  # consecutive ONLINE picks while a lower lane waits, before it gets one
     normal_burst: int = 8  # likewise NORMAL over BACKGROUND
     default_service_s: float = 0.010  # batch time assumed before the first measurement
-    ewma_alpha: float = 0.2  # weight of the newest sample in the batch-time averages
-    cv_alpha: float = 0.05  # weight of the newest sample in the variability (c_a, c_s) estimates
+    service_window: int = 32  # measured batch times kept per bucket
+    service_quantile: float = 0.9  # a bucket's time is this quantile of its window
+    service_ttl_s: float = 60.0  # older measurements give way to interpolation over fresher ones
+    outlier_factor: float = 4.0  # a sample above this x the estimate is recorded capped at it
     safety_margin: float = 0.1  # predicted wait + service is stretched by this fraction
-    rho_max: float = 0.95  # utilisation is clamped here so Kingman's term stays finite
+    response_margin_s: float = 0.002  # unpacking, encoding and sending after the batch
+    max_retry_after_s: float = 2.0  # every retry hint is at most this
+    min_retry_after_s: float = 0.005  # ... and at least this
+    unavailable_retry_s: float = 0.5  # the hint while loading or draining
     utilisation_window_s: float = 2.0  # busy time / wall time over this trailing window
+    max_inflight_rpcs: int = 1024  # Ranker RPCs being handled at once; more: UNAVAILABLE at once
+    client_id_metadata: str = "x-client-id"  # metadata key naming the client; absent: the peer's address
 
     def __post_init__(self) -> None:
-        for name in ("max_queue_online", "max_queue_normal", "max_queue_background", "online_burst", "normal_burst"):
+        for name in ("max_queue_online", "max_queue_normal", "max_queue_background", "online_burst", "normal_burst",
+                     "service_window", "max_inflight_rpcs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"admission.{name}: must be an integer >= 1, got {value!r}")
-        for name in ("default_service_s", "utilisation_window_s"):
+        for name in ("default_service_s", "utilisation_window_s", "max_lane_work_s", "service_ttl_s",
+                     "max_retry_after_s", "min_retry_after_s", "unavailable_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"admission.{name}: must be > 0, got {getattr(self, name)!r}")
-        for name in ("ewma_alpha", "cv_alpha", "rho_max"):
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"admission.{name}: must be in (0, 1), got {getattr(self, name)!r}")
-        if not self.safety_margin >= 0:
-            raise ValueError(f"admission.safety_margin: must be >= 0, got {self.safety_margin!r}")
+        for name in ("safety_margin", "response_margin_s", "max_client_work_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"admission.{name}: must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.service_quantile <= 1:
+            raise ValueError(f"admission.service_quantile: must be in (0, 1], got {self.service_quantile!r}")
+        if not self.outlier_factor >= 1:
+            raise ValueError(f"admission.outlier_factor: must be >= 1, got {self.outlier_factor!r}")
+        if self.min_retry_after_s > self.max_retry_after_s:
+            raise ValueError("admission.min_retry_after_s: must be <= max_retry_after_s")
+        if not self.client_id_metadata or self.client_id_metadata != self.client_id_metadata.lower():
+            raise ValueError(f"admission.client_id_metadata: a lower-case metadata key, got {self.client_id_metadata!r}")
 
     def max_queue(self, priority: Priority) -> int:
         return {Priority.ONLINE: self.max_queue_online, Priority.NORMAL: self.max_queue_normal,
                 Priority.BACKGROUND: self.max_queue_background}[priority]
 
-
-# ---- the queueing model ---------------------------------------------------------------------------
-
-class _EwStats:
-    """Exponentially weighted mean and variance (West, 1979): adapts as the traffic changes."""
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha, self.mean, self.var, self.count = alpha, 0.0, 0.0, 0
-
-    def add(self, x: float) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.mean = x
-            return
-        diff = x - self.mean
-        incr = self.alpha * diff
-        self.mean += incr
-        self.var = (1 - self.alpha) * (self.var + diff * incr)
-
-    def cv2(self, default: float) -> float:
-        """Squared coefficient of variation; `default` until there are a few samples."""
-        if self.count < 3 or self.mean <= 0:
-            return default
-        return self.var / (self.mean * self.mean)
+    def service_model(self, num_lanes: int = 1) -> ServiceTimeModel:
+        return ServiceTimeModel(default_s=self.default_service_s, window=self.service_window,
+                                quantile=self.service_quantile, ttl_s=self.service_ttl_s,
+                                outlier_factor=self.outlier_factor, utilisation_window_s=self.utilisation_window_s,
+                                num_lanes=num_lanes)
 
 
-@dataclass
-class _BusySpan:
-    start: float  # [start, end): executor busy, disjoint from every other span
-    end: float
-    shares: tuple[float, ...]  # [k]: share of the batch's requests of priority k+1 or higher
-
-
-class ServiceTimeModel:
-    """Online measurements of the batch service time and of the load, and the wait they predict.
-
-    τ        the executor's service time per batch as the queue sees it: EWMA of the part of a
-             batch's run not overlapped by an earlier batch (with one batch at a time, its whole
-             run; with two lanes running at once, the gap between completions, 1/throughput)
-    τ_kind   EWMA of a batch's whole run per kind ("score", "beam.n3", ...): a request's own
-             service time once its batch starts
-    c_a²     squared coefficient of variation of request inter-arrival times (EW mean/variance)
-    c_s²     squared coefficient of variation of batch run times (EW mean/variance)
-    ρ        executor busy time / wall time over the trailing window; ρ_k counts only the busy
-             time of requests of priority k or higher (a batch's time is split by its requests)
-
-    predict_wait_s(B, k) = B·τ + ρ_k/(1−ρ_k) · (c_a² + c_s²)/2 · τ,   ρ_k clamped to rho_max
-
-    The first term is the known backlog (B batches ahead in the queue or in flight); the second is
-    Kingman's G/G/1 mean wait, the variability the present queue does not show (arrivals bunching
-    up, long batches). Kingman's W already contains an average backlog, so the sum errs towards
-    refusing, never towards running late. Strict priority makes lower lanes invisible to a higher
-    one, hence ρ_k: a flood of BACKGROUND work does not make ONLINE requests look late. Before
-    three samples, c² is taken as 1 (Poisson arrivals, exponential service: M/M/1).
-    """
-
-    def __init__(self, config: AdmissionConfig, clock: Clock = time.monotonic) -> None:
-        self.config, self.clock = config, clock
-        self._run_by_kind: dict[str, float] = {}
-        self._tau: float | None = None
-        self._batch_requests: float = 1.0  # EWMA of requests per batch
-        self._arrivals = _EwStats(config.cv_alpha)  # inter-arrival gaps
-        self._service = _EwStats(config.cv_alpha)  # batch run times
-        self._last_arrival: float | None = None
-        self._busy_until = -math.inf
-        self._spans: deque[_BusySpan] = deque()  # within the window, oldest first
-        self._busy_s = [0.0] * len(PRIORITIES)  # [k]: Σ (end − start) · shares[k] over _spans
-        self.inflight_batches = 0
-        self.num_batches = 0
-
-    # -- measurements --
-
-    def observe_arrival(self, now: float | None = None) -> None:
-        now = self.clock() if now is None else now
-        if self._last_arrival is not None:
-            self._arrivals.add(max(now - self._last_arrival, 0.0))
-        self._last_arrival = now
-
-    def batch_started(self) -> None:
-        self.inflight_batches += 1
-
-    def batch_finished(self, kind: str, run: tuple[float, float] | None, lanes: dict[Priority, int]) -> None:
-        """A batch left the executor. run: its (start, end) in the clock's seconds; None if it failed."""
-        self.inflight_batches = max(self.inflight_batches - 1, 0)
-        if run is None:
-            return
-        start, end = run
-        exclusive_start = min(max(start, self._busy_until), end)
-        self._busy_until = max(self._busy_until, end)
-        a = self.config.ewma_alpha
-        self._run_by_kind[kind] = _ewma(self._run_by_kind.get(kind), end - start, a)
-        self._tau = _ewma(self._tau, end - exclusive_start, a)
-        num_requests = sum(lanes.values())
-        self._batch_requests = _ewma(self._batch_requests if self.num_batches else None, num_requests, a)
-        self._service.add(end - start)
-        self.num_batches += 1
-        if end > exclusive_start:
-            total = max(num_requests, 1)
-            shares = tuple(sum(n for p, n in lanes.items() if p <= k) / total for k in PRIORITIES)
-            self._add_span(_BusySpan(exclusive_start, end, shares), +1)
-        self._forget(end)
-
-    def _add_span(self, span: _BusySpan, sign: int) -> None:
-        if sign > 0:
-            self._spans.append(span)
-        for k, share in enumerate(span.shares):
-            self._busy_s[k] = max(self._busy_s[k] + sign * (span.end - span.start) * share, 0.0)
-
-    def _forget(self, now: float) -> None:
-        horizon = now - self.config.utilisation_window_s
-        while self._spans and self._spans[0].end <= horizon:
-            self._add_span(self._spans.popleft(), -1)
-
-    # -- estimates --
-
-    @property
-    def tau_s(self) -> float:
-        return self._tau if self._tau is not None else self.config.default_service_s
-
-    def service_s(self, kind: str) -> float:
-        """Predicted run time of a batch of this kind, once it starts."""
-        return self._run_by_kind.get(kind, max(self._run_by_kind.values(), default=self.tau_s))
-
-    @property
-    def mean_batch_requests(self) -> float:
-        return max(self._batch_requests, 1.0)
-
-    @property
-    def ca2(self) -> float:
-        return self._arrivals.cv2(1.0)
-
-    @property
-    def cs2(self) -> float:
-        return self._service.cv2(1.0)
-
-    def utilisation(self, priority: Priority | None = None, now: float | None = None) -> float:
-        """ρ over the trailing window; with a priority, only the busy time of that lane and above."""
-        now = self.clock() if now is None else now
-        self._forget(now)
-        window = self.config.utilisation_window_s
-        k = (priority or Priority.BACKGROUND) - 1
-        busy = self._busy_s[k]
-        for span in self._spans:  # spans are disjoint and in order: only the first few straddle the horizon
-            if span.start >= now - window:
-                break
-            busy -= (now - window - span.start) * span.shares[k]
-        return min(max(busy, 0.0) / window, 1.0)
-
-    def kingman_wait_s(self, priority: Priority | None = None, now: float | None = None) -> float:
-        rho = min(self.utilisation(priority, now), self.config.rho_max)
-        return rho / (1 - rho) * (self.ca2 + self.cs2) / 2 * self.tau_s
-
-    def predict_wait_s(self, queue_ahead: float, priority: Priority | None = None, now: float | None = None) -> float:
-        """Predicted time before a new request's batch starts; queue_ahead in batches."""
-        return queue_ahead * self.tau_s + self.kingman_wait_s(priority, now)
-
-    def snapshot(self, now: float | None = None) -> dict[str, Any]:
-        now = self.clock() if now is None else now
-        return {
-            "tau_s": self.tau_s,
-            "run_s_by_kind": dict(self._run_by_kind),
-            "mean_batch_requests": self.mean_batch_requests,
-            "ca2": self.ca2,
-            "cs2": self.cs2,
-            "rho": self.utilisation(None, now),
-            "rho_by_priority": {p.name: self.utilisation(p, now) for p in Priority},
-            "kingman_wait_s": self.kingman_wait_s(None, now),
-            "inflight_batches": self.inflight_batches,
-            "batches_observed": self.num_batches,
-        }
-
-
-def _ewma(old: float | None, x: float, alpha: float) -> float:
-    return x if old is None else old + alpha * (x - old)
-
-
-# ---- tickets and lanes ----------------------------------------------------------------------------
+# ---- tickets ----------------------------------------------------------------------------------------
 
 @dataclass(eq=False)
 class Ticket:
-    """One queued request. `kind` names its batching group and service-time class."""
+    """One queued request. `kind` names its batching group; `cost` its buckets (None: priced as
+    one default batch)."""
 
     payload: Any
     kind: str
     priority: Priority = Priority.NORMAL
     deadline: float | None = None  # absolute, in the clock's seconds
     future: Any = None  # an asyncio.Future the scheduler resolves; a cancelled one drops the ticket
+    client: str = ""
+    cost: RequestCost | None = None
     enqueued: float = 0.0
-    state: Literal["new", "queued", "taken", "dropped"] = "new"
+    state: Literal["new", "queued", "taken", "dropped", "done"] = "new"
+    own_s: float = 0.0  # predicted run time of its bucket alone
+    work_s: float = 0.0  # its predicted share of the executor (what it counts in queues and for its client)
+    slack_s: float = math.inf  # deadline − predicted finish, less the shares admitted ahead of it since
+    tag: float = 0.0  # start-time fair queuing: its virtual start in its lane
 
     def is_expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -280,61 +167,204 @@ class Ticket:
         return self.future is not None and self.future.done()
 
 
-class AdmissionController:
-    """Three bounded FIFO lanes with deadline-aware admission and a starvation-free pick order.
+class _Lane:
+    """One priority's queue, in start-time fair queuing order; running totals for admission."""
 
-    on_drop(ticket, reason) is called for every ticket dropped while queued ("expired",
-    "cancelled" or "drained"), so its owner can answer the waiting caller.
-    """
+    def __init__(self) -> None:
+        self.tickets: list[Ticket] = []  # by tag, FIFO among equal tags
+        self.tags: list[float] = []  # their tags, for bisect
+        self.vtime = 0.0  # the tag of the last ticket taken
+        self.finish: dict[str, float] = {}  # client -> virtual finish of its last queued ticket
+        self.work_s = 0.0
+        self.kinds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tickets)
+
+    def insert(self, ticket: Ticket, index: int) -> None:
+        self.tickets.insert(index, ticket)
+        self.tags.insert(index, ticket.tag)
+        self.work_s += ticket.work_s
+        self.kinds[ticket.kind] = self.kinds.get(ticket.kind, 0) + 1
+        self.finish[ticket.client] = max(self.finish.get(ticket.client, 0.0), ticket.tag + ticket.work_s)
+
+    def discard(self, gone: set[int]) -> None:
+        """Removes the tickets whose id() is in gone."""
+        kept = [t for t in self.tickets if id(t) not in gone]
+        for t in self.tickets:
+            if id(t) in gone:
+                self.work_s -= t.work_s
+                self.kinds[t.kind] -= 1
+        self.tickets, self.tags = kept, [t.tag for t in kept]
+        if not kept:
+            self.work_s = 0.0  # no float drift left behind
+        queued = {t.client for t in kept}
+        for client in [c for c, f in self.finish.items() if c not in queued and f <= self.vtime]:
+            del self.finish[client]  # its virtual time is behind the lane's: it starts from the lane's
+
+
+# ---- the controller ---------------------------------------------------------------------------------
+
+class AdmissionController:
+    """on_drop(ticket, reason) is called for every ticket dropped while queued ("expired",
+    "cancelled" or "drained"), so its owner can answer the waiting caller."""
 
     def __init__(self, config: AdmissionConfig | None = None, model: ServiceTimeModel | None = None,
                  clock: Clock = time.monotonic, on_drop: Callable[[Ticket, DropReason], None] | None = None) -> None:
         self.config = config or AdmissionConfig()
         self.clock = clock
-        self.model = model or ServiceTimeModel(self.config, clock)
+        self.model = model or self.config.service_model()
         self.on_drop = on_drop
-        self._lanes: dict[Priority, deque[Ticket]] = {p: deque() for p in PRIORITIES}
+        self._lanes: dict[Priority, _Lane] = {p: _Lane() for p in PRIORITIES}
         self._max_queue = {p: self.config.max_queue(p) for p in PRIORITIES}
-        self._streak: dict[Priority, int] = {p: 0 for p in Priority}  # consecutive picks while a lower lane waited
+        self._streak: dict[Priority, int] = {p: 0 for p in PRIORITIES}  # consecutive picks while a lower lane waited
+        self._client_work: dict[str, float] = {}  # queued + in flight
+        self._client_count: dict[str, int] = {}
         self.is_draining = False
-        self._admitted = {p: 0 for p in Priority}
-        self._refused: dict[str, int] = {"queue_full": 0, "deadline": 0, "draining": 0}
+        self._admitted = {p: 0 for p in PRIORITIES}
+        self._refused: dict[str, int] = {"queue_full": 0, "client_limit": 0, "deadline": 0, "draining": 0,
+                                         "impossible": 0}
         self._dropped: dict[str, int] = {"expired": 0, "cancelled": 0, "drained": 0}
         self._taken = 0
 
     # -- admission --
 
     def admit(self, ticket: Ticket) -> None:
-        """Queues the ticket, or raises Overloaded (lane full, draining, or it would finish late)."""
+        """Queues the ticket, or raises Overloaded / DeadlineUnmeetable."""
         now = self.clock()
-        lane = self._lanes[ticket.priority]
+        cfg, lane = self.config, self._lanes[ticket.priority]
         if self.is_draining:
-            self._refuse("draining", 0.0, "the server is draining; send to another replica")
-        if len(lane) >= self._max_queue[ticket.priority]:
-            retry = len(lane) / self.model.mean_batch_requests * self.model.tau_s
-            self._refuse("queue_full", retry, f"{ticket.priority.name} lane holds {len(lane)} requests")
+            self._refuse("draining", cfg.unavailable_retry_s, "the server is draining; send to another replica")
+        ticket.own_s = own_s = self._bucket_s(ticket, 1, now)
         if ticket.deadline is not None:
-            finish = now + self.predict_latency_s(ticket, now)
+            self._check_meetable(ticket, own_s, now)
+        if len(lane) >= self._max_queue[ticket.priority]:
+            self._refuse("queue_full", self._drain_time_s(lane.work_s / len(lane), now),
+                         f"{ticket.priority.name} lane holds {len(lane)} requests")
+        ticket.work_s = work_s = self._share_s(ticket, now)
+        if lane.tickets and lane.work_s + work_s > cfg.max_lane_work_s:
+            self._refuse("queue_full", self._drain_time_s(lane.work_s + work_s - cfg.max_lane_work_s, now),
+                         f"{ticket.priority.name} lane holds {lane.work_s:.3f} s of work (at most "
+                         f"{cfg.max_lane_work_s:g} s)")
+        client_s = self._client_work.get(ticket.client, 0.0)
+        if cfg.max_client_work_s and client_s > 0 and client_s + work_s > cfg.max_client_work_s:
+            self._refuse("client_limit", self._drain_time_s(client_s + work_s - cfg.max_client_work_s, now),
+                         f"client {ticket.client!r} has {client_s:.3f} s of work outstanding (at most "
+                         f"{cfg.max_client_work_s:g} s)")
+        index, tag = self._place(lane, ticket)
+        if ticket.deadline is not None:
+            ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
+            finish = now + self._predict_s(ticket.priority, ahead_s, own_s, now)
             if finish > ticket.deadline:
-                retry = max(finish - ticket.deadline, self.model.tau_s)
-                self._refuse("deadline", retry, f"predicted completion in {finish - now:.4f} s misses the "
-                                                f"deadline in {ticket.deadline - now:.4f} s")
-        ticket.enqueued, ticket.state = now, "queued"
-        lane.append(ticket)
+                self._refuse("deadline", self._hint(finish - ticket.deadline),
+                             f"predicted completion in {finish - now:.4f} s misses the deadline in "
+                             f"{ticket.deadline - now:.4f} s")
+            ticket.slack_s = ticket.deadline - finish
+        for t in lane.tickets[index:]:  # they now wait for this one's share too
+            t.slack_s -= work_s * (1 + cfg.safety_margin)
+        ticket.tag, ticket.enqueued, ticket.state = tag, now, "queued"
+        lane.insert(ticket, index)
+        self._client_work[ticket.client] = client_s + work_s
+        self._client_count[ticket.client] = self._client_count.get(ticket.client, 0) + 1
         self._admitted[ticket.priority] += 1
-        self.model.observe_arrival(now)
+
+    def _check_meetable(self, ticket: Ticket, own_s: float, now: float) -> None:
+        cfg = self.config
+        left_s = ticket.deadline - now
+        if left_s <= 0:
+            self._refused["impossible"] += 1
+            raise DeadlineUnmeetable(f"the deadline passed {-left_s:.4f} s before the request was admitted")
+        need_s = own_s * (1 + cfg.safety_margin) + cfg.response_margin_s
+        if self.model.num_batches and left_s < need_s:  # measured, not the assumed default
+            self._refused["impossible"] += 1
+            raise DeadlineUnmeetable(f"the deadline in {left_s:.4f} s is shorter than this request's own "
+                                     f"service time ({need_s:.4f} s on an idle server); no retry can meet it")
+
+    def _place(self, lane: _Lane, ticket: Ticket) -> tuple[int, float]:
+        """Start-time fair queuing: the index and tag of a new ticket in its lane. It does not go
+        ahead of a queued ticket whose slack would not cover its share."""
+        tag = max(lane.vtime, lane.finish.get(ticket.client, 0.0))
+        index = bisect.bisect_right(lane.tags, tag)
+        if index == len(lane):
+            return index, tag
+        need_s = ticket.work_s * (1 + self.config.safety_margin)
+        for i in range(len(lane) - 1, index - 1, -1):  # the last queued ticket it must not pass
+            if lane.tickets[i].slack_s < need_s:
+                return i + 1, max(tag, lane.tickets[i].tag)
+        return index, tag
+
+    def _predict_s(self, priority: Priority, lane_ahead_s: float, own_s: float, now: float) -> float:
+        """Seconds from now to the predicted completion of a request with lane_ahead_s queued before
+        it in its own lane."""
+        cfg, model = self.config, self.model
+        ahead_s = model.inflight_remaining_s(now) + lane_ahead_s
+        ahead_s += sum(self._lanes[p].work_s for p in PRIORITIES if p < priority)
+        wait_s = ahead_s / model.parallelism(now) * self._stretch(priority, now)
+        return (wait_s + own_s) * (1 + cfg.safety_margin) + cfg.response_margin_s
+
+    def _stretch(self, priority: Priority, now: float) -> float:
+        """How much the lanes around it stretch a lane's wait: work arriving in higher lanes
+        (utilisation ρ_higher: 1/(1 − ρ), at most what the burst share allows) and the picks a
+        waiting lower lane gets."""
+        factor = 1.0
+        if priority > Priority.ONLINE:
+            burst = self._burst(Priority(priority - 1))
+            rho = min(self.model.utilisation(priority - 1, now), 1 - 1 / (burst + 1))
+            factor /= 1 - rho
+        if priority < Priority.BACKGROUND and any(self._lanes[p] for p in PRIORITIES if p > priority):
+            factor *= 1 + 1 / self._burst(priority)
+        return factor
 
     def predict_latency_s(self, ticket: Ticket, now: float | None = None) -> float:
-        """Queue wait + own batch time, stretched by the safety margin."""
+        """Admission's prediction for this ticket if it came now, at the end of its lane."""
         now = self.clock() if now is None else now
-        ahead = sum(len(self._lanes[p]) for p in PRIORITIES if p <= ticket.priority)
-        batches_ahead = math.ceil(ahead / self.model.mean_batch_requests) + self.model.inflight_batches
-        wait = self.model.predict_wait_s(batches_ahead, ticket.priority, now)
-        return (wait + self.model.service_s(ticket.kind)) * (1 + self.config.safety_margin)
+        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, self._bucket_s(ticket, 1, now),
+                               now)
+
+    # -- costs --
+
+    def _bucket_s(self, ticket: Ticket, n: int, now: float) -> float:
+        """The time of the bucket that n requests like this one fill (n = 1, 2, 4, ...)."""
+        if ticket.cost is None:
+            return self.config.default_service_s
+        packings = ticket.cost.packings
+        _, info = packings[min(n.bit_length() - 1, len(packings) - 1)]
+        return self.model.bucket_s(info, now)
+
+    def _share_s(self, ticket: Ticket, now: float) -> float:
+        """Its share of the batch that the requests of its kind queued with it would make."""
+        if ticket.cost is None:
+            return self.config.default_service_s
+        same = 1 + sum(self._lanes[p].kinds.get(ticket.kind, 0) for p in PRIORITIES if p <= ticket.priority)
+        best = ticket.own_s
+        for n, info in ticket.cost.packings[1:]:
+            if n > same:
+                break
+            best = min(best, self.model.bucket_s(info, now) / n)
+        return best
+
+    def _drain_time_s(self, excess_s: float, now: float) -> float:
+        """A retry hint: how long the executor takes to work off excess_s of queued shares."""
+        return self._hint(excess_s / self.model.parallelism(now))
+
+    def _hint(self, seconds: float) -> float:
+        cfg = self.config
+        return min(max(seconds, cfg.min_retry_after_s), cfg.max_retry_after_s)
+
+    def unavailable_hint_s(self) -> float:
+        """The retry hint of a server that is loading or draining."""
+        return self._hint(self.config.unavailable_retry_s)
+
+    def backlog_hint_s(self) -> float:
+        """A retry hint for work refused before admission (too many RPCs at once): the time to work
+        off what is queued and in flight now."""
+        now = self.clock()
+        queued = sum(lane.work_s for lane in self._lanes.values())
+        return self._hint((self.model.inflight_remaining_s(now) + queued) / self.model.parallelism(now))
 
     def _refuse(self, reason: RefusalReason, retry_after_s: float, detail: str) -> None:
         self._refused[reason] += 1
-        raise Overloaded(reason, retry_after_s, detail)
+        raise Overloaded(reason, self._hint(retry_after_s), detail)
 
     def start_draining(self) -> None:
         """From now on every admit() is refused ("draining"); queued tickets are still taken."""
@@ -347,29 +377,40 @@ class AdmissionController:
         out. False if it was not queued (already taken into a batch, or dropped)."""
         if ticket.state != "queued":
             return False
-        self._lanes[ticket.priority].remove(ticket)
+        self._lanes[ticket.priority].discard({id(ticket)})
         self._drop(ticket, reason)
         return True
 
     def _drop(self, ticket: Ticket, reason: DropReason) -> None:
         ticket.state = "dropped"
+        self._release_client(ticket)
         self._dropped[reason] += 1
         if self.on_drop is not None:
             self.on_drop(ticket, reason)
 
+    def _release_client(self, ticket: Ticket) -> None:
+        client = ticket.client
+        left = self._client_count.get(client, 0) - 1
+        if left <= 0:
+            self._client_count.pop(client, None)
+            self._client_work.pop(client, None)
+        else:
+            self._client_count[client] = left
+            self._client_work[client] = max(self._client_work[client] - ticket.work_s, 0.0)
+
     def _purge(self, now: float) -> None:
-        for p, lane in self._lanes.items():
-            dead = [t for t in lane if t.is_cancelled or t.is_expired(now)]
+        for lane in self._lanes.values():
+            dead = [t for t in lane.tickets if t.is_cancelled or t.is_expired(now)]
             if dead:
-                self._lanes[p] = deque(t for t in lane if not (t.is_cancelled or t.is_expired(now)))
+                lane.discard({id(t) for t in dead})
                 for t in dead:
                     self._drop(t, "cancelled" if t.is_cancelled else "expired")
 
     # -- taking --
 
     def head(self, now: float | None = None) -> Ticket | None:
-        """The ticket to serve next (its lane by the priority/share policy, FIFO within the lane);
-        cancelled and expired tickets are dropped first. Nothing is removed."""
+        """The ticket to serve next (its lane by the priority/share policy, fair queuing order within
+        the lane); cancelled and expired tickets are dropped first. Nothing is removed."""
         self._purge(self.clock() if now is None else now)
         waiting = [p for p in PRIORITIES if self._lanes[p]]
         if not waiting:
@@ -379,18 +420,19 @@ class AdmissionController:
             if self._streak[p] < self._burst(p):
                 lane = p
                 break
-        return self._lanes[lane][0]
+        return self._lanes[lane].tickets[0]
 
     def _burst(self, priority: Priority) -> int:
         return self.config.online_burst if priority == Priority.ONLINE else self.config.normal_burst
 
     def waiting(self) -> Iterator[Ticket]:
-        """Every queued ticket, in priority order, FIFO within a lane (for filling a batch)."""
+        """Every queued ticket, in priority order, fair queuing order within a lane (for filling a batch)."""
         for p in PRIORITIES:
-            yield from self._lanes[p]
+            yield from self._lanes[p].tickets
 
     def take(self, tickets: list[Ticket]) -> None:
-        """Removes the tickets of a batch; tickets[0] must be head(): its lane counts as the pick."""
+        """Removes the tickets of a batch; tickets[0] is the pick (normally head()): its lane counts
+        as the lane served."""
         pick = tickets[0].priority
         for p in PRIORITIES:
             lower_waiting = any(self._lanes[q] for q in PRIORITIES if q > p)
@@ -402,9 +444,18 @@ class AdmissionController:
             if t.state != "queued":
                 raise ValueError(f"ticket {t.payload!r} is {t.state}, not queued")
             t.state = "taken"
-        for p in {t.priority for t in tickets}:  # one pass per lane, not one deque.remove per ticket
-            self._lanes[p] = deque(t for t in self._lanes[p] if t.state == "queued")
+        for p in {t.priority for t in tickets}:  # one pass per lane
+            lane = self._lanes[p]
+            lane.vtime = max(lane.vtime, max(t.tag for t in tickets if t.priority == p))
+            lane.discard({id(t) for t in tickets if t.priority == p})
         self._taken += len(tickets)
+
+    def finished(self, tickets: list[Ticket]) -> None:
+        """The batch of these taken tickets is over: their work no longer counts for their clients."""
+        for t in tickets:
+            if t.state == "taken":
+                t.state = "done"
+                self._release_client(t)
 
     def take_next(self, now: float | None = None) -> Ticket | None:
         """head() and take() of that one ticket."""
@@ -420,7 +471,13 @@ class AdmissionController:
             return sum(len(lane) for lane in self._lanes.values())
         return len(self._lanes[priority])
 
+    def client_work_s(self, client: str) -> float:
+        return self._client_work.get(client, 0.0)
+
     def stats(self) -> dict[str, Any]:
+        now = self.clock()
+        model = self.model.snapshot(now)
+        model["rho_by_priority"] = {p.name: self.model.utilisation(int(p), now) for p in PRIORITIES}
         return {
             "admitted": sum(self._admitted.values()),
             "admitted_by_priority": {p.name: n for p, n in self._admitted.items()},
@@ -430,9 +487,12 @@ class AdmissionController:
             "drained": self._dropped["drained"],
             "taken": self._taken,
             "queue_depth": {p.name: len(lane) for p, lane in self._lanes.items()},
+            "queue_work_s": {p.name: lane.work_s for p, lane in self._lanes.items()},
+            "clients": len(self._client_count),
             "draining": self.is_draining,
-            "model": self.model.snapshot(),
+            "model": model,
         }
 
 
-__all__ = ["AdmissionConfig", "AdmissionController", "Overloaded", "Priority", "ServiceTimeModel", "Ticket"]
+__all__ = ["AdmissionConfig", "AdmissionController", "DeadlineExpired", "DeadlineUnmeetable", "Overloaded", "Priority",
+           "Ticket"]

@@ -2,21 +2,26 @@
 executor, several batches in flight. `Scheduler` is the one object the gRPC server uses.
 
 One loop on the event loop: when an in-flight slot is free, the admission policy names the next
-request (its priority lane, FIFO within it); every waiting request of the same kind ("score", or
-"beam.n<new_tokens>") joins it, in priority order, while some bucket still holds them all. The batch
-is released at once when something of its kind was left out (the bucket is full) or the cap is
+request (its priority lane; fair-queuing order between clients within it); every waiting request of
+the same kind ("score", or "beam.n<new_tokens>") joins it, in priority order, while some bucket still
+holds them all and the larger bucket still answers every member within its deadline. The batch is
+released at once when something of its kind was left out (the bucket is full) or the cap is
 reached, otherwise when its oldest request has waited `max_wait_s`. Requests are never split.
 
-The C++ runtime runs a batch through `runtime.submit` (its own worker thread, no GIL); any other
-runtime runs one batch at a time on one worker thread. Either way `max_inflight` batches may be
-handed over at once, so the next batch is packed while the current one runs. Batch execution
-times (the executor's start → done, not its queue) feed the admission's ServiceTimeModel.
+A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
+in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
+maximal ones (on a GPU, each slot is a lane: its own stream and graphs).
+
+The C++ runtime runs a batch through `runtime.submit` (its lanes, no GIL); any other runtime runs
+on `max_inflight` worker threads. Batch times (packing + the executor's start → done, not its
+queue + unpacking) feed the admission's ServiceTimeModel, per bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,7 +31,9 @@ from typing import Any
 
 import torch
 
-from .admission import AdmissionConfig, AdmissionController, DropReason, Overloaded, Priority, ServiceTimeModel, Ticket
+from .admission import (AdmissionConfig, AdmissionController, DeadlineExpired, DropReason, Overloaded, Priority,
+                        Ticket)
+from .cost import CostTable, RequestCost, request_kind
 from ..artifact.artifact import Artifact
 from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam,
                     unpack_score)
@@ -39,71 +46,74 @@ Request = ScoreRequest | BeamRequest
 Batch = ScoreBatch | BeamBatch
 
 
-class DeadlineExpired(Exception):
-    """The request's deadline passed while it was queued; it was never executed."""
-
-
 @dataclass(frozen=True)
 class BatcherConfig:
     max_wait_s: float = 0.0005  # the oldest request of a not-yet-full batch waits at most this long
     max_inflight: int = 2  # batches handed to the executor at once (running + queued there)
     max_batch_requests: int = 64  # whole requests per batch
     validate_requests: bool = True  # re-validate in submit(); a server that has validated may skip it
+    # a batch predicted to take longer holds at most max_inflight - 1 of the in-flight slots (one
+    # stays for lighter work; a synchronous runtime gets one worker thread per slot)
+    heavy_batch_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if not self.max_wait_s >= 0:
-            raise ValueError(f"batcher.max_wait_s: must be >= 0, got {self.max_wait_s!r}")
+        for name in ("max_wait_s", "heavy_batch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"batcher.{name}: must be an integer >= 1, got {value!r}")
 
 
-def request_kind(request: Request) -> str:
-    """Requests of one kind may share a batch; the kind is also the service-time class."""
-    if isinstance(request, ScoreRequest):
-        return "score"
-    return f"beam.n{request.new_tokens}"
-
-
 def buckets_by_kind(artifact: Artifact) -> dict[str, tuple[ScoreBucket, ...] | tuple[BeamBucket, ...]]:
+    """Each kind's buckets in the order the runtime picks them (pick_score_bucket / pick_beam_bucket):
+    the first that holds a batch is the one it runs in."""
     table = artifact.buckets
     beam: dict[str, list[BeamBucket]] = {}
     for b in table.beam:
         beam.setdefault(f"beam.n{b.new_tokens}", []).append(b)
-    return {"score": table.score, **{kind: tuple(bs) for kind, bs in beam.items()}}
+    score = tuple(sorted(table.score, key=lambda b: (b.max_tokens, b.max_samples)))
+    return {"score": score, **{kind: tuple(sorted(bs, key=lambda b: (b.max_requests * b.beam_width,
+                                                                      b.max_prompt_tokens)))
+                               for kind, bs in beam.items()}}
 
 
 class _Fill:
-    """Running totals of a forming batch, checked against its kind's buckets: O(buckets) per add."""
+    """Running totals of a forming batch and the bucket it would run in: O(buckets) per request."""
 
     def __init__(self, buckets: tuple[Any, ...]) -> None:
         self.buckets = buckets
         self.tokens = self.samples = self.width = 0  # width: the widest beam so far
         self.longest = 0  # Score: the most tokens of one request so far
         self.count = 0
+        self.bucket: Any = None
 
-    def add(self, req: Request) -> bool:
-        """Adds the request if some bucket still holds the batch with it."""
+    def fit(self, req: Request) -> Any:
+        """The bucket the batch would run in with req added; None if no bucket holds it."""
+        count = self.count + 1
         if isinstance(req, ScoreRequest):
             longest, samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
-            if not any(b.holds(self.count + 1, longest, samples) for b in self.buckets):
-                return False
-            self.tokens, self.longest, self.samples = self.tokens + req.num_tokens, longest, samples
+            return next((b for b in self.buckets if b.holds(count, longest, samples)), None)
+        tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
+        return next((b for b in self.buckets
+                     if b.max_requests >= count and b.beam_width >= width and b.max_prompt_tokens >= tokens), None)
+
+    def add(self, req: Request, bucket: Any) -> None:
+        if isinstance(req, ScoreRequest):
+            self.longest, self.samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
         else:
-            tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
-            if not any(b.max_requests > self.count and b.beam_width >= width and b.max_prompt_tokens >= tokens
-                       for b in self.buckets):
-                return False
-            self.tokens, self.width = tokens, width
+            self.width = max(self.width, req.beam_width)
+        self.tokens += req.num_tokens if isinstance(req, ScoreRequest) else len(req.prompt_ids)
         self.count += 1
-        return True
+        self.bucket = bucket
 
 
 @dataclass
 class _Plan:
     tickets: list[Ticket]
     is_full: bool  # something of its kind was left out, or the cap was reached: release now
+    bucket: Any = None  # the bucket it runs in (None: it fits none, and fails alone)
 
     @property
     def oldest_s(self) -> float:
@@ -113,10 +123,12 @@ class _Plan:
 # ---- executors ------------------------------------------------------------------------------------
 
 class _SubmitExecutor:
-    """The C++ runtime: runtime.submit(batch) -> future of (outputs, timings), resolved on the loop."""
+    """The C++ runtime: runtime.submit(batch) -> future of (outputs, timings), resolved on the loop.
+    Its lanes (num_lanes) run that many batches at once."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
+        self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
 
     async def run(self, batch: Batch) -> tuple[list[torch.Tensor], dict[str, Any]]:
         outputs, timings = await self.runtime.submit(batch)
@@ -127,12 +139,14 @@ class _SubmitExecutor:
 
 
 class _ThreadExecutor:
-    """A synchronous runtime (run_score / run_beam) on one worker thread: one batch at a time.
-    Per-node host times come from the runtime's trace hook when it has one."""
+    """A synchronous runtime (run_score / run_beam) on `num_lanes` worker threads, like the C++
+    runtime's lanes: with two, a light batch need not wait behind a heavy one. Per-node host times
+    come from the runtime's trace hook when it has one."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Any, num_lanes: int = 1) -> None:
         self.runtime = runtime
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slmrank-batch")
+        self.num_lanes = num_lanes
+        self._pool = ThreadPoolExecutor(max_workers=num_lanes, thread_name_prefix="slmrank-batch")
         self._has_trace = "trace" in inspect.signature(runtime.run_score).parameters
 
     async def run(self, batch: Batch) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -172,9 +186,11 @@ class Scheduler:
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
-        self.model = ServiceTimeModel(admission, clock)
+        self._executor: _SubmitExecutor | _ThreadExecutor = (
+            _SubmitExecutor(runtime) if hasattr(runtime, "submit") else _ThreadExecutor(runtime, self.config.max_inflight))
+        self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
-        self._executor = _SubmitExecutor(runtime) if hasattr(runtime, "submit") else _ThreadExecutor(runtime)
+        self.costs = CostTable(artifact, self.config.max_batch_requests)
         self._label_columns = 1 if artifact.config.has_cls_head else artifact.limits.max_labels
         self._buckets = buckets_by_kind(artifact)
         self._wake = asyncio.Event()  # something changed: an arrival, a drop, a batch done
@@ -182,6 +198,7 @@ class Scheduler:
         self._loop_task: asyncio.Task | None = None
         self._batch_tasks: set[asyncio.Task] = set()
         self._inflight = 0
+        self._heavy_inflight = 0
         self._num_batches = 0
         self._num_failed_batches = 0
         self._num_executed = 0
@@ -194,13 +211,15 @@ class Scheduler:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="slmrank-batcher")
 
     async def submit(self, request: Request, priority: Priority = Priority.NORMAL,
-                     deadline: float | None = None) -> Completed:
-        """Runs one whole request. deadline: absolute, in the clock's seconds.
+                     deadline: float | None = None, client: str = "") -> Completed:
+        """Runs one whole request. deadline: absolute, in the clock's seconds; client: whose
+        request it is, for fair shares and the per-client cap.
 
-        Raises RequestError (invalid), Overloaded (refused now: queue_full / deadline / draining),
+        Raises RequestError (invalid), Overloaded (refused now: queue_full / client_limit /
+        deadline / draining), DeadlineUnmeetable (no request could meet the deadline),
         DeadlineExpired (the deadline passed while queued), ExecutionError (its batch failed).
         Cancelling the awaiting task removes the request if it is still queued; once batched it
-        runs and its result is discarded. The deadline bounds the queueing, not a batch's run."""
+        runs and its result is discarded."""
         if self._loop_task is None or self._loop_task.done():
             raise RuntimeError("the batching loop is not running (start() not called, or closed)")
         if not isinstance(request, (ScoreRequest, BeamRequest)):
@@ -212,7 +231,8 @@ class Scheduler:
         except ValueError:
             raise RequestError("priority", f"must be one of {[int(p) for p in Priority]}, got {priority!r}") from None
         loop = asyncio.get_running_loop()
-        ticket = Ticket(request, request_kind(request), priority, deadline, future=loop.create_future())
+        ticket = Ticket(request, request_kind(request), priority, deadline, future=loop.create_future(),
+                        client=client, cost=self._cost(request))
         self.admission.admit(ticket)
         timer = None
         if deadline is not None:
@@ -301,37 +321,79 @@ class Scheduler:
         head = self.admission.head(now)
         if head is None:
             return None
+        can_go_heavy = self._heavy_inflight < max(self.config.max_inflight - 1, 1)
+        if not can_go_heavy and self._is_heavy(head, now):
+            # the last free slot is kept for lighter work: the first queued request light on its own
+            head = next((t for t in self.admission.waiting() if not self._is_heavy(t, now)), None)
+            if head is None:
+                return None
         fill = _Fill(self._buckets.get(head.kind, ()))
-        if not fill.add(head.payload):  # fits no bucket alone (not validated): it fails in _execute, alone
+        bucket = fill.fit(head.payload)
+        if bucket is None:  # fits no bucket alone (not validated): it fails in _execute, alone
             return _Plan([head], True)
+        fill.add(head.payload, bucket)
         tickets, is_full = [head], False
+        deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
         for t in self.admission.waiting():
             if t is head or t.kind != head.kind:
                 continue
             if len(tickets) >= self.config.max_batch_requests:
                 is_full = True
                 break
-            if fill.add(t.payload):
-                tickets.append(t)
-            else:
+            bucket = fill.fit(t.payload)
+            if bucket is None:
                 is_full = True  # first fit: a smaller one further back may still join
-        return _Plan(tickets, is_full)
+                continue
+            tighter = deadline if t.deadline is None else min(deadline, t.deadline)
+            if bucket is not fill.bucket:  # a larger bucket: still in time for all, still light if it must be
+                batch_s = self._bucket_s(bucket, now)
+                if (not can_go_heavy and batch_s > self.config.heavy_batch_s) or now + self._finish_s(batch_s) > tighter:
+                    is_full = True
+                    continue
+            fill.add(t.payload, bucket)
+            tickets.append(t)
+            deadline = tighter
+        return _Plan(tickets, is_full, fill.bucket)
+
+    def _bucket_s(self, bucket: Any, now: float) -> float:
+        return self.model.bucket_s(self.costs.info(bucket), now)
+
+    def _finish_s(self, batch_s: float) -> float:
+        """From a batch's start to its answers, as admission predicts it."""
+        cfg = self.admission.config
+        return batch_s * (1 + cfg.safety_margin) + cfg.response_margin_s
+
+    def _is_heavy(self, ticket: Ticket, now: float) -> bool:
+        cost = ticket.cost
+        return cost is not None and self.model.bucket_s(cost.solo, now) > self.config.heavy_batch_s
+
+    def _cost(self, request: Request) -> RequestCost | None:
+        try:
+            return self.costs.of(request)
+        except ValueError:  # fits no bucket (not validated): priced by default, it fails alone
+            return None
 
     def _launch(self, plan: _Plan, now: float) -> None:
         self.admission.take(plan.tickets)
         self._inflight += 1
-        self.model.batch_started()
         self._num_batches += 1
-        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, self._num_batches))
+        batch_id = self._num_batches
+        is_heavy = plan.bucket is not None and self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s
+        self._heavy_inflight += is_heavy
+        if plan.bucket is not None:
+            self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
+        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
-    async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int) -> None:
+    async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool) -> None:
         reqs = [t.payload for t in tickets]
-        kind = tickets[0].kind
-        lanes = dict(Counter(t.priority for t in tickets))
+        levels = dict(Counter(int(t.priority) for t in tickets))
         run: tuple[float, float] | None = None
+        batch: Batch | None = None
+        service_s = 0.0
         try:
+            packed_from = self.clock()
             batch = self._pack(reqs)
             self._record_batch(batch)
             start_s = self.clock()
@@ -339,7 +401,9 @@ class Scheduler:
             end_s = self.clock()
             results = self._unpack(batch, outputs)
             # the executor's own run (not its queue), placed on our clock where the results arrived
-            run = (end_s - (timings["done_ns"] - timings["start_ns"]) / 1e9, end_s)
+            run_s = (timings["done_ns"] - timings["start_ns"]) / 1e9
+            run = (end_s - run_s, end_s)
+            service_s = (start_s - packed_from) + run_s + (self.clock() - end_s)  # packing + run + unpacking
         except Exception as e:  # only this batch's requests see the failure
             self._num_failed_batches += 1
             error = ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")
@@ -351,10 +415,13 @@ class Scheduler:
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,
                     batch.bucket.key, timings)))
         finally:
-            self.model.batch_finished(kind, run, lanes)
+            self._heavy_inflight -= is_heavy
             self._inflight -= 1
             self._wake.set()
             self._progress.set()
+            self.admission.finished(tickets)
+            self.model.batch_finished(batch_id, None if batch is None else self.costs.info(batch.bucket), run,
+                                      levels, service_s)
 
     def _pack(self, reqs: list[Any]) -> Batch:
         if isinstance(reqs[0], ScoreRequest):

@@ -1,0 +1,112 @@
+"""What a request costs the executor: the buckets it can run in, and the logical FLOPs of each.
+
+A batch runs in a bucket (static shapes), so its time is its bucket's time, shared by the whole
+requests batched into it. Per request shape (cached; the shapes are few):
+
+  solo      the bucket the request runs in alone (the batcher's pick for [request])
+  packings  (n, bucket) for n = 1, 2, 4, ... copies of the request: the bucket n of them fill.
+            With n of its kind batched together, a request's share of the executor is
+            bucket_s / n; admission counts queued work (and a client's fairness cost) in these
+            shares, in seconds.
+
+BucketInfo.flops is a bucket's logical FLOPs at full occupancy: the axis along which
+ServiceTimeModel interpolates the time of a bucket it has not measured yet.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..artifact.artifact import Artifact
+from ..artifact.buckets import BeamBucket, ScoreBucket
+from ..model.config import ModelConfig
+from ..model.flops import beam_flops, score_flops
+from ..runtime.batch import pick_beam_bucket, pick_score_bucket
+from ..runtime.requests import BeamRequest, ScoreRequest
+
+Request = ScoreRequest | BeamRequest
+Bucket = ScoreBucket | BeamBucket
+
+
+def request_kind(request: Request) -> str:
+    """Requests of one kind may share a batch: "score", or "beam.n<new_tokens>"."""
+    if isinstance(request, ScoreRequest):
+        return "score"
+    return f"beam.n{request.new_tokens}"
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    key: str  # the bucket's key ("score.r2.l64.s128", "beam.n3.r1.p128.b16", ...)
+    family: str  # "score" or "beam": buckets whose times lie on one curve over flops
+    flops: float  # logical FLOPs of the bucket when full
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    kind: str
+    solo: BucketInfo
+    packings: tuple[tuple[int, BucketInfo], ...]  # (n copies, the bucket they fill), n = 1, 2, 4, ...
+
+
+def bucket_flops(cfg: ModelConfig, bucket: Bucket) -> float:
+    """A full bucket as its rows would be used: R request blocks of L tokens with S/R samples each
+    (Score); R requests with P/R prompt tokens each, beam_width beams, new_tokens steps (BeamSearch)."""
+    if isinstance(bucket, ScoreBucket):
+        per_request = max(bucket.max_samples // bucket.max_requests, 1)
+        length = bucket.request_tokens
+        lens = [length // per_request] * per_request
+        lens[-1] += length - sum(lens)
+        return float(bucket.max_requests * score_flops(cfg, 0, [n for n in lens if n > 0]))
+    prompt = max(bucket.max_prompt_tokens // bucket.max_requests, 1)
+    return float(bucket.max_requests * beam_flops(cfg, prompt, bucket.beam_width, bucket.new_tokens))
+
+
+class CostTable:
+    """RequestCost of a request, by its shape (cached, at most `max_shapes` kept)."""
+
+    def __init__(self, artifact: Artifact, max_batch_requests: int, max_shapes: int = 4096) -> None:
+        self.artifact, self.cfg = artifact, artifact.config
+        self.max_batch_requests = max_batch_requests
+        self.max_shapes = max_shapes
+        self._shapes: OrderedDict[tuple, RequestCost] = OrderedDict()
+        self._infos: dict[str, BucketInfo] = {}
+
+    def info(self, bucket: Bucket) -> BucketInfo:
+        info = self._infos.get(bucket.key)
+        if info is None:
+            family = "score" if isinstance(bucket, ScoreBucket) else "beam"
+            info = self._infos[bucket.key] = BucketInfo(bucket.key, family, bucket_flops(self.cfg, bucket))
+        return info
+
+    def of(self, request: Request) -> RequestCost:
+        """Raises ValueError for a request no bucket holds (an unvalidated one)."""
+        if isinstance(request, ScoreRequest):
+            shape: tuple = ("score", request.num_tokens, request.num_samples)
+        else:
+            shape = ("beam", request.new_tokens, len(request.prompt_ids), request.beam_width)
+        cost = self._shapes.get(shape)
+        if cost is None:
+            cost = self._shapes[shape] = self._compute(request)
+            if len(self._shapes) > self.max_shapes:
+                self._shapes.popitem(last=False)
+        else:
+            self._shapes.move_to_end(shape)
+        return cost
+
+    def _compute(self, request: Request) -> RequestCost:
+        table = self.artifact.buckets
+        packings: list[tuple[int, BucketInfo]] = []
+        n = 1
+        while n <= self.max_batch_requests:
+            copies = [request] * n
+            bucket = pick_score_bucket(table, copies) if isinstance(request, ScoreRequest) else pick_beam_bucket(
+                table, copies)
+            if bucket is None:
+                break
+            packings.append((n, self.info(bucket)))
+            n *= 2
+        if not packings:
+            raise ValueError(f"no bucket holds this {request_kind(request)} request")
+        return RequestCost(request_kind(request), packings[0][1], tuple(packings))

@@ -1,0 +1,226 @@
+"""The executor's service time, measured per bucket, and what it is doing now.
+
+bucket_s(bucket)   how long a batch of this bucket holds the executor: a high quantile
+                   (`quantile`) of its last `window` measured times. A new sample more than
+                   `outlier_factor` x the current estimate (before 3 samples: its family's
+                   interpolation) is recorded capped at that (one slow batch does not move the
+                   estimate; a real slow-down still does, geometrically).
+                   A bucket with no sample younger than `ttl_s` (never run, or not lately: its
+                   requests may all have been refused) is interpolated over the logical FLOPs of
+                   the buckets measured lately (its family's; else scaled from the other family),
+                   so the estimate keeps learning from whatever runs; failing that, its own old
+                   samples; failing that, `default_s`.
+in flight          each batch handed over, with its predicted time: the first `num_lanes` are
+                   running, the rest wait for a lane.
+parallelism        Σ batch run times / wall time the executor was busy (the union of the runs),
+                   over the trailing window: 1 with one lane, up to num_lanes when runs overlap.
+utilisation(k)     busy time / wall time over the trailing window, counting only the share of
+                   each batch that belongs to priority levels 1..k (a batch's time is split
+                   between its requests) — metrics, and how much higher lanes delay a lower one.
+
+Time comes from the caller (seconds, one clock); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from .cost import BucketInfo
+
+NUM_LEVELS = 3  # priority levels 1 (highest) .. 3
+
+
+@dataclass
+class _Flight:
+    handed_over: float
+    predicted_s: float
+
+
+@dataclass
+class _BusySpan:
+    start: float  # [start, end): the executor busy, disjoint from every other span
+    end: float
+    shares: tuple[float, ...]  # [k]: share of the batch's requests of level k+1 or higher
+
+
+class ServiceTimeModel:
+    def __init__(self, *, default_s: float = 0.010, window: int = 32, quantile: float = 0.9,
+                 ttl_s: float = 60.0, outlier_factor: float = 4.0, utilisation_window_s: float = 2.0,
+                 num_lanes: int = 1) -> None:
+        self.default_s, self.window, self.quantile = default_s, window, quantile
+        self.ttl_s, self.outlier_factor = ttl_s, outlier_factor
+        self.utilisation_window_s, self.num_lanes = utilisation_window_s, num_lanes
+        self._samples: dict[str, deque[float]] = {}  # bucket key -> its last `window` times
+        self._estimate: dict[str, float] = {}  # bucket key -> quantile of its samples
+        self._last_seen: dict[str, float] = {}  # bucket key -> when its newest sample came
+        self._infos: dict[str, BucketInfo] = {}
+        self._interpolated: dict[str, float] = {}  # cleared whenever a sample arrives
+        self._interpolated_at = -math.inf
+        self._flights: dict[int, _Flight] = {}  # batch id -> flight, in hand-over order
+        self._spans: deque[_BusySpan] = deque()  # within the window, oldest first
+        self._busy_s = [0.0] * NUM_LEVELS  # [k]: Σ (end − start) · shares[k] over _spans
+        self._runs: deque[tuple[float, float]] = deque()  # (end, run time) within the window
+        self._run_sum_s = 0.0
+        self._busy_until = -math.inf
+        self.num_batches = 0
+        self.last_run_s = 0.0
+
+    # -- the estimate of a bucket --
+
+    def bucket_s(self, info: BucketInfo, now: float) -> float:
+        key = info.key
+        if key in self._estimate and self._last_seen[key] >= now - self.ttl_s:
+            return self._estimate[key]
+        if now - self._interpolated_at > 1.0:  # freshness moves with time
+            self._interpolated.clear()
+            self._interpolated_at = now
+        value = self._interpolated.get(key)
+        if value is None:
+            value = self._interpolate(info, now)
+            if value is None:
+                value = self._estimate.get(key, self.default_s)
+            self._interpolated[key] = value
+        return value
+
+    def _interpolate(self, info: BucketInfo, now: float, exclude_self: bool = False,
+                     across_families: bool = True) -> float | None:
+        """Over the fresh buckets of its family, piecewise linear in flops (below the smallest: the
+        smallest's time, for small buckets are mostly fixed costs; above the largest: in proportion
+        to flops). A family with none: the other family's nearest bucket, in proportion to flops."""
+        fresh = [(i, self._estimate[k]) for k, i in self._infos.items()
+                 if self._last_seen[k] >= now - self.ttl_s and not (exclude_self and k == info.key)]
+        same = sorted((i.flops, y) for i, y in fresh if i.family == info.family)
+        if same:
+            return _piecewise(same, info.flops)
+        if not fresh or info.flops <= 0 or not across_families:
+            return None
+        nearest, y = min(fresh, key=lambda iy: abs(math.log(max(iy[0].flops, 1.0) / info.flops)))
+        return y * info.flops / max(nearest.flops, 1.0)
+
+    # -- batches --
+
+    def batch_started(self, batch_id: int, info: BucketInfo, now: float) -> None:
+        self._flights[batch_id] = _Flight(now, self.bucket_s(info, now))
+
+    def batch_finished(self, batch_id: int, info: BucketInfo | None, run: tuple[float, float] | None,
+                       levels: dict[int, int], service_s: float | None = None) -> None:
+        """A batch is back. run: the executor's (start, end) in the caller's clock, None if it failed;
+        service_s: what the batch cost from hand-over to results (run + packing), default the run."""
+        self._flights.pop(batch_id, None)
+        if run is None or info is None:
+            return
+        start, end = run
+        seconds = (end - start) if service_s is None else service_s
+        self._record(info, max(seconds, 0.0), end)
+        self._add_busy(start, end, levels)
+
+    def _record(self, info: BucketInfo, seconds: float, now: float) -> None:
+        key = info.key
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        reference = self._estimate.get(key) if len(samples) >= 3 else self._interpolate(info, now, True, False)
+        if reference is not None and seconds > self.outlier_factor * reference:
+            seconds = self.outlier_factor * reference
+        self._infos[key] = info
+        samples.append(seconds)
+        self._estimate[key] = _quantile(sorted(samples), self.quantile)
+        self._last_seen[key] = now
+        self._interpolated.clear()
+        self.num_batches += 1
+        self.last_run_s = seconds
+
+    def _add_busy(self, start: float, end: float, levels: dict[int, int]) -> None:
+        self._runs.append((end, end - start))
+        self._run_sum_s += end - start
+        exclusive_start = min(max(start, self._busy_until), end)
+        self._busy_until = max(self._busy_until, end)
+        if end > exclusive_start:
+            total = max(sum(levels.values()), 1)
+            shares = tuple(sum(n for lvl, n in levels.items() if lvl <= k) / total for k in range(1, NUM_LEVELS + 1))
+            self._spans.append(span := _BusySpan(exclusive_start, end, shares))
+            self._add_span(span, +1)
+        self._forget(end)
+
+    def _add_span(self, span: _BusySpan, sign: int) -> None:
+        for k, share in enumerate(span.shares):
+            self._busy_s[k] = max(self._busy_s[k] + sign * (span.end - span.start) * share, 0.0)
+
+    def _forget(self, now: float) -> None:
+        horizon = now - self.utilisation_window_s
+        while self._spans and self._spans[0].end <= horizon:
+            self._add_span(self._spans.popleft(), -1)
+        while self._runs and self._runs[0][0] <= horizon:
+            self._run_sum_s = max(self._run_sum_s - self._runs.popleft()[1], 0.0)
+
+    # -- now --
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._flights)
+
+    def inflight_remaining_s(self, now: float) -> float:
+        """Executor time still owed to the batches handed over: the running ones (the first
+        num_lanes) their predicted time less what has passed, the waiting ones all of it. A batch
+        running past its prediction is still owed a quarter of it: it is not known to be nearly done."""
+        total = 0.0
+        for i, flight in enumerate(self._flights.values()):
+            elapsed = now - flight.handed_over if i < self.num_lanes else 0.0
+            total += max(flight.predicted_s - elapsed, 0.25 * flight.predicted_s)
+        return total
+
+    def parallelism(self, now: float) -> float:
+        self._forget(now)
+        busy = self._busy_s[NUM_LEVELS - 1]
+        if busy <= 0 or self.num_lanes == 1:
+            return 1.0
+        return min(max(self._run_sum_s / busy, 1.0), float(self.num_lanes))
+
+    def utilisation(self, level: int | None, now: float) -> float:
+        """ρ over the trailing window; with a level, only the busy time of that level and above."""
+        self._forget(now)
+        window = self.utilisation_window_s
+        k = (level or NUM_LEVELS) - 1
+        busy = self._busy_s[k]
+        for span in self._spans:  # disjoint and in order: only the first few straddle the horizon
+            if span.start >= now - window:
+                break
+            busy -= (now - window - span.start) * span.shares[k]
+        return min(max(busy, 0.0) / window, 1.0)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        fresh = [v for k, v in self._estimate.items() if self._last_seen[k] >= now - self.ttl_s]
+        return {
+            "tau_s": _quantile(sorted(fresh), 0.5) if fresh else self.default_s,  # median bucket estimate
+            "bucket_s": dict(sorted(self._estimate.items())),
+            "last_run_s": self.last_run_s,
+            "inflight_batches": self.num_inflight,
+            "inflight_remaining_s": self.inflight_remaining_s(now),
+            "parallelism": self.parallelism(now),
+            "rho": self.utilisation(None, now),
+            "batches_observed": self.num_batches,
+        }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between the order statistics of sorted values."""
+    pos = q * (len(values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _piecewise(points: list[tuple[float, float]], x: float) -> float:
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    if i == 0:
+        return points[0][1]
+    if i == len(xs):
+        fx, fy = points[-1]
+        return fy * x / fx if fx > 0 else fy
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

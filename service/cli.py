@@ -77,6 +77,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     values = resolve(SERVE_SETTINGS, args)
     config = _server_config(values)
     placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
+    if values["lanes"] < 0:
+        raise ValueError(f"--lanes: must be >= 0 (0: the runtime's default), got {values['lanes']}")
     configure_logging("warning" if args.quiet else values["log_level"], values["log_format"])
     host = values["host"]
     target_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
@@ -95,7 +97,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     def loader():
         return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
-                          kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all")
+                          kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all",
+                          num_lanes=values["lanes"])
 
     return serve(config, loader, announce, on_ready)
 

@@ -7,10 +7,12 @@ from .cpp_runtime import CppRuntime
 from .python_runtime import PythonRuntime
 
 
-def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten"):
+def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten",
+                 num_lanes: int = 0):
+    """num_lanes: the C++ runtime's batches in flight (0: its default, 2 on CUDA, 1 on the CPU)."""
     torch_dtype = DTYPES[dtype] if dtype else None
     if name == "python":
         return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     if name == "cpp":
-        return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
+        return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels, num_lanes=num_lanes)
     raise ValueError(f"--runtime: {name!r} is not one of python, cpp")

@@ -114,11 +114,11 @@ class Model:
 
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
-               quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten") -> Model:
+               quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten", num_lanes: int = 0) -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
     artifact = resolve_artifact(spec, quiet=quiet)
-    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels)
+    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)

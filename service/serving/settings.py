@@ -135,6 +135,8 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     Setting("capture_graphs", _str, "all", "C++ runtime on a GPU: capture every bucket's CUDA graph before "
             "SERVING (all), or each at its first batch (lazy: faster start, slower first requests)", "model",
             ("all", "lazy")),
+    Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
+            "memory pool (0: 2 on CUDA, 1 on the CPU)", "model"),
     Setting("host", _str, "0.0.0.0", "address of the gRPC API (127.0.0.1: a sidecar's loopback only)", "server"),
     Setting("port", _int, 50051, "port of the gRPC API (0: any free port, printed)", "server"),
     Setting("health_host", _str, "0.0.0.0", "address of the health-only gRPC listener", "server"),

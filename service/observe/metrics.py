@@ -50,7 +50,8 @@ LOOP_READ_TIMEOUT_S = 2.0  # a scrape waits this long for the event loop, then s
 
 log = logging.getLogger("slmrank.metrics")
 # No `_created` series: the counters here start with the process, whose start time is exported.
-prometheus_client.disable_created_metrics()
+# (An older prometheus_client, without the switch, still renders them: they are only extra samples.)
+getattr(prometheus_client, "disable_created_metrics", lambda: None)()
 
 
 # ---- the server's metrics ------------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""Logs: text and JSON formats (one line per record, a record's extra fields kept), the
+announcements on stdout, and the access log's one record per finished RPC."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from service.observe.logs import ACCESS, JsonFormatter, TextFormatter, announce, configure_logging
+from service.serving.client import RankerClient
+from service.serving.server import RankerServer, ServerConfig
+from service.serving.server_thread import ServerThread
+
+
+def _record(msg: str, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord("slmrank.server", logging.WARNING, __file__, 1, msg, (), None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_json_lines_carry_level_logger_message_and_fields() -> None:
+    line = JsonFormatter().format(_record("batch failed\nsecond line", method="Score", latency_ms=1.5))
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert obj["level"] == "warning" and obj["logger"] == "slmrank.server" and obj["msg"] == "batch failed\nsecond line"
+    assert obj["method"] == "Score" and obj["latency_ms"] == 1.5 and obj["ts"].endswith("Z")
+
+
+def test_text_lines() -> None:
+    line = TextFormatter().format(_record("drain complete", code="OK"))
+    assert line.split(" ", 1)[1] == "WARNING slmrank.server: drain complete code=OK"
+
+
+def test_configure_logging_routes_and_replaces_only_its_own_handlers() -> None:
+    err, out = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    others = list(root.handlers)
+    level = root.level
+    try:
+        configure_logging("info", "json", stderr=err, stdout=out)
+        configure_logging("info", "json", stderr=err, stdout=out)  # again: no duplicate lines
+        logging.getLogger("slmrank.server").info("loaded")
+        announce("listening on 127.0.0.1:1")
+        assert [json.loads(x)["msg"] for x in err.getvalue().splitlines()] == ["loaded"]
+        assert [json.loads(x)["msg"] for x in out.getvalue().splitlines()] == ["listening on 127.0.0.1:1"]
+        assert all(h in root.handlers for h in others), "someone else's handler was removed"
+        with pytest.raises(ValueError):
+            configure_logging("loud", "json")
+    finally:
+        for h in [h for h in root.handlers if getattr(h, "_slmrank", False)]:
+            root.removeHandler(h)
+        root.setLevel(level)
+
+
+def test_access_log_one_record_per_rpc(model, caplog: pytest.LogCaptureFixture) -> None:
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True),
+                                    lambda: model))
+    try:
+        srv.wait_serving()
+        with caplog.at_level(logging.INFO, logger=ACCESS), RankerClient(srv.target, timeout_s=30) as c:
+            c.score([[1, 2, 3]], [4, 5], priority="online")
+            with pytest.raises(Exception):
+                c.beam([1, 2], beam_width=0, new_tokens=1)
+    finally:
+        srv.stop()
+    records = [r for r in caplog.records if r.name == ACCESS]
+    assert [(r.method, r.code) for r in records] == [("Score", "OK"), ("BeamSearch", "INVALID_ARGUMENT")]
+    assert all(r.latency_ms > 0 and r.peer for r in records)
+    assert records[0].samples == 1 and records[0].priority == "ONLINE"

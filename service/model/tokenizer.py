@@ -239,6 +239,7 @@ class Tokenizer(ABC):
         self._cache_lock = threading.Lock()
         self._hits = 0
         self._misses = 0
+        self._max_token_bytes: int | None = None
 
     # -- each backend implements these ---------------------------------------------------------
     @abstractmethod
@@ -261,6 +262,18 @@ class Tokenizer(ABC):
     def notice(self) -> str | None:
         """The third-party licence notice that goes with :meth:`files`, if any."""
         return None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of n bytes (after the tokenizer's
+        normalization) is at least n / max_token_bytes tokens, which bounds a text's length in
+        tokens before it is tokenized. Computed once (decoding every id; backends do it faster)."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = self._longest_token_bytes()
+        return self._max_token_bytes
+
+    def _longest_token_bytes(self) -> int:
+        return max((len(self.decode([i]).encode("utf-8")) for i in range(self.vocab_size)), default=1)
 
     # -- encoding -----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -459,6 +472,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode(self._check_ids(ids), errors="replace")
+
+    def _longest_token_bytes(self) -> int:
+        return max(len(b) for b in self._enc.token_byte_values())  # special tokens are never matched in text
 
     def notice(self) -> str | None:
         return self._notice

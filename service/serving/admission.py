@@ -49,7 +49,7 @@ from .cost import RequestCost
 from .service_time import ServiceTimeModel
 
 Clock = Callable[[], float]
-RefusalReason = Literal["queue_full", "client_limit", "deadline", "draining"]
+RefusalReason = Literal["queue_full", "client_limit", "deadline", "draining", "rpc_limit"]
 DropReason = Literal["cancelled", "expired", "drained"]
 
 
@@ -126,6 +126,10 @@ class AdmissionConfig:
             raise ValueError("admission.min_retry_after_s: must be <= max_retry_after_s")
         if not self.client_id_metadata or self.client_id_metadata != self.client_id_metadata.lower():
             raise ValueError(f"admission.client_id_metadata: a lower-case metadata key, got {self.client_id_metadata!r}")
+
+    def retry_hint_s(self, seconds: float) -> float:
+        """A retry hint: seconds, within [min_retry_after_s, max_retry_after_s]."""
+        return min(max(seconds, self.min_retry_after_s), self.max_retry_after_s)
 
     def max_queue(self, priority: Priority) -> int:
         return {Priority.ONLINE: self.max_queue_online, Priority.NORMAL: self.max_queue_normal,
@@ -348,8 +352,7 @@ class AdmissionController:
         return self._hint(excess_s / self.model.parallelism(now))
 
     def _hint(self, seconds: float) -> float:
-        cfg = self.config
-        return min(max(seconds, cfg.min_retry_after_s), cfg.max_retry_after_s)
+        return self.config.retry_hint_s(seconds)
 
     def unavailable_hint_s(self) -> float:
         """The retry hint of a server that is loading or draining."""

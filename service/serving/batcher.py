@@ -457,7 +457,8 @@ class Scheduler:
             _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {self.clock() - ticket.enqueued:.4f} s "
                                                          "in the queue; the request was not executed"))
         elif reason == "drained":
-            _settle(ticket.future, error=Overloaded("draining", 0.0, "the server stopped before running it"))
+            _settle(ticket.future, error=Overloaded("draining", self.admission.unavailable_hint_s(),
+                                                    "the server stopped before running it"))
         else:
             _settle(ticket.future, error=asyncio.CancelledError())
         self._wake.set()

@@ -22,6 +22,11 @@ from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequ
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
 
+# A text of n characters is at least n / (TEXT_SLACK x max_token_bytes) tokens: a character is at
+# least one UTF-8 byte, and normalization (NFC) shrinks a text to no fewer than 1/1.5 of its
+# characters' bytes (u + two marks -> one 2-byte character); 2 leaves room for other normalizers.
+TEXT_SLACK = 2
+
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
 PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}
 _PRIORITY_NAMES = "PRIORITY_UNSPECIFIED (0), ONLINE (1), NORMAL (2), BACKGROUND (3)"
@@ -74,6 +79,7 @@ class Codec:
         segments += [(f"samples[{i}]", s) for i, s in enumerate(msg.samples)]
         for field, seg in segments:  # every structural check before the first tokenization
             self._check_segment(field, seg)
+        self._check_text_length(segments, self.limits.max_score_tokens)
         max_tokens, num_tokens = self.limits.max_score_tokens, 0
         ids: list[tuple[int, ...]] = []
         for field, seg in segments:
@@ -96,6 +102,7 @@ class Codec:
         if not msg.HasField("prompt"):
             raise RequestError("prompt", "is required")
         self._check_segment("prompt", msg.prompt)
+        self._check_text_length([("prompt", msg.prompt)], self.limits.max_prompt_tokens)
         req = BeamRequest(prompt_ids=self._segment_ids("prompt", msg.prompt), beam_width=msg.beam_width,
                           new_tokens=msg.new_tokens)
         _engine_check(validate_beam, req, self)
@@ -141,6 +148,17 @@ class Codec:
             raise RequestError(field, "both text and ids are set: set exactly one of text or ids")
         if not has_text and not has_ids:
             raise RequestError(field, "empty segment: set exactly one of text or ids")
+
+    def _check_text_length(self, segments: list[tuple[str, Any]], max_tokens: int) -> None:
+        """Text that cannot fit in max_tokens is refused before any of it is tokenized (a 1 MB
+        text would hold the event loop for tens of milliseconds)."""
+        most = TEXT_SLACK * max_tokens * self.tokenizer.max_token_bytes
+        total = 0
+        for field, seg in segments:
+            total += len(seg.text)
+            if total > most:
+                raise RequestError(f"{field}.text", f"{total} characters of text (here and before) cannot fit in the "
+                                                    f"maximum of {max_tokens} tokens: refused before tokenizing")
 
     def _segment_ids(self, field: str, seg: Any, cached: bool = False) -> tuple[int, ...]:
         if seg.ids:

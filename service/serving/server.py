@@ -49,6 +49,7 @@ from .interceptor import TracingInterceptor
 from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
+from .wire import invalid_utf8_field
 
 log = logging.getLogger("slmrank.server")
 
@@ -125,7 +126,12 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
 
 
 class NotServing(Exception):
-    """The model is still loading, or the server is draining."""
+    """The model is still loading, or the server is draining: UNAVAILABLE, retry after retry_after_s
+    (elsewhere, when draining)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 # ---- errors -> status codes, in one place ----------------------------------------------------------
@@ -133,11 +139,9 @@ class NotServing(Exception):
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     if isinstance(e, RequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
-    if isinstance(e, Overloaded):
+    if isinstance(e, (Overloaded, NotServing)):
         retry_ms = max(1, round(e.retry_after_s * 1000))
         return grpc.StatusCode.UNAVAILABLE, f"{e}; retry after {retry_ms} ms", (("retry-after-ms", str(retry_ms)),)
-    if isinstance(e, NotServing):
-        return grpc.StatusCode.UNAVAILABLE, str(e), ()
     if isinstance(e, DeadlineExpired):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline expired before the request ran", ()
     if isinstance(e, ExecutionError):
@@ -146,10 +150,14 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str]
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Maps every exception a Ranker handler raises to a status code, and counts the codes."""
+    """Maps every exception a Ranker handler raises to a status code, and counts the codes. Also
+    the bound on Ranker RPCs being handled at once: one more is refused before its bytes are even
+    parsed (UNAVAILABLE, reason rpc_limit, with a retry hint from `busy_hint_s`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_inflight: int = 1024, busy_hint_s: Callable[[], float] = lambda: 0.1) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code name)
+        self.max_inflight, self.busy_hint_s = max_inflight, busy_hint_s
+        self.inflight = 0
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -160,7 +168,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         deserialize = handler.request_deserializer
 
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            self.inflight += 1
             try:  # parsed here, not by grpc: corrupt bytes are the client's error, INVALID_ARGUMENT
+                if self.inflight > self.max_inflight:
+                    raise Overloaded("rpc_limit", self.busy_hint_s(), f"{self.max_inflight} requests are being "
+                                     "handled at once already")
                 with current_trace().stage("receive"):
                     request = _parse(deserialize, raw, method)
                 response = await behavior(request, context)
@@ -172,6 +184,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     log.exception("%s failed", method)
                 self.counts[method, code.name] += 1
                 await context.abort(code, message, trailing_metadata=trailers)
+            finally:
+                self.inflight -= 1
             self.counts[method, "OK"] += 1
             return response
 
@@ -182,6 +196,10 @@ def _parse(deserialize: Callable[[bytes], Any], raw: bytes, method: str) -> Any:
     try:
         return deserialize(raw)
     except DecodeError as e:
+        descriptor = load_stubs().pb2.DESCRIPTOR.services_by_name["Ranker"].methods_by_name[method].input_type
+        bad = invalid_utf8_field(descriptor, raw)
+        if bad is not None:
+            raise RequestError(*bad) from None
         raise RequestError("request", f"not a valid {method} request message ({e})") from None
 
 
@@ -192,19 +210,42 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def client_of(context: grpc.aio.ServicerContext, key: str) -> str:
+    """Whose request it is, for fair shares: the `key` metadata value (at most 128 characters), else
+    the peer's host (its port changes with every connection)."""
+    for k, v in context.invocation_metadata() or ():
+        if k == key and isinstance(v, str) and v:
+            return v[:128]
+    peer = context.peer() or ""  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/run/x.sock"
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
 @dataclass
 class RankerServicer:
     codec: Codec | None = None
     scheduler: Scheduler | None = None
     info: Any = None  # the ModelInfoResponse, once the model is loaded
     is_draining: bool = False
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def _serving(self) -> tuple[Codec, Scheduler]:
         if self.is_draining:
-            raise NotServing("the server is draining; send to another replica")
+            raise NotServing("the server is draining; send to another replica", self.unavailable_hint_s)
         if self.codec is None or self.scheduler is None:
-            raise NotServing("the model is still loading; retry shortly")
+            raise NotServing("the model is still loading; retry shortly", self.unavailable_hint_s)
         return self.codec, self.scheduler
+
+    @property
+    def unavailable_hint_s(self) -> float:
+        return self.admission.retry_hint_s(self.admission.unavailable_retry_s)
+
+    def busy_hint_s(self) -> float:
+        """The retry hint of an RPC refused for the bound on RPCs at once."""
+        if self.scheduler is None:
+            return self.unavailable_hint_s
+        return self.scheduler.admission.backlog_hint_s()
 
     async def _handle(self, request: Any, context: grpc.aio.ServicerContext, kind: str) -> Any:
         """decode (validate + tokenize) -> schedule -> encode; kind: "score" or "beam"."""
@@ -213,7 +254,8 @@ class RankerServicer:
         with trace.stage("decode"):
             req, priority = getattr(codec, f"{kind}_request")(request)
         trace.set_request(req, priority)
-        done = await scheduler.submit(req, priority, _deadline(context))
+        done = await scheduler.submit(req, priority, _deadline(context),
+                                      client_of(context, self.admission.client_id_metadata))
         trace.completed(done)
         with trace.stage("encode"):
             return getattr(codec, f"{kind}_response")(done.result)
@@ -226,7 +268,7 @@ class RankerServicer:
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.info is None:
-            raise NotServing("the model is still loading; retry shortly")
+            raise NotServing("the model is still loading; retry shortly", self.unavailable_hint_s)
         return self.info
 
 
@@ -254,6 +296,9 @@ class RankerServer:
         stubs = load_stubs()
         self.tracer = RequestTracer(self.config.tracing(), exporter=self.span_exporter)
         self.metrics = ServerMetrics()
+        self.servicer.admission = self.config.admission or AdmissionConfig()
+        self.interceptor.max_inflight = self.servicer.admission.max_inflight_rpcs
+        self.interceptor.busy_hint_s = self.servicer.busy_hint_s
         # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
         access_log = logging.getLogger("slmrank.access") if self.config.access_log else None
         interceptors = [TracingInterceptor(self.tracer, self.metrics, access_log=access_log), self.interceptor]

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.serving.admission import AdmissionConfig, Overloaded
+from service.serving.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded
 from service.serving.batcher import DeadlineExpired
 from service.serving.client import RankerClient
 from service.runtime.engine import execute
@@ -313,15 +313,16 @@ def test_status_of_maps_every_error():
     cases = [
         (RequestError("samples[2]", "empty"), grpc.StatusCode.INVALID_ARGUMENT, "samples[2]: empty"),
         (Overloaded("queue_full", 0.0123, "ONLINE lane holds 128"), grpc.StatusCode.UNAVAILABLE, "retry after 12 ms"),
-        (NotServing("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
+        (NotServing("draining", 0.5), grpc.StatusCode.UNAVAILABLE, "retry after 500 ms"),
         (DeadlineExpired("deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"),
+        (DeadlineUnmeetable("shorter than"), grpc.StatusCode.DEADLINE_EXCEEDED, "shorter than"),
         (ExecutionError("batch of 2 failed"), grpc.StatusCode.INTERNAL, "batch of 2 failed"),
         (KeyError("secret internals"), grpc.StatusCode.INTERNAL, "internal error (KeyError)"),
     ]
     for exc, code, text in cases:
         got_code, message, trailers = status_of(exc)
         assert got_code == code and text in message, (exc, message)
-        assert ("retry-after-ms" in dict(trailers)) == isinstance(exc, Overloaded)
+        assert ("retry-after-ms" in dict(trailers)) == isinstance(exc, (Overloaded, NotServing))
     assert "secret" not in status_of(KeyError("secret internals"))[1]
     assert dict(status_of(Overloaded("draining", 0.0))[2])["retry-after-ms"] == "1"
 

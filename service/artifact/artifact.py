@@ -5,12 +5,15 @@
   DIR/weights.safetensors
   DIR/tokenizer/...      tokenizer files (and their license notice)
 
-Loading checks the format version and every hash, and refuses a corrupted or mismatched artifact.
+Loading checks the format version and every hash, and refuses a corrupted or mismatched artifact,
+or one whose files are not regular files (a link to /dev/zero, a FIFO: a load that could not finish).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +68,7 @@ class Artifact:
     manifest: dict[str, Any]
 
     def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        regular_file_size(self.path / WEIGHTS)  # a device or FIFO here would never finish loading
         weights = load_file(str(self.path / WEIGHTS), device=str(device))
         check_weights(self.config, weights)
         if dtype is not None:
@@ -143,8 +147,13 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
     mpath = path / MANIFEST
     if not mpath.exists():
         raise ArtifactError(f"{path}: not an artifact (no {MANIFEST}); build one with `slmrank build`")
+    size = regular_file_size(mpath)
+    if size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{mpath}: {size} bytes is not a manifest (at most {MAX_MANIFEST_BYTES})")
+    with open(mpath, "rb") as fh:
+        raw = fh.read(size)
     try:
-        m = msgpack.unpackb(mpath.read_bytes())
+        m = msgpack.unpackb(raw)
     except Exception as e:  # msgpack raises several unrelated types on corrupt input
         raise ArtifactError(f"{mpath}: corrupted manifest ({e})") from e
     if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -168,9 +177,7 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
 
 
 def _verify_file(path: Path, digest: str) -> None:
-    if not path.exists():
-        raise ArtifactError(f"{path}: missing artifact file")
-    actual = sha256_file(path)
+    actual = sha256_file(path)  # ArtifactError for a missing file or one that is not a regular file
     if actual != digest:
         raise ArtifactError(f"{path}: sha256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…): "
                             "the artifact is corrupted or was modified")

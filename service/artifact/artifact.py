@@ -36,15 +36,40 @@ WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 KB; more is not a manifest
+
+
 class ArtifactError(ValueError):
     """A missing, corrupted or mismatched artifact."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def regular_file_size(path: Path) -> int:
+    """The size of path, which must be a regular file once links are followed: a device
+    (/dev/zero), a FIFO or a socket would make loading read forever, or wait forever."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing artifact file") from None
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
+                else "a block device" if stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        target = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+        raise ArtifactError(f"{path}: is {kind}{target}; an artifact's files must be regular files")
+    return st.st_size
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22, max_bytes: int | None = None) -> str:
+    """Of at most max_bytes bytes (default: the size the file has now), so a file that keeps
+    growing, or claims to be empty and is not (/proc), cannot make the read endless."""
+    left = regular_file_size(path) if max_bytes is None else max_bytes
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(chunk):
+        while left > 0 and (block := fh.read(min(chunk, left))):
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
 
 

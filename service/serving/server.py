@@ -119,7 +119,7 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
     artifact = resolve_artifact(spec, quiet=quiet)
-    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes)
+    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes=num_lanes)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)

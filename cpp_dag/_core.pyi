@@ -88,3 +88,7 @@ class TritonKernels:
         self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
         kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
     ) -> torch.Tensor: ...
+    def beam_candidates(
+        self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...

@@ -375,6 +375,14 @@ PYBIND11_MODULE(_core, m) {
       .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
            py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
-           py::arg("num_suffix"), py::arg("scale"));
+           py::arg("num_suffix"), py::arg("scale"))
+      .def(
+          "beam_candidates",
+          [](const TritonKernels& k, const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
+             int64_t num_parents, const std::optional<at::Tensor>& allowed) {
+            return k.beam_candidates(logits, beam_scores, num_candidates, num_parents, allowed.value_or(at::Tensor()));
+          },
+          py::arg("logits"), py::arg("beam_scores"), py::arg("num_candidates"), py::arg("num_parents"),
+          py::arg("allowed") = py::none());
 #endif
 }

@@ -69,4 +69,8 @@ class Node {
 // The registry (nodes.cpp): one line per node type. Throws std::invalid_argument for an unknown type.
 std::unique_ptr<Node> make_node(const NodeSpec& spec);
 
+// The per-beam suffix K/V with the fused kernels: binds suffix_kv [layers, 2, rows, slots, G, E]
+// and its per-layer views suffix_k.{i} / suffix_v.{i} (node_beam.cpp; service/runtime/nodes.py).
+void set_beam_suffix(Env& env, const at::Tensor& suffix_kv);
+
 }  // namespace slmrank

@@ -142,6 +142,11 @@ void Executor::add_beam_state(Env& env, const BatchSpec& batch) const {
   const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
   auto state = at::TensorOptions().dtype(ctx_.rope_cos.scalar_type()).device(device_);
   env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
+  if (ctx_.fused) {  // one buffer: a beam step reorders every layer's suffix in one gather
+    set_beam_suffix(env, at::zeros({cfg.num_layers, 2, r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads,
+                                    cfg.head_dim}, state));
+    return;
+  }
   for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
     for (const char* kv : {"suffix_k.", "suffix_v."}) {
       env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim}, state);

@@ -1,17 +1,33 @@
 // beam_init and beam_step: the fused beam bookkeeping.
 //   beam_init: top-B of the prompt's next-token log-probs (every beam starts equal)
 //   beam_step: log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder
-// A request narrower than the bucket's beam keeps its extra ranks dead (-inf).
-// Mirrors service/nodes.py::beam_init / beam_step.
+// With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each parent row's
+// top-B keys in one pass over the model-dtype logits, then top-B of each request's B x B keys;
+// every layer's suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and
+// not at all after the last step. A request narrower than the bucket's beam keeps its extra ranks
+// dead (-inf). Mirrors service/runtime/nodes.py::beam_init / beam_step, op for op.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <limits>
+#include <string>
+#include <tuple>
 
 #include "node_types.h"
+#include "triton_kernels.h"
 
 namespace slmrank {
+
+void set_beam_suffix(Env& env, const at::Tensor& suffix_kv) {
+  env["suffix_kv"] = suffix_kv;
+  for (int64_t i = 0; i < suffix_kv.size(0); ++i) {
+    env["suffix_k." + std::to_string(i)] = suffix_kv.select(0, i).select(0, 0);
+    env["suffix_v." + std::to_string(i)] = suffix_kv.select(0, i).select(0, 1);
+  }
+}
+
 namespace {
 
 at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) {
@@ -19,13 +35,37 @@ at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) 
   return scores.masked_fill(rank.ge(widths.unsqueeze(1)), -std::numeric_limits<double>::infinity());
 }
 
+// kernels/beam_topk.py::merge_candidates + decode_keys: keys [R x P, K] -> the B best of each
+// request's P x K (scores [R, B] float32, parents, tokens [R, B] int64). Exact integer ops on
+// unique keys: no ties, no rounding.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor& keys, int64_t num_requests,
+                                                                int64_t num_beams, int64_t vocab) {
+  at::Tensor per_request = keys.view({num_requests, -1});
+  if (per_request.size(1) != num_beams) per_request = std::get<0>(per_request.topk(num_beams, -1));
+  at::Tensor ordered = per_request.bitwise_right_shift(32);  // the score's ordered bits
+  at::Tensor flat = ordered.bitwise_left_shift(32).add(int64_t{0xFFFFFFFF}).sub(per_request);
+  at::Tensor scores =
+      ordered.bitwise_xor(ordered.bitwise_right_shift(31).bitwise_and(0x7FFFFFFF)).to(at::kInt).view(at::kFloat);
+  at::Tensor parents = flat.div(vocab, "floor");
+  return {scores, parents, flat.sub(parents.mul(vocab))};
+}
+
 class BeamInit final : public Node {
  public:
   using Node::Node;
-  void run(const Context&, Env& env) const override {
-    const at::Tensor &logits = in(env, 0), &widths = in(env, 1);  // [R, V] float32, [R]
+  void run(const Context& ctx, Env& env) const override {
+    const at::Tensor &logits = in(env, 0), &widths = in(env, 1);  // [R, V] (model dtype when fused), [R]
     at::Tensor& seqs = env.at("beam_seqs");                        // [R, B, n]
-    auto [scores, tokens] = logits.log_softmax(-1).topk(seqs.size(1), -1);
+    const int64_t b = seqs.size(1);
+    at::Tensor scores, tokens;
+    if (ctx.fused) {  // one parent row per request, beam score 0
+      const int64_t r = logits.size(0);
+      at::Tensor zero = at::zeros({r}, logits.options().dtype(at::kFloat));
+      std::tie(scores, std::ignore, tokens) =
+          merge_candidates(ctx.fused->beam_candidates(logits, zero, b, 1), r, b, logits.size(1));
+    } else {
+      std::tie(scores, tokens) = logits.log_softmax(-1).topk(b, -1);
+    }
     seqs.select(2, 0).copy_(tokens);
     env["beam_scores"] = mask_extra_beams(scores, widths);
     env["beam_tokens"] = tokens.reshape({-1});
@@ -36,13 +76,20 @@ class BeamInit final : public Node {
 class BeamStep final : public Node {
  public:
   using Node::Node;
-  void run(const Context&, Env& env) const override {
+  void run(const Context& ctx, Env& env) const override {
     const at::Tensor &logits = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2), &widths = in(env, 3);
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
-    at::Tensor cand = logits.log_softmax(-1).reshape({r, b, vocab}).add(scores.unsqueeze(-1));
-    auto [top_scores, top_idx] = cand.reshape({r, b * vocab}).topk(b, -1);
-    at::Tensor parents = top_idx.div(vocab, "floor");
-    at::Tensor tokens = top_idx.sub(parents.mul(vocab));
+    at::Tensor top_scores, parents, tokens;
+    if (ctx.fused) {
+      std::tie(top_scores, parents, tokens) =
+          merge_candidates(ctx.fused->beam_candidates(logits, scores.reshape({-1}), b, b), r, b, vocab);
+    } else {
+      at::Tensor cand = logits.log_softmax(-1).reshape({r, b, vocab}).add(scores.unsqueeze(-1));
+      at::Tensor top_idx;
+      std::tie(top_scores, top_idx) = cand.reshape({r, b * vocab}).topk(b, -1);
+      parents = top_idx.div(vocab, "floor");
+      tokens = top_idx.sub(parents.mul(vocab));
+    }
     at::Tensor rows = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
     at::Tensor new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();
     new_seqs.select(2, spec_.step).copy_(tokens);
@@ -50,9 +97,13 @@ class BeamStep final : public Node {
     env["beam_scores"] = mask_extra_beams(top_scores, widths);
     env["beam_tokens"] = tokens.reshape({-1});
     env["beam_parents"] = parents;
-    for (size_t i = 4; i < spec_.inputs.size(); ++i) {
-      const std::string& name = spec_.inputs[i];
-      env[name] = env.at(name).index_select(0, rows);
+    if (!ctx.fused) {
+      for (size_t i = 4; i < spec_.inputs.size(); ++i) {
+        const std::string& name = spec_.inputs[i];
+        env[name] = env.at(name).index_select(0, rows);
+      }
+    } else if (spec_.step < new_seqs.size(2) - 1) {  // a later decode step reads the suffix: one gather
+      set_beam_suffix(env, env.at("suffix_kv").index_select(2, rows));
     }
   }
 };

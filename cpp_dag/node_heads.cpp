@@ -14,7 +14,9 @@ class LmHead final : public Node {
   void run(const Context& ctx, Env& env) const override {
     auto it = ctx.weights.find("lm_head");  // tied embeddings share the table
     const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
-    env[spec_.outputs[0]] = at::linear(in(env, 0), w).to(at::kFloat);
+    at::Tensor logits = at::linear(in(env, 0), w);
+    // the fused beam step reads the model-dtype logits once (computing in float32): no float32 copy
+    env[spec_.outputs[0]] = ctx.fused ? logits : logits.to(at::kFloat);
   }
 };
 
@@ -30,7 +32,7 @@ class LabelLogprobs final : public Node {
  public:
   using Node::Node;
   void run(const Context&, Env& env) const override {
-    env[spec_.outputs[0]] = in(env, 0).log_softmax(-1).gather(1, in(env, 1));
+    env[spec_.outputs[0]] = in(env, 0).to(at::kFloat).log_softmax(-1).gather(1, in(env, 1));
   }
 };
 

@@ -15,6 +15,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <iterator>
@@ -293,6 +294,52 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor
   return out;
 }
 
+at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores,
+                                          int64_t num_candidates, int64_t num_parents,
+                                          const at::Tensor& allowed) const {
+  require(logits.dim() == 2 && logits.stride(1) == 1 && logits.stride(0) % 16 == 0,
+          "beam_candidates: logits must be [rows, V] with contiguous rows of a multiple of 16 elements apart "
+          "(the kernels are compiled for 16-byte vectors)");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  require(beam_scores.scalar_type() == at::kFloat && beam_scores.dim() == 1 && beam_scores.size(0) == rows &&
+              beam_scores.is_contiguous(),
+          "beam_candidates: beam_scores must be a contiguous float32 [" + std::to_string(rows) + "]");
+  require(num_candidates >= 1 && num_candidates <= std::min<int64_t>(vocab, 1 << 16) && num_parents >= 1 &&
+              rows % num_parents == 0 && num_parents * vocab < (int64_t{1} << 32),
+          "beam_candidates: need 1 <= K <= V, rows a multiple of the parents per request, parents x V < 2^32");
+  const bool has_mask = allowed.defined();
+  const int64_t words = (vocab + 31) / 32;
+  require(!has_mask || (allowed.scalar_type() == at::kInt && allowed.dim() == 2 && allowed.size(0) == rows &&
+                        allowed.size(1) == words && allowed.is_contiguous()),
+          "beam_candidates: allowed must be a contiguous int32 [rows, ceil(V / 32)] bitmask");
+  // kernels/beam_topk.py::sizes: the sort width KP (a power of two >= max(K, 2)) and the groups NG
+  int64_t kp = 2;
+  while (kp < num_candidates) kp *= 2;
+  const int64_t ng = std::max<int64_t>(1024, 2 * kp), mask = has_mask ? 1 : 0;
+  const std::string stats = variant_name("beam_stats", logits.scalar_type(), {{"g", ng}, {"mask", mask}});
+  const std::string threshold = variant_name("beam_threshold", at::kFloat, {{"g", ng}, {"k", kp}});
+  const std::string collect = variant_name("beam_collect", logits.scalar_type(), {{"g", ng}, {"mask", mask}});
+  const std::string select = variant_name("beam_select", logits.scalar_type(), {{"k", kp}, {"mask", mask}});
+  const int64_t parts = impl_->get(stats).constexprs.at("NUM_PARTS"), cap = impl_->get(select).constexprs.at("CAP");
+  const auto f32 = logits.options().dtype(at::kFloat), i32 = logits.options().dtype(at::kInt);
+  at::Tensor pmax = at::empty({rows, parts}, f32), psum = at::empty({rows, parts}, f32);
+  at::Tensor gpart = at::empty({rows, parts, ng}, f32), stats_buf = at::empty({rows, 4}, f32);
+  at::Tensor count = at::empty({rows}, i32), buf = at::empty({rows, cap}, i32);
+  at::Tensor keys = at::empty({rows, num_candidates}, logits.options().dtype(at::kLong));
+  const at::Tensor& bits = has_mask ? allowed : count;  // never read without the mask
+  const int32_t v = static_cast<int32_t>(vocab), stride = static_cast<int32_t>(logits.stride(0));
+  const int32_t w = static_cast<int32_t>(words);
+  const uint32_t r = static_cast<uint32_t>(rows), p = static_cast<uint32_t>(parts);
+  launch(stats, {r, p, 1}, {logits, beam_scores, bits, pmax, psum, gpart, v, stride, w});
+  launch(threshold, {r, 1, 1},
+         {beam_scores, pmax, psum, gpart, stats_buf, count, static_cast<int32_t>(num_candidates)});
+  launch(collect, {r, p, 1},
+         {logits, beam_scores, bits, stats_buf, count, buf, v, stride, w, static_cast<int32_t>(cap)});
+  launch(select, {r, 1, 1}, {logits, beam_scores, bits, stats_buf, count, buf, keys, v, stride, w,
+                             static_cast<int32_t>(num_candidates), static_cast<int32_t>(num_parents)});
+  return keys;
+}
+
 #else  // no CUDA in this build: no object can be made (bindings.cpp binds the class only with CUDA)
 
 namespace {
@@ -321,6 +368,10 @@ at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }
 at::Tensor TritonKernels::decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                            double) const {
+  no_cuda();
+}
+at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                          const at::Tensor&) const {
   no_cuda();
 }
 

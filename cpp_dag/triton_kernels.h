@@ -59,6 +59,12 @@ class TritonKernels {
   at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
                               const at::Tensor& kv_start, const at::Tensor& kv_len, const at::Tensor& suffix_k,
                               const at::Tensor& suffix_v, int64_t num_suffix, double scale) const;
+  // The beam step's per-row selection (kernels/beam_topk.py::beam_candidates): logits [rows, V]
+  // (rows of one request consecutive, num_parents per request; contiguous rows); beam_scores [rows]
+  // float32 (-inf: a dead beam); allowed: undefined or an int32 [rows, ceil(V / 32)] token bitmask
+  // -> keys [rows, num_candidates] int64, each row's best candidates first (score, then flat index).
+  at::Tensor beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
+                             int64_t num_parents, const at::Tensor& allowed = at::Tensor()) const;
 
  private:
   struct Impl;

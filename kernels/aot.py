@@ -161,6 +161,49 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr"),
         grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
+    return specs + beam_topk_specs(dt)
+
+
+def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
+    """The beam step's selection kernels (kernels/beam_topk.py) for `dt` logits: the streaming ones
+    per group count, the threshold and select ones per sort width KP = 2, 4, ..., max_sort (beam
+    widths up to max_sort). No allowed-token mask yet (variants mask1 when the API needs them)."""
+    from . import beam_topk
+
+    widths = [1 << i for i in range(1, max_sort.bit_length()) if 1 << i <= max_sort]
+    ptrs = {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "allowed_ptr": "*i32"}
+    row = {"vocab": "i32", "stride_x": "i32", "words": "i32"}
+    # 16-byte aligned buffers, and logits rows of a multiple of 16 elements (cpp_dag checks the stride)
+    aligned = ("x_ptr", "s_ptr", "allowed_ptr", "stride_x")
+    specs = []
+    for ng in sorted({beam_topk.sizes(k)["NG"] for k in widths}):
+        parts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": ng, "HAS_MASK": False, "INTERPRETED": False}
+        specs.append(KernelSpec(
+            variant_name("beam_stats", dt, g=ng, mask=0), beam_topk.beam_stats_kernel,
+            {**ptrs, "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32", **row,
+             **dict.fromkeys(parts, "constexpr")}, parts,
+            divisible_by_16=aligned + ("pmax_ptr", "psum_ptr", "gpart_ptr"), grid="(rows, NUM_PARTS, 1)"))
+        specs.append(KernelSpec(
+            variant_name("beam_collect", dt, g=ng, mask=0), beam_topk.beam_collect_kernel,
+            {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", **row, "cap": "i32",
+             **dict.fromkeys(parts, "constexpr")}, parts,
+            divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr"), grid="(rows, NUM_PARTS, 1)"))
+    for kp in widths:
+        sz = beam_topk.sizes(kp)
+        consts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": sz["NG"], "KP": kp}
+        specs.append(KernelSpec(
+            variant_name("beam_threshold", "fp32", g=sz["NG"], k=kp), beam_topk.beam_threshold_kernel,
+            {"s_ptr": "*fp32", "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32", "stats_ptr": "*fp32",
+             "count_ptr": "*i32", "num_candidates": "i32", **dict.fromkeys(consts, "constexpr")},
+            consts, divisible_by_16=("s_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr"),
+            grid="(rows, 1, 1)"))
+        consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": False}
+        specs.append(KernelSpec(
+            variant_name("beam_select", dt, k=kp, mask=0), beam_topk.beam_select_kernel,
+            {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", "out_ptr": "*i64", **row,
+             "num_candidates": "i32", "num_parents": "i32", **dict.fromkeys(consts, "constexpr")},
+            consts, num_warps=sz["select_warps"],
+            divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr", "out_ptr"), grid="(rows, 1, 1)"))
     return specs
 
 

@@ -10,17 +10,17 @@ log-sum-exp is over the whole vocabulary, a disallowed token's candidate is -inf
 
 The top-B of a request lies inside the union of its rows' top-B (under the same total order), so
 the work is per row, then a merge of P x K candidates. Per row, four launches:
-  1. `_stats_kernel`    (rows x NUM_PARTS programs) one pass: max and sum-exp of the row's share,
-                        and the max of every group j = {tokens v : v mod NG == j} (strided groups,
-                        so that tokens close in id, often alike, land in different groups);
-  2. `_threshold_kernel` (rows) log-sum-exp, and T = the K-th largest group max as a candidate
-                        score: K distinct tokens score >= T, so the row's top-K all score >= T;
-  3. `_collect_kernel`  (rows x NUM_PARTS) second pass: the tokens scoring > T into a per-row
-                        buffer of CAP slots (typically ~K of them: one group in NG/K holds one);
-  4. `_select_kernel`   (rows) the buffered tokens, plus the first tokens (by id) scoring exactly T
-                        when fewer than K score above it, sorted as 64-bit keys (score, then flat
-                        index) -> the row's K best keys. A row whose buffer overflowed finds its
-                        K-th score by bisection over the row instead (exact, slow, rare).
+  1. `beam_stats_kernel` (rows x NUM_PARTS programs), one pass: max and sum-exp of the row's
+     share, and the max of every group j = {tokens v : v mod NG == j} (strided groups, so that
+     tokens close in id, often alike, land in different groups);
+  2. `beam_threshold_kernel` (rows): log-sum-exp, and T = the K-th largest group max as a
+     candidate score: K distinct tokens score >= T, so the row's top-K all score >= T;
+  3. `beam_collect_kernel` (rows x NUM_PARTS), second pass: the tokens scoring > T into a
+     per-row buffer of CAP slots (typically ~K of them: about one group in NG/K holds one);
+  4. `beam_select_kernel` (rows): the buffered tokens, plus the first tokens (by id) scoring
+     exactly T when fewer than K score above it, sorted as 64-bit keys (score, then flat index)
+     -> the row's K best keys. A row whose buffer overflowed finds its K-th score by bisection
+     over the row instead (exact, slow, rare).
 A row whose beam score is -inf (a dead beam of a narrow request) reads nothing: its K candidates
 are tokens 0..K-1 at -inf, as the reference orders them.
 Then `merge_candidates` (torch: top-B of the request's P x K keys, which are unique, so no ties
@@ -39,15 +39,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import COMPILE_OPTIONS
+
 NUM_PARTS = 4  # programs per row in the streaming kernels (1, 3): parallelism for few rows
 
 
 def sizes(num_candidates: int) -> dict[str, int]:
     """The compile-time sizes for K candidates per row (cpp_dag/triton_kernels.cpp mirrors them):
     KP the sort width (a power of two >= max(K, 2)), NG the groups per row (>= 2 KP: T is then typically
-    the K-th largest of NG/K-sparse maxima), CAP the collect buffer (4x the typical count)."""
+    the K-th largest of NG/K-sparse maxima), CAP the collect buffer (4x the typical count); the
+    select kernel's warps (its sort of CAP 64-bit keys)."""
     kp = max(2, triton.next_power_of_2(num_candidates))  # tl.topk needs k >= 2
-    return {"KP": kp, "NG": max(1024, 2 * kp), "CAP": min(max(4 * kp, 256), 2048)}
+    return {"KP": kp, "NG": max(1024, 2 * kp), "CAP": min(max(4 * kp, 256), 2048),
+            "select_warps": 8 if kp >= 256 else 4}
 
 
 @triton.jit
@@ -103,8 +107,8 @@ def _stats_line(x_ptr, allowed_ptr, row, stride_x, words, vocab, line, run_max, 
 
 
 @triton.jit
-def _stats_kernel(x_ptr, s_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, vocab, stride_x, words,
-                  NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
+def beam_stats_kernel(x_ptr, s_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, vocab, stride_x, words,
+                      NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (row, part) reads lines part, part + NUM_PARTS, ... of the row seen as [V / NG, NG]:
     its max and sum of exp(x - max) (online over lines), and per column j (group j) the max of the
     allowed tokens. Writes pmax/psum [rows, NUM_PARTS], gpart [rows, NUM_PARTS, NG]."""
@@ -133,8 +137,8 @@ def _stats_kernel(x_ptr, s_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, voca
 
 
 @triton.jit
-def _threshold_kernel(s_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr, num_candidates,
-                      NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
+def beam_threshold_kernel(s_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr, num_candidates,
+                          NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
     """Per row: its max and log(sum exp(x - max)), and T = the K-th largest group max as a
     candidate score (-inf with fewer than K allowed groups). Writes stats [rows, 4] = (max,
     log-sum, T, -) and zeroes the row's collect count."""
@@ -160,8 +164,8 @@ def _threshold_kernel(s_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr
 
 
 @triton.jit
-def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, line, row_max, log_sum, s,
-                  thr, NG: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
+def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, cap, line, row_max, log_sum,
+                  s, thr, NG: tl.constexpr, HAS_MASK: tl.constexpr):
     cols = line * NG + tl.arange(0, NG)
     inb = cols < vocab
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, cols, inb, row_max, log_sum, s, HAS_MASK)
@@ -169,16 +173,15 @@ def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, 
     n = tl.sum(sel, axis=0)
     if n > 0:
         pos = tl.atomic_add(count_ptr + row, n) + tl.cumsum(sel, axis=0) - 1
-        tl.store(buf_ptr + row * CAP + pos, cols, mask=(sel != 0) & (pos < CAP))
+        tl.store(buf_ptr + row * cap + pos, cols, mask=(sel != 0) & (pos < cap))
 
 
 @triton.jit
-def _collect_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab, stride_x, words,
-                    NUM_PARTS: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
-    """Program (row, part), the lines of `_stats_kernel`: appends the tokens scoring > T to the row's
-    buffer buf [rows, CAP] (slots taken with an atomic counter: any order, `_select_kernel` sorts);
-    the count keeps growing past CAP, which tells `_select_kernel` that the buffer overflowed."""
+def beam_collect_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab, stride_x, words, cap,
+                        NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring > T to the row's
+    buffer buf [rows, cap] (slots taken with an atomic counter: any order, `beam_select_kernel` sorts);
+    the count keeps growing past cap, which tells `beam_select_kernel` that the buffer overflowed."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.load(s_ptr + row)
@@ -189,13 +192,13 @@ def _collect_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vo
     if s > float("-inf"):
         if not INTERPRETED:
             for line in range(part, lines, NUM_PARTS):
-                _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, line, row_max,
-                              log_sum, s, thr, NG, CAP, HAS_MASK)
+                _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, cap, line,
+                              row_max, log_sum, s, thr, NG, HAS_MASK)
         else:
             line = part
             while line < lines:
-                _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, line, row_max,
-                              log_sum, s, thr, NG, CAP, HAS_MASK)
+                _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, vocab, cap, line,
+                              row_max, log_sum, s, thr, NG, HAS_MASK)
                 line += NUM_PARTS
 
 
@@ -215,9 +218,9 @@ def _count_at_least(x_ptr, allowed_ptr, row, stride_x, words, vocab, row_max, lo
 
 
 @triton.jit
-def _select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, out_ptr, vocab, stride_x, words,
-                   num_candidates, num_parents,
-                   NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
+def beam_select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, out_ptr, vocab, stride_x, words,
+                       num_candidates, num_parents,
+                       NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
     """Per row: its K best candidates as keys, best first, into out [rows, K]."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.load(s_ptr + row)
@@ -321,15 +324,17 @@ def beam_candidates(logits: torch.Tensor, beam_scores: torch.Tensor, num_candida
     has_mask = allowed is not None
     stride = logits.stride(0)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    _stats_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, pmax, psum, gpart, vocab, stride, words,
-                                     NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted)
-    _threshold_kernel[(rows,)](beam_scores, pmax, psum, gpart, stats, count, num_candidates,
-                               NUM_PARTS=NUM_PARTS, NG=ng, KP=kp)
-    _collect_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, stats, count, buf, vocab, stride, words,
-                                       NUM_PARTS=NUM_PARTS, NG=ng, CAP=cap, HAS_MASK=has_mask,
-                                       INTERPRETED=interpreted)
-    _select_kernel[(rows,)](logits, beam_scores, mask, stats, count, buf, keys, vocab, stride, words,
-                            num_candidates, num_parents, NG=ng, KP=kp, CAP=cap, HAS_MASK=has_mask)
+    beam_stats_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, pmax, psum, gpart, vocab, stride, words,
+                                         NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
+                                         **COMPILE_OPTIONS)
+    beam_threshold_kernel[(rows,)](beam_scores, pmax, psum, gpart, stats, count, num_candidates,
+                                   NUM_PARTS=NUM_PARTS, NG=ng, KP=kp, **COMPILE_OPTIONS)
+    beam_collect_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, stats, count, buf, vocab, stride, words, cap,
+                                           NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
+                                           **COMPILE_OPTIONS)
+    beam_select_kernel[(rows,)](logits, beam_scores, mask, stats, count, buf, keys, vocab, stride, words,
+                                num_candidates, num_parents, NG=ng, KP=kp, CAP=cap, HAS_MASK=has_mask,
+                                num_warps=sz["select_warps"], **COMPILE_OPTIONS)
     return keys
 
 

@@ -372,9 +372,118 @@ def bench_layer_kernels(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, A
     return [row for name in LAYER_SHAPES for row in _layer_workload(name, dtype)]
 
 
+# --- the beam step (kernels/beam_topk.py; service/runtime/nodes.py beam_init / beam_step) ---------
+
+# workload: (model, layers, kv heads, head dim, requests, beams, new tokens); vocabulary 151,936
+BEAM_SHAPES = {
+    "W2x8": ("qwen2.5-0.5b", 24, 2, 64, 8, 100, 5),
+    "W3x4": ("qwen2.5-0.5b", 24, 2, 64, 4, 100, 5),
+    "W5x1": ("qwen3-0.6b", 28, 8, 128, 1, 400, 5),
+    "W5x2": ("qwen3-0.6b", 28, 8, 128, 2, 400, 5),
+    "W5x4": ("qwen3-0.6b", 28, 8, 128, 4, 400, 5),
+    "W6x1": ("qwen3-1.7b", 28, 8, 128, 1, 256, 3),
+}
+VOCAB = 151936
+
+
+def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, seed: int = 0) -> dict[str, Any]:
+    """A decode step's beam_step inputs as the runtimes lay them out: logits [R*B, V] as the LM head
+    gives them (bf16 for the fused path, float32 for ATen), beam scores with a request narrower
+    than the bucket (dead beams), the suffix K/V (one buffer + views when fused)."""
+    from service.runtime.nodes import set_beam_suffix
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = 4 * torch.randn(r * b, VOCAB, generator=gen, device="cuda")
+    scores = -3 * torch.rand(r, b, generator=gen, device="cuda").sort(-1, descending=True).values
+    widths = torch.full((r,), b, dtype=torch.int64, device="cuda")
+    widths[-1] = max(1, b // 2)
+    scores[-1, b // 2:] = float("-inf")
+    env = {"logits": logits.to(torch.bfloat16) if fused else logits, "beam_scores": scores, "beam_width": widths,
+           "beam_seqs": torch.randint(0, VOCAB, (r, b, n), generator=gen, device="cuda")}
+    kv = torch.randn(layers, 2, r * b, max(n - 1, 1), g, e, generator=gen, device="cuda").to(torch.bfloat16)
+    if fused:
+        set_beam_suffix(env, kv)
+    else:
+        env.update({f"suffix_{'kv'[j]}.{i}": kv[i, j].clone() for i in range(layers) for j in range(2)})
+    return env
+
+
+def _beam_workload(name: str) -> list[dict[str, Any]]:
+    from kernels import beam_topk
+    from service.artifact.dag import Node
+    from service.runtime.fused import JitKernels
+    from service.runtime.nodes import NodeContext, beam_init, beam_step
+
+    model, layers, g, e, r, b, n = BEAM_SHAPES[name]
+    suffix = tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")
+    outs = ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")
+    ins = ("logits", "beam_scores", "beam_seqs", "beam_width")
+    ctx = {"aten": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), None),  # type: ignore[arg-type]
+           "fused": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), JitKernels())}  # type: ignore[arg-type]
+    envs = {label: _beam_env(layers, g, e, r, b, n, label == "fused") for label in ctx}
+    # check first: the fused step's beams equal the reference's (its scores within float32 rounding)
+    got = beam_topk.beam_topk(envs["fused"]["logits"], envs["fused"]["beam_scores"], b)
+    want = beam_topk.beam_topk_ref(envs["fused"]["logits"], envs["fused"]["beam_scores"], b)
+    fin = want[0].isfinite()
+    err = (got[0][fin] - want[0][fin]).abs().max().item()
+    same = ((got[1] == want[1]) & (got[2] == want[2])).float().mean().item()
+    if err > 1e-4 or same < 0.99:
+        raise AssertionError(f"beam_topk {name}: scores off by {err:.2e}, {same:.1%} of (parent, token) equal")
+    results = []
+    one_read = r * b * VOCAB * 2  # the bf16 logits, once: the floor of the selection
+    for label in ("aten", "fused"):
+        env = envs[label]
+        per_step = []
+        for t in range(1, n):
+            node = Node(f"step{t}.beam_step", "beam_step", ins + suffix, outs + suffix, {"step": t})
+            per_step.append(graph_time_ms(lambda node=node: beam_step(ctx[label], node, dict(env))))
+        init_env = {"logits": env["logits"][::b].contiguous(), "beam_width": env["beam_width"],
+                    "beam_seqs": torch.zeros(r, b, n, dtype=torch.int64, device="cuda")}
+        init = graph_time_ms(lambda: beam_init(ctx[label], Node("beam_init", "beam_init", ("logits", "beam_width"),
+                                                                 outs), dict(init_env)))
+        row = {"bench": "beam_step", "workload": name, "model": model, "variant": label, "rows": r * b,
+               "ms_beam_init": init, "ms_per_step": per_step, "ms_per_batch": init + sum(per_step),
+               "floor_ms_per_step": one_read / (HBM_TB_S * 1e12) * 1e3, "max_score_err": err, "same_beams": same}
+        print(f"beam_step {name:5s} {label:6s} init {init * 1e3:7.1f} us  steps (t=1..{n - 1}) "
+              f"{' '.join(f'{x * 1e3:7.1f}' for x in per_step)} us  per batch {row['ms_per_batch']:7.3f} ms  "
+              f"(floor {row['floor_ms_per_step'] * 1e3:.1f} us a step)", flush=True)
+        results.append(row)
+    # the fused step's parts: the selection kernels (two passes over the logits), the merge, the reorder
+    env = envs["fused"]
+    flat = env["beam_scores"].reshape(-1).contiguous()
+    parts = {"candidates": (lambda: beam_topk.beam_candidates(env["logits"], flat, b, b), 2 * one_read),
+             "candidates+merge": (lambda: beam_topk.merge_candidates(
+                 beam_topk.beam_candidates(env["logits"], flat, b, b), r, b, VOCAB), 2 * one_read),
+             "suffix_gather": (lambda: env["suffix_kv"].index_select(2, torch.arange(r * b, device="cuda")),
+                               2 * env["suffix_kv"].numel() * 2)}
+    for part, (fn, nbytes) in parts.items():
+        ms = graph_time_ms(fn)
+        row = {"bench": "beam_step", "workload": name, "variant": f"fused:{part}", "ms": ms, "bytes": nbytes,
+               "gb_s": nbytes / ms / 1e6, "of_peak": nbytes / ms / 1e9 / (HBM_TB_S * 1e3)}
+        print(f"beam_step {name:5s} fused:{part:16s} {ms * 1e3:7.1f} us  {nbytes / 1e6:7.1f} MB moved  "
+              f"{row['gb_s']:7.0f} GB/s ({row['of_peak']:5.1%} of {HBM_TB_S} TB/s)", flush=True)
+        results.append(row)
+    cast = graph_time_ms(lambda: envs["fused"]["logits"].float())
+    print(f"beam_step {name:5s} aten:lm_head_cast {cast * 1e3:7.1f} us (the float32 copy the fused path drops)",
+          flush=True)
+    results.append({"bench": "beam_step", "workload": name, "variant": "aten:lm_head_cast", "ms": cast})
+    return results
+
+
+def bench_beam_step() -> list[dict[str, Any]]:
+    """The beam bookkeeping of a BeamSearch batch, ATen (float32 log-softmax over [rows, V], top-k
+    over B x V per request, every layer's suffix K/V index_select'ed) against the fused path
+    (kernels/beam_topk.py on the bf16 logits, top-B of B x B keys, one gather of the suffix buffer,
+    none after the last step), through the nodes themselves (service/runtime/nodes.py), per step
+    and per batch (beam_init + the decode steps); then the fused parts against 4.8 TB/s.
+    Baseline at b258f99, W2x8: beam_step 12.1 ms a batch."""
+    return [row for name in BEAM_SHAPES for row in _beam_workload(name)]
+
+
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
     "layer_kernels": bench_layer_kernels,
+    "beam_step": bench_beam_step,
 }
 
 

@@ -35,10 +35,11 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        from kernels import decode_attention, norm_act, qkv_rope
+        from kernels import beam_topk, decode_attention, norm_act, qkv_rope
 
         self.silu_mul = norm_act.silu_mul
         self.decode_attention = decode_attention.decode_attention
+        self.beam_candidates = beam_topk.beam_candidates
         self._rms_norm, self._qkv_rope = norm_act.rms_norm, qkv_rope.qkv_rope
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention_bias, biased_attention, masked_attention_ref
+from kernels.beam_topk import merge_candidates
 
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
@@ -116,7 +117,10 @@ def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:
 
 def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
     w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table
-    env[node.outputs[0]] = F.linear(env[node.inputs[0]], w).float()
+    logits = F.linear(env[node.inputs[0]], w)
+    # the fused beam step reads the model-dtype logits once, computing in float32 (no float32
+    # [rows, V] copy); the consumers on the ATen path upcast as before
+    env[node.outputs[0]] = logits if ctx.fused is not None else logits.float()
 
 
 def cls_head(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -125,7 +129,7 @@ def cls_head(ctx: NodeContext, node: Node, env: Env) -> None:
 
 def label_logprobs(ctx: NodeContext, node: Node, env: Env) -> None:
     logits, labels = (env[n] for n in node.inputs)
-    env[node.outputs[0]] = torch.log_softmax(logits, dim=-1).gather(1, labels)
+    env[node.outputs[0]] = torch.log_softmax(logits.float(), dim=-1).gather(1, labels)
 
 
 def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
@@ -137,10 +141,16 @@ def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tenso
 
 def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     """First generated token: top-B of the prompt's next-token distribution (every beam equal)."""
-    logits, widths = (env[n] for n in node.inputs)  # [R, V] float32, [R]
+    logits, widths = (env[n] for n in node.inputs)  # [R, V] (float32; the model dtype when fused), [R]
     num_beams, num_new = env["beam_seqs"].shape[1:]
-    logp = torch.log_softmax(logits, dim=-1)
-    scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
+    if ctx.fused is not None:  # kernels/beam_topk.py with one parent row per request, beam score 0
+        r, vocab = logits.shape
+        zero = torch.zeros(r, dtype=torch.float32, device=logits.device)
+        scores, _, tokens = merge_candidates(ctx.fused.beam_candidates(logits, zero, num_beams, 1), r, num_beams,
+                                             vocab)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
     seqs = env["beam_seqs"]
     seqs[:, :, 0] = tokens
     env["beam_scores"] = _mask_extra_beams(scores, widths)
@@ -153,10 +163,14 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     logits, scores, seqs, widths = (env[n] for n in node.inputs[:4])  # [R*B, V], [R, B], [R, B, n], [R]
     r, b = scores.shape
     vocab = logits.shape[-1]
-    cand = torch.log_softmax(logits, dim=-1).reshape(r, b, vocab) + scores.unsqueeze(-1)
-    top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
-    parents = torch.div(top_idx, vocab, rounding_mode="floor")
-    tokens = top_idx - parents * vocab
+    if ctx.fused is not None:  # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), then top-B of B x B
+        keys = ctx.fused.beam_candidates(logits, scores.reshape(-1), b, b)
+        top_scores, parents, tokens = merge_candidates(keys, r, b, vocab)
+    else:
+        cand = torch.log_softmax(logits, dim=-1).reshape(r, b, vocab) + scores.unsqueeze(-1)
+        top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
+        parents = torch.div(top_idx, vocab, rounding_mode="floor")
+        tokens = top_idx - parents * vocab
     rows = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]
     new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()
     new_seqs[:, :, node.step] = tokens
@@ -164,8 +178,31 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     env["beam_scores"] = _mask_extra_beams(top_scores, widths)
     env["beam_tokens"] = tokens.reshape(-1)
     env["beam_parents"] = parents
-    for name in node.inputs[4:]:
-        env[name] = env[name].index_select(0, rows)
+    if ctx.fused is None:
+        for name in node.inputs[4:]:
+            env[name] = env[name].index_select(0, rows)
+    elif node.step < seqs.shape[2] - 1:  # a later decode step reads the suffix: every layer's in one gather
+        set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))
+
+
+def beam_suffix(ctx: NodeContext, rows: int, slots: int, device: torch.device) -> Env:
+    """Per-beam suffix K/V, one slot per decode step: suffix_k.{i} / suffix_v.{i} [rows, slots, G, E].
+    With the fused kernels they are views of one buffer suffix_kv [layers, 2, rows, slots, G, E], so
+    that a beam step reorders every layer's suffix in one gather (cpp_dag/executor.cpp alike)."""
+    cfg = ctx.cfg
+    if ctx.fused is None:
+        return {f"suffix_{kv}.{i}": torch.zeros(rows, slots, cfg.num_kv_heads, cfg.head_dim, dtype=ctx.rope_cos.dtype,
+                                                device=device) for i in range(cfg.num_layers) for kv in "kv"}
+    env: Env = {}
+    set_beam_suffix(env, torch.zeros(cfg.num_layers, 2, rows, slots, cfg.num_kv_heads, cfg.head_dim,
+                                     dtype=ctx.rope_cos.dtype, device=device))
+    return env
+
+
+def set_beam_suffix(env: Env, suffix_kv: torch.Tensor) -> None:
+    env["suffix_kv"] = suffix_kv
+    for i in range(suffix_kv.shape[0]):
+        env[f"suffix_k.{i}"], env[f"suffix_v.{i}"] = suffix_kv[i, 0], suffix_kv[i, 1]
 
 
 NODE_FUNCS: dict[str, Callable[[NodeContext, Node, Env], None]] = {

@@ -14,7 +14,7 @@ from .batch import BeamBatch, ScoreBatch
 from ..artifact.dag import Node
 from .fused import python_kernels
 from ..model.layers import LayerWeights, rope_table
-from .nodes import NODE_FUNCS, Env, NodeContext
+from .nodes import NODE_FUNCS, Env, NodeContext, beam_suffix
 
 Trace = Callable[[Node, Env], None]
 
@@ -59,13 +59,10 @@ class PythonRuntime:
     @torch.inference_mode()
     def run_beam(self, batch: BeamBatch, trace: Trace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns seqs [R, B, n] int64 and cumulative log-probs [R, B] float32, on the host."""
-        cfg, bucket = self.cfg, batch.bucket
+        bucket = batch.bucket
         env = self._inputs(batch.inputs)
         rows, n = bucket.max_requests * bucket.beam_width, bucket.new_tokens
         env["beam_seqs"] = torch.zeros(bucket.max_requests, bucket.beam_width, n, dtype=torch.int64, device=self.device)
-        for i in range(cfg.num_layers):  # per-beam suffix K/V: one slot per decode step
-            for kv in "kv":
-                env[f"suffix_{kv}.{i}"] = torch.zeros(rows, max(n - 1, 1), cfg.num_kv_heads, cfg.head_dim,
-                                                      dtype=self.dtype, device=self.device)
+        env.update(beam_suffix(self.ctx, rows, max(n - 1, 1), self.device))  # one slot per decode step
         self._walk(self.artifact.beam_dag, env, n, trace)
         return env["beam_seqs"].cpu(), env["beam_scores"].cpu()

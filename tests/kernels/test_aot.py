@@ -15,6 +15,10 @@ import msgpack
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# kernels/beam_topk.py: the streaming kernels for 1024 groups, the threshold and select ones per sort width
+BEAM_TOPK_VARIANTS = ({"beam_stats.g1024.mask0.bf16", "beam_collect.g1024.mask0.bf16"}
+                      | {f"beam_threshold.g1024.k{1 << i}.fp32" for i in range(1, 10)}
+                      | {f"beam_select.k{1 << i}.mask0.bf16" for i in range(1, 10)})
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.i384.bf16",
                         "qkv_rope.h4.g2.e32.norm0.bf16", "qkv_rope.h4.g2.e32.norm1.bf16",
-                        "decode_attention.h4.g2.e32.bf16"}
+                        "decode_attention.h4.g2.e32.bf16"} | BEAM_TOPK_VARIANTS
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()

@@ -176,11 +176,12 @@ def aot_kernels(tmp_path_factory: pytest.TempPathFactory):
 
     from cpp_dag import _core
     from service.model.checkpoint import weight_source
-    from service.runtime.fused import kernel_shape
 
     out = tmp_path_factory.mktemp("aot_beam")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shape = json.dumps(kernel_shape(weight_source("embedded:qwen2.5-0.5b")[0]))
+    cfg = weight_source("embedded:qwen2.5-0.5b")[0]
+    shape = json.dumps(dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads))
     proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", shape, "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

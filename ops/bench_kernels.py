@@ -25,6 +25,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.attention import masked_attention_ref
+from kernels.attention_merge import merge_attention_states_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
 from service.model.layers import two_part_attention
 
@@ -480,8 +482,143 @@ def bench_beam_step() -> list[dict[str, Any]]:
     return [row for name in BEAM_SHAPES for row in _beam_workload(name)]
 
 
+# --- Score / BeamSearch-prefill attention: by request block (SDPA + bias) vs by sample (varlen) ---
+
+# workload: (heads, kv heads, head dim, layers, block tokens, requests a block, [prefix, sample lengths...] a request)
+# Score: one block per request (prefix, then its samples, then padding); BeamSearch prefill: one
+# block for the whole batch (the prompts packed, then padding), a prompt being one "sample".
+PREFILL_SHAPES = {
+    "W1x8": (16, 8, 128, 28, 1024, 1, [0] + [64] * 15, 8),
+    "W4x8": (16, 8, 128, 28, 768, 1, [384] + [24] * 15, 8),
+    "W2x8-prefill": (14, 2, 64, 24, 1024, 8, [0, 128], 1),
+    "W3x4-prefill": (14, 2, 64, 24, 2048, 4, [0, 480], 1),
+    "W5x1-prefill": (16, 8, 128, 28, 512, 1, [0, 480], 1),
+    "W5x2-prefill": (16, 8, 128, 28, 1024, 2, [0, 480], 1),
+}
+
+
+def prefill_layout(block: int, per_block: int, lengths: list[int], blocks: int):
+    """Host-side layout of one bucket: runs [(start, length, kind)] with kind 'prefix', 'sample' or
+    'pad' (a block's tail), and prefix_of[t]: the start/length of the prefix a sample token sees."""
+    runs, prefix_of = [], {}
+    for r in range(blocks):
+        t = r * block
+        for _ in range(per_block):
+            prefix, samples = lengths[0], lengths[1:]
+            p0 = t
+            if prefix:
+                runs.append((t, prefix, "prefix"))
+                t += prefix
+            for s in samples:
+                runs.append((t, s, "sample"))
+                prefix_of.update({i: (p0, prefix) for i in range(t, t + s)} if prefix else {})
+                t += s
+        if t < (r + 1) * block:
+            runs.append((t, (r + 1) * block - t, "pad"))
+        if t > (r + 1) * block:
+            raise ValueError(f"{lengths} x {per_block} does not fit a block of {block}")
+    return runs, prefix_of
+
+
+def _visible(block: int, blocks: int, runs, prefix_of, device: str) -> torch.Tensor:
+    """[blocks, block, block] bool: causal within a run (padding too: a row sees at least itself),
+    plus a sample token's request prefix."""
+    vis = torch.zeros(blocks, block, block, dtype=torch.bool)
+    for start, length, _ in runs:
+        r, i = divmod(start, block)
+        vis[r, i:i + length, i:i + length] = torch.ones(length, length, dtype=torch.bool).tril()
+    for t, (p0, plen) in prefix_of.items():
+        r, i = divmod(t, block)
+        vis[r, i, p0 - r * block:p0 - r * block + plen] = True
+    return vis.to(device)
+
+
+def _lse_rows(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
+    """The op's log-sum-exp as [T, H] (FlashAttention's varlen layout is [H, T]; checked, not assumed)."""
+    if lse.shape == (h, t):
+        return lse.t()
+    if lse.shape == (t, h):
+        return lse
+    raise RuntimeError(f"_flash_attention_forward returned lse {list(lse.shape)}, expected [{h}, {t}] or [{t}, {h}]")
+
+
+def _prefill_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+    h, g, e, layers, block, per_block, lengths, blocks = PREFILL_SHAPES[name]
+    runs, prefix_of = prefill_layout(block, per_block, lengths, blocks)
+    t = block * blocks
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(t, n, e, generator=gen, device="cuda", dtype=dtype) for n in (h, g, g))
+    scale = e ** -0.5
+    vis = _visible(block, blocks, runs, prefix_of, "cuda")
+    real = torch.zeros(t, dtype=torch.bool, device="cuda")
+    for start, length, kind in runs:
+        real[start:start + length] = kind != "pad"
+
+    def dense(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:  # the CPU path's reference
+        return torch.cat([masked_attention_ref(qq[r * block:(r + 1) * block], kk[r * block:(r + 1) * block],
+                                               vv[r * block:(r + 1) * block], vis[r], scale)[0]
+                          for r in range(blocks)])
+
+    # before: SDPA over each block with an additive bias (kernels/attention.py at b258f99)
+    bias = torch.zeros(vis.shape, dtype=dtype, device="cuda").masked_fill(~vis, float("-inf")).unsqueeze(1)
+
+    def by_block() -> torch.Tensor:
+        q4 = q.view(blocks, block, h, e).transpose(1, 2)
+        k4, v4 = (x.repeat_interleave(h // g, dim=1).view(blocks, block, h, e).transpose(1, 2) for x in (k, v))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale)
+        return out.transpose(1, 2).reshape(t, h, e)
+
+    # after: varlen flash attention, causal within each run; samples after a prefix also attend to it
+    # (a second, non-causal call per block over the block's first prefix_len keys), merged by LSE
+    cu_self = torch.tensor([s for s, _, _ in runs] + [t], dtype=torch.int32, device="cuda")
+    cu_blocks = torch.arange(0, t + 1, block, dtype=torch.int32, device="cuda")
+    prefix_len = torch.full((blocks,), lengths[0] if per_block == 1 else 0, dtype=torch.int32, device="cuda")
+    has_ctx = torch.zeros(t, 1, dtype=torch.bool, device="cuda")
+    for i in prefix_of:
+        has_ctx[i] = True
+    has_prefix = bool(prefix_of)
+
+    def by_sample() -> torch.Tensor:
+        out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_self, cu_self, block, block, 0.0, True, False,
+                                                           scale=scale)[:2]
+        if not has_prefix:
+            return out
+        out_ctx, lse_ctx = torch.ops.aten._flash_attention_forward(q, k, v, cu_blocks, cu_blocks, block, block, 0.0,
+                                                                   False, False, scale=scale, seqused_k=prefix_len)[:2]
+        lse_ctx = _lse_rows(lse_ctx, t, h).masked_fill(~has_ctx, float("-inf"))
+        return merge_attention_states_ref(out_ctx, lse_ctx, out, _lse_rows(lse, t, h))[0]
+
+    lse_shape = list(torch.ops.aten._flash_attention_forward(q, k, v, cu_self, cu_self, block, block, 0.0, True,
+                                                             False, scale=scale)[1].shape)
+    truth = dense(q.double(), k.double(), v.double())
+    ref_err = (dense(q, k, v).double() - truth)[real].abs().max().item()
+    useful = sum(s * (s + 1) / 2 + (prefix_of[st][1] * s if st in prefix_of else 0) for st, s, kind in runs
+                 if kind != "pad") * 4 * h * e  # FLOPs: causal within a sample + its prefix
+    results = []
+    for label, fn in (("by_block_sdpa_bias", by_block), ("by_sample_varlen", by_sample)):
+        err = (fn().double() - truth)[real].abs().max().item()
+        ms = graph_time_ms(fn)
+        row = {"bench": "prefill_attention", "workload": name, "variant": label, "dtype": str(dtype),
+               "max_err_vs_fp64": err, "dense_ref_max_err_vs_fp64": ref_err, "ms_per_layer": ms,
+               "ms_per_batch": ms * layers, "useful_tflops": useful / ms / 1e9, "flash_lse_shape": lse_shape}
+        print(f"prefill_attention {name:13s} {label:19s} {ms * 1e3:8.1f} us a layer  {ms * layers:7.3f} ms a batch  "
+              f"{row['useful_tflops']:6.1f} useful TFLOP/s  err {err:.2e} (dense ref {ref_err:.2e})  "
+              f"lse {lse_shape}", flush=True)
+        results.append(row)
+    return results
+
+
+def bench_prefill_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """Score and BeamSearch-prefill attention, one layer: by request block (torch SDPA over each
+    block with an additive bias, as at b258f99) vs by sample (ATen's varlen FlashAttention:
+    causal within each sample; a shared prefix through a second call merged by log-sum-exp), each
+    checked against the dense-mask reference in float64 on the real rows."""
+    return [row for name in PREFILL_SHAPES for row in _prefill_workload(name, dtype)]
+
+
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
+    "prefill_attention": bench_prefill_attention,
     "layer_kernels": bench_layer_kernels,
     "beam_step": bench_beam_step,
 }

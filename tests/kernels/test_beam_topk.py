@@ -93,7 +93,7 @@ def test_dead_beams_and_dead_requests(device: str) -> None:
     got, want = beam_topk(logits, scores, 6), beam_topk_ref(logits, scores, 6)
     _check(got, want, logits, scores)
     assert got[0][1].isinf().all() and got[1][1].tolist() == [0] * 6 and got[2][1].tolist() == list(range(6))
-    assert got[1][0].tolist() == [0, 0, 0, 0, 0, 0] or torch.equal(got[1][0], want[1][0])
+    assert set(got[1][0].tolist()) <= {0, 1}  # request 0: only its two live parents continue
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,10 +14,16 @@ The prediction (ServiceTimeModel measures the executor, per bucket):
            requests of its kind queued with it would make (1, 2, 4, ...)
   ahead    executor time owed to the batches in flight + the shares queued in higher lanes +
            the shares before it in its own lane
-  finish = now + (ahead / parallelism · h + own) · (1 + safety_margin) + response_margin_s
+  finish = now + ((ahead / parallelism · h + own) · (1 + safety_margin) + margin) · calibration
 
-where h stretches a lower lane's wait by the higher lanes' utilisation, 1/(1 − ρ_higher), at
-most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits.
+where margin is response_margin_s or the event loop's measured delay in answering, whichever is
+larger, and h stretches a lower lane's wait by the higher lanes' utilisation, 1/(1 − ρ_higher),
+at most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits;
+calibration is the worst ratio of actual to predicted latency among the last requests (>= 1):
+what the model misses, it learns from its own errors.
+A request refused for its deadline (or a full lane) is told to retry when it would fit (at least
+one run of its own later), and after the requests refused before it: retry appointments one share
+of the executor apart, so that requests refused together do not all return together.
 Nothing is clamped into a queueing formula: the queue ahead is known at admission.
 
 Within a lane, clients (a client-id metadata key, else the peer) are served in start-time fair
@@ -40,6 +46,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -62,6 +69,9 @@ class Priority(enum.IntEnum):
 
 
 PRIORITIES = tuple(Priority)  # iterating the enum class itself is several times slower
+# A batch grows into a larger bucket only while its time per request stays within this factor of
+# the smaller bucket's (larger buckets are cheaper per request on a GPU; not always on a CPU).
+GROWTH_TOLERANCE = 1.1
 
 
 class Overloaded(Exception):
@@ -96,6 +106,8 @@ class AdmissionConfig:
     service_quantile: float = 0.9  # a bucket's time is this quantile of its window
     service_ttl_s: float = 60.0  # older measurements give way to interpolation over fresher ones
     outlier_factor: float = 4.0  # a sample above this x the estimate is recorded capped at it
+    calibration_window: int = 256  # predictions stretched by the worst actual/predicted of this many; 0: off
+    max_calibration: float = 2.0  # ... at most this much
     safety_margin: float = 0.1  # predicted wait + service is stretched by this fraction
     response_margin_s: float = 0.002  # unpacking, encoding and sending after the batch
     max_retry_after_s: float = 2.0  # every retry hint is at most this
@@ -106,6 +118,11 @@ class AdmissionConfig:
     client_id_metadata: str = "x-client-id"  # metadata key naming the client; absent: the peer's address
 
     def __post_init__(self) -> None:
+        if isinstance(self.calibration_window, bool) or not isinstance(self.calibration_window, int) \
+                or self.calibration_window < 0:
+            raise ValueError(f"admission.calibration_window: must be an integer >= 0, got {self.calibration_window!r}")
+        if not self.max_calibration >= 1:
+            raise ValueError(f"admission.max_calibration: must be >= 1, got {self.max_calibration!r}")
         for name in ("max_queue_online", "max_queue_normal", "max_queue_background", "online_burst", "normal_burst",
                      "service_window", "max_inflight_rpcs"):
             value = getattr(self, name)
@@ -139,7 +156,8 @@ class AdmissionConfig:
         return ServiceTimeModel(default_s=self.default_service_s, window=self.service_window,
                                 quantile=self.service_quantile, ttl_s=self.service_ttl_s,
                                 outlier_factor=self.outlier_factor, utilisation_window_s=self.utilisation_window_s,
-                                num_lanes=num_lanes)
+                                num_lanes=num_lanes, calibration_window=self.calibration_window,
+                                max_calibration=self.max_calibration)
 
 
 # ---- tickets ----------------------------------------------------------------------------------------
@@ -162,6 +180,8 @@ class Ticket:
     work_s: float = 0.0  # its predicted share of the executor (what it counts in queues and for its client)
     slack_s: float = math.inf  # deadline − predicted finish, less the shares admitted ahead of it since
     tag: float = 0.0  # start-time fair queuing: its virtual start in its lane
+    answered_s: float = 0.0  # when its result (or error) was set
+    predicted_s: float = 0.0  # admission's latency prediction before calibration (with a deadline)
 
     def is_expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -230,6 +250,8 @@ class AdmissionController:
                                          "impossible": 0}
         self._dropped: dict[str, int] = {"expired": 0, "cancelled": 0, "drained": 0}
         self._taken = 0
+        self._next_retry = {p: -math.inf for p in PRIORITIES}  # the next free retry appointment per lane
+        self._jitter = random.Random()
 
     # -- admission --
 
@@ -242,25 +264,28 @@ class AdmissionController:
         ticket.own_s = own_s = self._bucket_s(ticket, 1, now)
         if ticket.deadline is not None:
             self._check_meetable(ticket, own_s, now)
-        if len(lane) >= self._max_queue[ticket.priority]:
-            self._refuse("queue_full", self._drain_time_s(lane.work_s / len(lane), now),
-                         f"{ticket.priority.name} lane holds {len(lane)} requests")
         ticket.work_s = work_s = self._share_s(ticket, now)
+        parallelism = self.model.parallelism(now)
+        if len(lane) >= self._max_queue[ticket.priority]:
+            self._refuse("queue_full", self._appointment(ticket, lane.work_s / len(lane) / parallelism, now),
+                         f"{ticket.priority.name} lane holds {len(lane)} requests")
         if lane.tickets and lane.work_s + work_s > cfg.max_lane_work_s:
-            self._refuse("queue_full", self._drain_time_s(lane.work_s + work_s - cfg.max_lane_work_s, now),
+            excess_s = lane.work_s + work_s - cfg.max_lane_work_s
+            self._refuse("queue_full", self._appointment(ticket, excess_s / parallelism, now),
                          f"{ticket.priority.name} lane holds {lane.work_s:.3f} s of work (at most "
                          f"{cfg.max_lane_work_s:g} s)")
         client_s = self._client_work.get(ticket.client, 0.0)
         if cfg.max_client_work_s and client_s > 0 and client_s + work_s > cfg.max_client_work_s:
-            self._refuse("client_limit", self._drain_time_s(client_s + work_s - cfg.max_client_work_s, now),
+            self._refuse("client_limit", (client_s + work_s - cfg.max_client_work_s) / parallelism,
                          f"client {ticket.client!r} has {client_s:.3f} s of work outstanding (at most "
                          f"{cfg.max_client_work_s:g} s)")
         index, tag = self._place(lane, ticket)
         if ticket.deadline is not None:
             ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
-            finish = now + self._predict_s(ticket.priority, ahead_s, own_s, now)
-            if finish > ticket.deadline:
-                self._refuse("deadline", self._hint(finish - ticket.deadline),
+            ticket.predicted_s = self._predict_s(ticket.priority, ahead_s, own_s, now)
+            finish = now + ticket.predicted_s * self.model.calibration
+            if finish > ticket.deadline:  # back when it would fit, and at least one run of its own later
+                self._refuse("deadline", self._appointment(ticket, max(finish - ticket.deadline, own_s), now),
                              f"predicted completion in {finish - now:.4f} s misses the deadline in "
                              f"{ticket.deadline - now:.4f} s")
             ticket.slack_s = ticket.deadline - finish
@@ -304,7 +329,12 @@ class AdmissionController:
         ahead_s = model.inflight_remaining_s(now) + lane_ahead_s
         ahead_s += sum(self._lanes[p].work_s for p in PRIORITIES if p < priority)
         wait_s = ahead_s / model.parallelism(now) * self._stretch(priority, now)
-        return (wait_s + own_s) * (1 + cfg.safety_margin) + cfg.response_margin_s
+        return (wait_s + own_s) * (1 + cfg.safety_margin) + self.response_margin_s()
+
+    def response_margin_s(self) -> float:
+        """Time an answer needs after its batch: unpacking, encoding, sending (the configured
+        margin) or the event loop's measured delay, whichever is larger."""
+        return max(self.config.response_margin_s, self.model.lag_s)
 
     def _stretch(self, priority: Priority, now: float) -> float:
         """How much the lanes around it stretch a lane's wait: work arriving in higher lanes
@@ -322,8 +352,8 @@ class AdmissionController:
     def predict_latency_s(self, ticket: Ticket, now: float | None = None) -> float:
         """Admission's prediction for this ticket if it came now, at the end of its lane."""
         now = self.clock() if now is None else now
-        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, self._bucket_s(ticket, 1, now),
-                               now)
+        own_s = self._bucket_s(ticket, 1, now)
+        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, own_s, now) * self.model.calibration
 
     # -- costs --
 
@@ -336,20 +366,32 @@ class AdmissionController:
         return self.model.bucket_s(info, now)
 
     def _share_s(self, ticket: Ticket, now: float) -> float:
-        """Its share of the batch that the requests of its kind queued with it would make."""
+        """Its share of the batch that the requests of its kind queued with it would make: the
+        batcher grows a batch while the time per request does not get worse (GROWTH_TOLERANCE)."""
         if ticket.cost is None:
             return self.config.default_service_s
         same = 1 + sum(self._lanes[p].kinds.get(ticket.kind, 0) for p in PRIORITIES if p <= ticket.priority)
-        best = ticket.own_s
+        share = ticket.own_s
         for n, info in ticket.cost.packings[1:]:
             if n > same:
                 break
-            best = min(best, self.model.bucket_s(info, now) / n)
-        return best
+            per_request = self.model.bucket_s(info, now) / n
+            if per_request > share * GROWTH_TOLERANCE:
+                break
+            share = per_request
+        return share
 
-    def _drain_time_s(self, excess_s: float, now: float) -> float:
-        """A retry hint: how long the executor takes to work off excess_s of queued shares."""
-        return self._hint(excess_s / self.model.parallelism(now))
+    def _appointment(self, ticket: Ticket, wait_s: float, now: float) -> float:
+        """The retry hint of a request refused for lack of room in its lane: no sooner than wait_s,
+        nor than the appointment after the last one given in its lane, appointments one share of
+        the executor apart — requests refused together come back one by one as room frees, not
+        all at once (each refusal costs the server too). Past the cap they are spread at random."""
+        cap, p = self.config.max_retry_after_s, ticket.priority
+        at = max(now + wait_s, self._next_retry[p])
+        self._next_retry[p] = min(at + ticket.work_s / self.model.parallelism(now), now + cap)
+        if at - now >= cap:
+            return cap * (1 - 0.25 * self._jitter.random())
+        return at - now
 
     def _hint(self, seconds: float) -> float:
         return self.config.retry_hint_s(seconds)
@@ -497,5 +539,5 @@ class AdmissionController:
         }
 
 
-__all__ = ["AdmissionConfig", "AdmissionController", "DeadlineExpired", "DeadlineUnmeetable", "Overloaded", "Priority",
+__all__ = ["GROWTH_TOLERANCE", "AdmissionConfig", "AdmissionController", "DeadlineExpired", "DeadlineUnmeetable", "Overloaded", "Priority",
            "Ticket"]

@@ -4,9 +4,10 @@ executor, several batches in flight. `Scheduler` is the one object the gRPC serv
 One loop on the event loop: when an in-flight slot is free, the admission policy names the next
 request (its priority lane; fair-queuing order between clients within it); every waiting request of
 the same kind ("score", or "beam.n<new_tokens>") joins it, in priority order, while some bucket still
-holds them all and the larger bucket still answers every member within its deadline. The batch is
-released at once when something of its kind was left out (the bucket is full) or the cap is
-reached, otherwise when its oldest request has waited `max_wait_s`. Requests are never split.
+holds them all and, when that takes a larger bucket, the time per request is no worse and every
+member is still answered within its deadline. The batch is released at once when something of its
+kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
+has waited `max_wait_s`. Requests are never split.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -31,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .admission import (AdmissionConfig, AdmissionController, DeadlineExpired, DropReason, Overloaded, Priority,
-                        Ticket)
+from .admission import (GROWTH_TOLERANCE, AdmissionConfig, AdmissionController, DeadlineExpired, DropReason,
+                        Overloaded, Priority, Ticket)
 from .cost import CostTable, RequestCost, request_kind
 from ..artifact.artifact import Artifact
 from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam,
@@ -130,7 +132,7 @@ class _SubmitExecutor:
         self.runtime = runtime
         self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
 
-    async def run(self, batch: Batch) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], dict[str, Any]]:
         outputs, timings = await self.runtime.submit(batch)
         return list(outputs), timings
 
@@ -138,39 +140,80 @@ class _SubmitExecutor:
         pass
 
 
+class _LightFirst:
+    """Between two DAG nodes, a heavy batch waits while a light batch runs: on a CPU two batches at
+    once share the cores, so a light batch beside a heavy one would run at half speed; this way
+    it overlaps at most the one heavy node already running. (A CUDA graph cannot pause: on a GPU
+    the lanes are the only way past a heavy batch.)"""
+
+    def __init__(self) -> None:
+        self._light = 0
+        self._cond = threading.Condition()
+
+    def enter_light(self) -> None:
+        with self._cond:
+            self._light += 1
+
+    def exit_light(self) -> None:
+        with self._cond:
+            self._light -= 1
+            self._cond.notify_all()
+
+    def pause_heavy(self) -> int:
+        """Blocks while a light batch runs; returns the nanoseconds it paused."""
+        with self._cond:
+            if not self._light:
+                return 0
+            t0 = time.monotonic_ns()
+            self._cond.wait_for(lambda: self._light == 0)
+            return time.monotonic_ns() - t0
+
+
 class _ThreadExecutor:
     """A synchronous runtime (run_score / run_beam) on `num_lanes` worker threads, like the C++
-    runtime's lanes: with two, a light batch need not wait behind a heavy one. Per-node host times
-    come from the runtime's trace hook when it has one."""
+    runtime's lanes: with two, a light batch need not wait behind a heavy one, and a heavy batch
+    pauses between its nodes while a light one runs (_LightFirst). Per-node host times come from
+    the runtime's trace hook when it has one (the hook is also where a heavy batch pauses)."""
 
     def __init__(self, runtime: Any, num_lanes: int = 1) -> None:
         self.runtime = runtime
         self.num_lanes = num_lanes
         self._pool = ThreadPoolExecutor(max_workers=num_lanes, thread_name_prefix="slmrank-batch")
         self._has_trace = "trace" in inspect.signature(runtime.run_score).parameters
+        self._gate = _LightFirst()
 
-    async def run(self, batch: Batch) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], dict[str, Any]]:
         submit_ns = time.monotonic_ns()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, batch, submit_ns)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, batch, submit_ns, is_heavy)
 
-    def _run(self, batch: Batch, submit_ns: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    def _run(self, batch: Batch, submit_ns: int, is_heavy: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
         start_ns = time.monotonic_ns()
         nodes: list[tuple[str, float, float]] = []
         last_ns = [start_ns]
+        paused_ns = [0]
 
         def trace(node: Any, env: Any) -> None:
             now_ns = time.monotonic_ns()
             nodes.append((node.name, (now_ns - last_ns[0]) / 1e6, -1.0))
-            last_ns[0] = now_ns
+            if is_heavy:
+                paused_ns[0] += self._gate.pause_heavy()
+            last_ns[0] = time.monotonic_ns()
 
         kw = {"trace": trace} if self._has_trace else {}
-        if isinstance(batch, ScoreBatch):
-            outputs = [self.runtime.run_score(batch, **kw)]
-        else:
-            outputs = list(self.runtime.run_beam(batch, **kw))
+        if not is_heavy:
+            self._gate.enter_light()
+        try:
+            if isinstance(batch, ScoreBatch):
+                outputs = [self.runtime.run_score(batch, **kw)]
+            else:
+                outputs = list(self.runtime.run_beam(batch, **kw))
+        finally:
+            if not is_heavy:
+                self._gate.exit_light()
         done_ns = time.monotonic_ns()
         return outputs, {"submit_ns": submit_ns, "start_ns": start_ns, "h2d_end_ns": start_ns, "launch_ns": start_ns,
-                         "d2h_end_ns": done_ns, "done_ns": done_ns, "graph": False, "nodes": nodes}
+                         "d2h_end_ns": done_ns, "done_ns": done_ns, "graph": False, "nodes": nodes,
+                         "paused_ns": paused_ns[0]}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -239,7 +282,9 @@ class Scheduler:
             timer = loop.call_later(max(deadline - self.clock(), 0.0), self._expire, ticket)
         self._wake.set()
         try:
-            return await ticket.future
+            done = await ticket.future
+            self.model.observe_lag(self.clock() - ticket.answered_s)
+            return done
         except asyncio.CancelledError:
             self.admission.remove(ticket, "cancelled")
             raise
@@ -345,9 +390,11 @@ class Scheduler:
                 is_full = True  # first fit: a smaller one further back may still join
                 continue
             tighter = deadline if t.deadline is None else min(deadline, t.deadline)
-            if bucket is not fill.bucket:  # a larger bucket: still in time for all, still light if it must be
+            if bucket is not fill.bucket:  # a larger bucket: no slower per request, in time for all, light if it must be
                 batch_s = self._bucket_s(bucket, now)
-                if (not can_go_heavy and batch_s > self.config.heavy_batch_s) or now + self._finish_s(batch_s) > tighter:
+                if (batch_s / (fill.count + 1) > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
+                        or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
+                        or now + self._finish_s(batch_s) > tighter):
                     is_full = True
                     continue
             fill.add(t.payload, bucket)
@@ -360,8 +407,8 @@ class Scheduler:
 
     def _finish_s(self, batch_s: float) -> float:
         """From a batch's start to its answers, as admission predicts it."""
-        cfg = self.admission.config
-        return batch_s * (1 + cfg.safety_margin) + cfg.response_margin_s
+        return ((batch_s * (1 + self.admission.config.safety_margin) + self.admission.response_margin_s())
+                * self.model.calibration)
 
     def _is_heavy(self, ticket: Ticket, now: float) -> bool:
         cost = ticket.cost
@@ -397,11 +444,11 @@ class Scheduler:
             batch = self._pack(reqs)
             self._record_batch(batch)
             start_s = self.clock()
-            outputs, timings = await self._executor.run(batch)
+            outputs, timings = await self._executor.run(batch, is_heavy)
             end_s = self.clock()
             results = self._unpack(batch, outputs)
-            # the executor's own run (not its queue), placed on our clock where the results arrived
-            run_s = (timings["done_ns"] - timings["start_ns"]) / 1e9
+            # the executor's own run (not its queue, nor pauses for lighter batches), on our clock
+            run_s = (timings["done_ns"] - timings["start_ns"] - timings.get("paused_ns", 0)) / 1e9
             run = (end_s - run_s, end_s)
             service_s = (start_s - packed_from) + run_s + (self.clock() - end_s)  # packing + run + unpacking
         except Exception as e:  # only this batch's requests see the failure
@@ -410,7 +457,11 @@ class Scheduler:
             for t in tickets:
                 _settle(t.future, error=error)
         else:
+            answered_s = self.clock()
             for i, (t, result) in enumerate(zip(tickets, results)):
+                t.answered_s = answered_s
+                if t.predicted_s:  # whether or not its caller is still there to hear it
+                    self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued)
                 _settle(t.future, Completed(result, RequestTimings(
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,
                     batch.bucket.key, timings)))
@@ -454,6 +505,8 @@ class Scheduler:
 
     def _on_drop(self, ticket: Ticket, reason: DropReason) -> None:
         if reason == "expired":
+            if ticket.predicted_s:  # it would have taken longer still: the least of its error
+                self.model.observe_prediction(ticket.predicted_s, self.clock() - ticket.enqueued)
             _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {self.clock() - ticket.enqueued:.4f} s "
                                                          "in the queue; the request was not executed"))
         elif reason == "drained":

@@ -17,6 +17,10 @@ parallelism        Σ batch run times / wall time the executor was busy (the uni
 utilisation(k)     busy time / wall time over the trailing window, counting only the share of
                    each batch that belongs to priority levels 1..k (a batch's time is split
                    between its requests) — metrics, and how much higher lanes delay a lower one.
+lag_s              the event loop's delay between a batch's results and its handlers resuming
+                   (the same quantile of the last 64): a busy loop makes every answer later.
+calibration        the worst actual / predicted latency of the last requests (>= 1): what the
+                   model misses, learnt from its own errors.
 
 Time comes from the caller (seconds, one clock); nothing here reads a clock.
 """
@@ -50,7 +54,7 @@ class _BusySpan:
 class ServiceTimeModel:
     def __init__(self, *, default_s: float = 0.010, window: int = 32, quantile: float = 0.9,
                  ttl_s: float = 60.0, outlier_factor: float = 4.0, utilisation_window_s: float = 2.0,
-                 num_lanes: int = 1) -> None:
+                 num_lanes: int = 1, calibration_window: int = 256, max_calibration: float = 2.0) -> None:
         self.default_s, self.window, self.quantile = default_s, window, quantile
         self.ttl_s, self.outlier_factor = ttl_s, outlier_factor
         self.utilisation_window_s, self.num_lanes = utilisation_window_s, num_lanes
@@ -66,6 +70,12 @@ class ServiceTimeModel:
         self._runs: deque[tuple[float, float]] = deque()  # (end, run time) within the window
         self._run_sum_s = 0.0
         self._busy_until = -math.inf
+        self._lags: deque[float] = deque(maxlen=64)  # answered -> handler resumed, the event loop's delay
+        self._lag_s = 0.0
+        self._errors: deque[float] = deque(maxlen=max(calibration_window, 1))  # actual / predicted latency
+        self._use_calibration = calibration_window > 0
+        self.max_calibration = max_calibration
+        self._calibration = 1.0
         self.num_batches = 0
         self.last_run_s = 0.0
 
@@ -155,6 +165,29 @@ class ServiceTimeModel:
         while self._runs and self._runs[0][0] <= horizon:
             self._run_sum_s = max(self._run_sum_s - self._runs.popleft()[1], 0.0)
 
+    def observe_lag(self, seconds: float) -> None:
+        """From a request's results being set to its handler running again: the event loop's delay,
+        which every answer pays after its batch."""
+        self._lags.append(max(seconds, 0.0))
+        self._lag_s = _quantile(sorted(self._lags), self.quantile)
+
+    @property
+    def lag_s(self) -> float:
+        return self._lag_s
+
+    def observe_prediction(self, predicted_s: float, actual_s: float) -> None:
+        """A request's latency as admission predicted it (uncalibrated) and as it came to be."""
+        if predicted_s > 0 and self._use_calibration:
+            self._errors.append(actual_s / predicted_s)
+            self._calibration = min(max(max(self._errors), 1.0), self.max_calibration)
+
+    @property
+    def calibration(self) -> float:
+        """Predictions are stretched by the worst ratio of actual to predicted latency among the
+        last calibration_window requests (1 to max_calibration): whatever the model misses (a busy
+        event loop, lanes sharing a CPU) it learns from its own errors."""
+        return self._calibration
+
     # -- now --
 
     @property
@@ -199,6 +232,8 @@ class ServiceTimeModel:
             "inflight_batches": self.num_inflight,
             "inflight_remaining_s": self.inflight_remaining_s(now),
             "parallelism": self.parallelism(now),
+            "loop_lag_s": self._lag_s,
+            "calibration": self._calibration,
             "rho": self.utilisation(None, now),
             "batches_observed": self.num_batches,
         }

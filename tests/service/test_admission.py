@@ -201,23 +201,26 @@ def test_a_full_lane_refuses_with_a_retry_hint_and_other_lanes_still_admit():
 
 def test_deadline_refusal_counts_the_work_queued_ahead():
     ctl, clock, _ = make(safety_margin=0.0, response_margin_s=0.0)
-    measure(ctl.model, clock, S1, 0.05, 4, gap_s=1.0)
-    assert ctl.model.bucket_s(S1, clock.t) == pytest.approx(0.05)
+    for info, run_s in ((S1, 0.050), (S2, 0.060), (S4, 0.080), (S8, 0.120)):  # per request: 50, 30, 20, 15 ms
+        measure(ctl.model, clock, info, run_s, 4, gap_s=1.0)
     admit(ctl, "fits", deadline=clock.t + 0.06)
     ctl.finished([ctl.take_next()])
-    # ten requests queued ahead count their shares of the batches they would make (the larger
-    # buckets, never measured, are taken as the measured 50 ms: so ~50 ms / n each), not 10 x 50 ms
+    # ten queued requests count their shares of the batches they would make with the ones before
+    # them: 50 + 30 + 30 + 4 x 20 + 3 x 15 ms, not 10 x 50 ms
     for i in range(10):
         admit(ctl, f"q{i}")
     ahead_s = ctl.stats()["queue_work_s"]["NORMAL"]
-    assert 0.05 < ahead_s < 0.5
+    assert ahead_s == pytest.approx(0.235)
     with pytest.raises(Overloaded) as e:
         admit(ctl, "behind", deadline=clock.t + ahead_s)  # its own 50 ms does not fit after them
     assert e.value.reason == "deadline"
     assert e.value.retry_after_s == pytest.approx(0.05)  # when it would fit: 50 ms later
+    with pytest.raises(Overloaded) as e:
+        admit(ctl, "behind2", deadline=clock.t + ahead_s)
+    assert e.value.retry_after_s == pytest.approx(0.065)  # the next appointment: one share (15 ms) later
     admit(ctl, "behind", deadline=clock.t + ahead_s + 0.06)
     admit(ctl, "online", O, deadline=clock.t + 0.06)  # ONLINE does not queue behind NORMAL work
-    assert ctl.stats()["refused"]["deadline"] == 1
+    assert ctl.stats()["refused"]["deadline"] == 2
 
 
 def test_inflight_batches_count_what_they_still_owe():
@@ -415,3 +418,21 @@ def test_config_is_validated():
                 {"client_id_metadata": "X-Client"}, {"max_inflight_rpcs": 0}):
         with pytest.raises(ValueError):
             AdmissionConfig(**bad)
+
+
+def test_predictions_learn_from_their_own_errors():
+    ctl, clock, _ = make(safety_margin=0.0, response_margin_s=0.0, calibration_window=4, max_calibration=3.0)
+    measure(ctl.model, clock, S1, 0.1, 3)
+    t = Ticket("x", "score", N, cost=SCORE_COST)
+    assert ctl.predict_latency_s(t) == pytest.approx(0.1)
+    ctl.model.observe_prediction(0.1, 0.15)  # a request took half again what was predicted
+    assert ctl.model.calibration == pytest.approx(1.5) and ctl.predict_latency_s(t) == pytest.approx(0.15)
+    with pytest.raises(Overloaded):
+        admit(ctl, "tight", deadline=clock.t + 0.12)
+    ctl.model.observe_prediction(0.1, 1.0)
+    assert ctl.model.calibration == 3.0  # at most max_calibration
+    for _ in range(4):  # the window forgets
+        ctl.model.observe_prediction(0.1, 0.05)
+    assert ctl.model.calibration == 1.0  # never below 1
+    ctl.model.observe_lag(0.03)  # a busy event loop answers late: every prediction carries it
+    assert ctl.response_margin_s() == pytest.approx(0.03) and ctl.predict_latency_s(t) == pytest.approx(0.13)

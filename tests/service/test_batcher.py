@@ -263,6 +263,77 @@ def test_priority_order_through_the_scheduler(art):
     asyncio.run(main())
 
 
+class KindRuntime(FakeRuntime):
+    """BeamSearch batches take beam_s, Score batches score_s; records (id, start, end) per batch."""
+
+    def __init__(self, beam_s: float, score_s: float) -> None:
+        super().__init__()
+        self.beam_s, self.score_s = beam_s, score_s
+        self.spans: list[tuple[str, float, float]] = []
+
+    def run_score(self, batch: ScoreBatch) -> torch.Tensor:
+        t0 = time.monotonic()
+        time.sleep(self.score_s)
+        self.spans.append((batch.requests[0].id, t0, time.monotonic()))
+        return super().run_score(batch)
+
+    def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.monotonic()
+        time.sleep(self.beam_s)
+        self.spans.append((batch.requests[0].id, t0, time.monotonic()))
+        return super().run_beam(batch)
+
+
+def test_heavy_batches_leave_the_last_slot_to_light_work(art):
+    rt = KindRuntime(beam_s=0.4, score_s=0.01)
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1)
+        await s.submit(beam("warm-beam", new_tokens=1))  # measured: 0.4 s, heavy
+        await s.submit(score("warm-score"))  # 10 ms, light
+        # three heavy batches (three kinds: never one batch), then a light request
+        heavy = [asyncio.create_task(s.submit(beam(f"b{n}", new_tokens=n))) for n in (1, 2, 3)]
+        await until(lambda: len(rt.started) == 3)
+        await asyncio.sleep(0.05)
+        assert len(rt.started) == 3, "a second heavy batch took the last slot"
+        t0 = time.monotonic()
+        await s.submit(score("light"))
+        assert time.monotonic() - t0 < 0.2, "the light request waited behind a heavy batch"
+        await asyncio.gather(*heavy)
+        spans = {name: (a, b) for name, a, b in rt.spans}
+        assert spans["b2"][0] >= spans["b1"][1] - 0.01 and spans["b3"][0] >= spans["b2"][1] - 0.01  # one at a time
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_heavy_batch_pauses_between_nodes_while_a_light_one_runs():
+    from service.serving.batcher import _LightFirst
+
+    gate, nodes, stop = _LightFirst(), [], threading.Event()
+
+    def heavy() -> None:
+        while not stop.is_set():
+            gate.pause_heavy()
+            nodes.append(time.monotonic())
+            time.sleep(0.002)  # one node
+
+    worker = threading.Thread(target=heavy)
+    worker.start()
+    time.sleep(0.05)
+    gate.enter_light()
+    entered = time.monotonic()
+    time.sleep(0.1)
+    left = time.monotonic()
+    gate.exit_light()
+    time.sleep(0.05)
+    stop.set()
+    worker.join(5)
+    during = [t for t in nodes if entered + 0.005 < t < left]
+    assert during == [], "the heavy batch ran nodes while the light one ran"
+    assert any(t > left for t in nodes) and any(t < entered for t in nodes)
+
+
 # ---- cancellation, deadlines, failures ------------------------------------------------------------
 
 def test_a_cancelled_request_is_never_executed_and_frees_its_slot(art):

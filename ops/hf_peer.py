@@ -223,6 +223,14 @@ class PeerServicer:
         beams = await self._run(context, ("beam", request.beam_width, request.new_tokens), prompt)
         return self.pb2.BeamSearchResponse(beams=[self.pb2.Beam(ids=ids, logprob=lp) for ids, lp in beams])
 
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """What the peer is: transformers on a checkpoint (no artifact, no buckets)."""
+        cfg = self.model.model.config
+        return self.pb2.ModelInfoResponse(
+            model="hf-peer", runtime="transformers", device=str(self.model.device), arch=str(cfg.model_type),
+            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=self.model.vocab_size,
+            compute_dtype=str(self.model.model.dtype).removeprefix("torch."))
+
 
 async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0, device: str = "cpu",
                      max_batch: int = 1, compile: bool = False) -> tuple[grpc.aio.Server, int]:

@@ -8,8 +8,9 @@ Triton >= 3.3/3.5 are listed), `num_warps` (block = 32 x num_warps threads), dyn
 memory bytes, and the scratch sizes: the launch ABI of KERNELS-FROM-CPP.md.
 `model_kernel_specs(...)` lists the variants one model needs.
 
-  python -m kernels.aot --model embedded:qwen2.5-0.5b --out build/kernels [--arch 90] [--dtype bfloat16]
-  python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR
+  python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR [--arch 90] [--dtype bfloat16]
+
+(service.runtime.fused.kernel_shape gives a model's shape; this package imports nothing from service/.)
 """
 
 from __future__ import annotations
@@ -209,22 +210,14 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="an embedded spec or a checkpoint directory")
-    what.add_argument("--shape", help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads "
-                                      "(what service/runtime/fused.py passes)")
+    p.add_argument("--shape", required=True,
+                   help="JSON: hidden_size, head_dim, intermediate_size, num_heads, num_kv_heads "
+                        "(service/runtime/fused.py derives it from an artifact)")
     p.add_argument("--out", required=True)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     args = p.parse_args()
-    if args.shape:
-        shape = json.loads(args.shape)
-    else:
-        from service.model.checkpoint import weight_source
-
-        cfg, _, _ = weight_source(args.model)
-        shape = dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+    shape = json.loads(args.shape)
     specs = model_kernel_specs(**shape, dtype=args.dtype)
     manifest = compile_kernels(specs, args.out, args.arch)
     for k in manifest["kernels"]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..artifact.artifact import Artifact
+from ..model.config import ModelConfig
 from ..artifact.resolve import cache_dir
 
 KERNEL_CHOICES = ("aten", "triton")
@@ -62,15 +63,19 @@ def check_choice(kernels: str) -> None:
         raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
 
 
+def kernel_shape(cfg: ModelConfig) -> dict[str, int]:
+    """The model shapes the kernel variants depend on: `python -m kernels.aot --shape` (JSON)."""
+    return dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+
+
 def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = None) -> Path:
     """The AOT cubins for this model's shapes and dtype, compiled on first use into the cache
     (keyed by the shapes, the dtype, the Triton version and the kernels' sources)."""
     import triton
 
-    cfg = artifact.config
     dtype_name = str(dtype).removeprefix("torch.")
-    shape = json.dumps(dict(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads), sort_keys=True)
+    shape = json.dumps(kernel_shape(artifact.config), sort_keys=True)
     sources = sorted((ROOT / "kernels").glob("*.py"))
     key = hashlib.sha256("\n".join([triton.__version__, dtype_name, shape,
                                     *(hashlib.sha256(p.read_bytes()).hexdigest() for p in sources)])

@@ -14,6 +14,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from service.model.checkpoint import weight_source
+from service.runtime.fused import kernel_shape
+
 ROOT = Path(__file__).resolve().parents[2]
 # kernels/beam_topk.py: the streaming kernels for 1024 groups, the threshold and select ones per sort width
 BEAM_TOPK_VARIANTS = ({"beam_stats.g1024.mask0.bf16", "beam_collect.g1024.mask0.bf16"}
@@ -26,7 +29,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(out / "cache")
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--model", "embedded:tiny", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", json.dumps(kernel_shape(weight_source("embedded:tiny")[0])),
+                           "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "kernels.json").read_text())

@@ -3,6 +3,7 @@ torch references like the JIT kernels do, inside a CUDA graph too. Marked gpu (C
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 from service.model.layers import rms_norm as rms_norm_ref
 from service.model.layers import two_part_attention
 
+from service.model.checkpoint import weight_source
+from service.runtime.fused import kernel_shape
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +29,8 @@ def kernels(tmp_path_factory: pytest.TempPathFactory):
 
     out = tmp_path_factory.mktemp("aot_gpu")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--model", "embedded:qwen2.5-0.5b", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", json.dumps(kernel_shape(weight_source("embedded:qwen2.5-0.5b")[0])),
+                           "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _core.TritonKernels(str(out), "cuda")

@@ -1,9 +1,12 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "layer_ops.h"
 
+#include <ATen/ops/_flash_attention_forward.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/silu.h>
 
@@ -117,19 +120,23 @@ std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const a
   return {out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()};
 }
 
-at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype) {
-  at::Tensor bias = at::zeros(mask.sizes(), mask.options().dtype(dtype)).masked_fill(mask.bitwise_not(), kNegInf);
-  return bias.view({-1, 1, mask.size(-2), mask.size(-1)});
+at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_segments) {
+  const int64_t t = seg.size(0);
+  at::Tensor rows = at::arange(t, seg.options().dtype(at::kLong));
+  at::Tensor first = at::ones({1}, seg.options().dtype(at::kBool));
+  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))}).logical_or(rows.remainder(block_len).eq(0));
+  at::Tensor index = starts.cumsum(0).sub(1);
+  at::Tensor bounds = at::full({num_segments + 1}, t, seg.options().dtype(at::kInt));
+  return bounds.scatter_reduce(0, index, rows.to(at::kInt), "amin");
 }
 
-at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                            double scale) {
-  const int64_t h = q.size(1), r = bias.size(0), n = bias.size(-1);
-  at::Tensor q4 = q.view({r, n, h, -1}).transpose(1, 2);
-  at::Tensor k4 = expand_kv(k, h).view({r, n, h, -1}).transpose(1, 2);
-  at::Tensor v4 = expand_kv(v, h).view({r, n, h, -1}).transpose(1, 2);
-  at::Tensor out = at::scaled_dot_product_attention(q4, k4, v4, bias, 0.0, false, scale);
-  return out.transpose(1, 2).reshape(q.sizes());
+std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                                                    int64_t max_k, bool causal, double scale,
+                                                    const at::Tensor& seqused_k) {
+  auto result = at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, false, scale,
+                                             std::nullopt, std::nullopt, opt(seqused_k));
+  return {std::get<0>(result), std::get<1>(result).t()};
 }
 
 std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -45,13 +45,17 @@ std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cf
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& mask, double scale);
 
-// mask [N, M] or [R, N, M] bool -> additive bias [1 or R, 1, N, M] in `dtype`: 0 where visible, -inf elsewhere
-at::Tensor attention_bias(const at::Tensor& mask, at::ScalarType dtype);
+// seg [T] -> cu_seqlens [num_segments + 1] int32: the runs of equal ids (a run also ends at every
+// multiple of block_len); entries past the last run are T. Static shapes, no host sync.
+at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_segments);
 
-// Block-diagonal: q [R*N, H, E]; k, v [R*N, G, E]; bias [R, 1, N, N] from attention_bias
-// -> out [R*N, H, E] (fused SDPA; the CUDA path)
-at::Tensor biased_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                            double scale);
+// FlashAttention varlen (CUDA): q [N, H, E]; k, v [M, G, E]; segment i: queries cu_q[i]..cu_q[i+1],
+// keys from cu_k[i] (seqused_k[i] of them when defined) -> out [N, H, E], lse [N, H] float32
+// (a row with no keys: out 0, lse not -inf: callers mask it). kernels/attention.py::varlen_attention.
+std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                                                    int64_t max_k, bool causal, double scale,
+                                                    const at::Tensor& seqused_k = at::Tensor());
 
 // q [N, H, E]; k, v [N, T, G, E] (each row its own keys) -> out [N, H, E], lse [N, H] float32
 std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

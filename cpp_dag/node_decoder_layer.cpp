@@ -5,8 +5,11 @@
 // Mirrors service/nodes.py::decoder_layer.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
+
+#include "attention_merge.h"
 
 #include "layer_ops.h"
 #include "node_types.h"
@@ -22,6 +25,24 @@ Mode parse_mode(const NodeSpec& spec) {
   if (spec.mode == "prefill") return Mode::kPrefill;
   if (spec.mode == "decode") return Mode::kDecode;
   throw std::invalid_argument("node " + spec.name + ": unknown decoder_layer mode '" + spec.mode + "'");
+}
+
+// Mirrors service/runtime/nodes.py::_varlen_layer_attention.
+at::Tensor varlen_layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Env& env,
+                                  Mode mode, double scale) {
+  const at::Tensor& cu_self = env.at("cu_self");
+  if (mode == Mode::kPrefill) {
+    const int64_t t = q.size(0);
+    return std::get<0>(varlen_attention(q, k, v, cu_self, cu_self, t, t, true, scale));
+  }
+  const at::Tensor& cu_blocks = env.at("cu_blocks");
+  const int64_t block = q.size(0) / (cu_blocks.size(0) - 1);
+  auto [out_self, lse_self] = varlen_attention(q, k, v, cu_self, cu_self, block, block, true, scale);
+  // every row of a block against the block's prefix; only samples after a prefix keep it
+  auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, false, scale,
+                                             env.at("prefix_len"));
+  lse_ctx = lse_ctx.masked_fill(env.at("has_ctx").logical_not(), -std::numeric_limits<double>::infinity());
+  return merge_attention_states(out_ctx, lse_ctx, out_self, lse_self, nullptr);
 }
 
 class DecoderLayer final : public Node {
@@ -41,9 +62,8 @@ class DecoderLayer final : public Node {
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
       auto [q, k, v] = qkv_projection(cfg, w, h, env.at("positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);
-      auto bias = env.find("attn_bias");  // on CUDA: one fused attention over the batch
-      if (bias != env.end()) {
-        attn = biased_attention(q, k, v, bias->second, ctx.scale);
+      if (env.count("cu_self")) {  // on CUDA: varlen flash attention over the packed segments
+        attn = varlen_layer_attention(q, k, v, env, mode_, ctx.scale);
       } else if (mode_ == Mode::kScore) {
         attn = two_part_attention(q, k, v, env.at("mask_ctx"), k, v, env.at("mask_self"), ctx.scale);
       } else {

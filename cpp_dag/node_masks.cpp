@@ -1,6 +1,8 @@
 // score_masks / beam_masks: the attention visibility of a batch, from its segment ids.
 // Mirrors service/nodes.py::score_masks / beam_masks.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/ops/arange.h>
+
 #include "layer_ops.h"
 #include "node_types.h"
 
@@ -13,16 +15,26 @@ at::Tensor causal_within(const at::Tensor& pos, const at::Tensor& seg) {
   return same.bitwise_and(pos.unsqueeze(-2).le(pos.unsqueeze(-1)));
 }
 
+// FlashAttention takes 16-bit inputs only: float32 on CUDA keeps the dense-mask reference path
+bool uses_varlen(const Context& ctx, const at::Tensor& seg) {
+  const auto dtype = ctx.rope_cos.scalar_type();
+  return seg.is_cuda() && (dtype == at::kHalf || dtype == at::kBFloat16);
+}
+
 class ScoreMasks final : public Node {
  public:
   using Node::Node;
   void run(const Context& ctx, Env& env) const override {
-    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3);
-    if (seg.is_cuda()) {  // one fused attention per request block over the union (a row sees at least itself)
-      const int64_t r = blocks.size(0);
-      at::Tensor pos_b = pos.view({r, -1}), seg_b = seg.view({r, -1}), prefix_b = prefix.view({r, -1});
-      at::Tensor visible = causal_within(pos_b, seg_b).bitwise_or(prefix_b.unsqueeze(-1).eq(seg_b.unsqueeze(-2)));
-      env["attn_bias"] = attention_bias(visible, ctx.rope_cos.scalar_type());  // [R, 1, T/R, T/R]
+    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3),
+                     &last = in(env, 4);
+    if (uses_varlen(ctx, seg)) {  // varlen attention: segment bounds, and each request block's prefix (the shared K/V)
+      const int64_t r = blocks.size(0), t = seg.size(0), s = last.size(0), block = t / r;
+      // runs: at most a prefix and a padding run per block besides the samples
+      env["cu_self"] = segment_bounds(seg, block, s + 2 * r);
+      env["cu_blocks"] = at::arange(0, t + 1, block, seg.options().dtype(at::kInt));  // [R+1]
+      at::Tensor prefix_seg = prefix.view({r, block}).amax(1);  // a block's prefix segment id, or NO_CONTEXT (-2)
+      env["prefix_len"] = seg.view({r, block}).eq(prefix_seg.unsqueeze(1)).sum(1, false, at::kInt);  // [R]
+      env["has_ctx"] = prefix.ge(0).unsqueeze(1);  // [T, 1]: a sample after a prefix
       return;
     }
     env["mask_self"] = causal_within(pos, seg);
@@ -34,14 +46,17 @@ class BeamMasks final : public Node {
  public:
   using Node::Node;
   void run(const Context& ctx, Env& env) const override {
-    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &beam_req = in(env, 2);
-    env["mask_self"] = causal_within(pos, seg);
+    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &beam_req = in(env, 2), &plen = in(env, 3),
+                     &last = in(env, 4);
+    if (uses_varlen(ctx, seg)) {  // varlen prefill attention: one causal segment per prompt (+ the padding run)
+      env["cu_self"] = segment_bounds(seg, seg.size(0), last.size(0) + 1);
+    } else {
+      env["mask_self"] = causal_within(pos, seg);  // causal within a prompt
+    }
     env["mask_beam"] = beam_req.unsqueeze(1).eq(seg.unsqueeze(0));  // a beam sees its request's prompt
-    if (seg.is_cuda()) env["attn_bias"] = attention_bias(env.at("mask_self"), ctx.rope_cos.scalar_type());
     if (ctx.fused) {  // the fused decode attention reads each beam row's prompt range instead of mask_beam
-      const at::Tensor& plen = env.at("beam_pos");
       env["kv_len"] = plen;
-      env["kv_start"] = env.at("last").index_select(0, beam_req).sub(plen).add(1);
+      env["kv_start"] = last.index_select(0, beam_req).sub(plen).add(1);
     }
   }
 };

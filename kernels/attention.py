@@ -1,13 +1,18 @@
 """Attention over one part of the keys, returning (out, lse) so that parts can be merged.
 
-Plain-torch references. Shared-prefix attention is two calls merged through their log-sum-exp
-(kernels.attention_merge): the prefix/prompt part, whose K/V is stored once and shared by every
-sample/beam of a request, and the per-sequence suffix part.
+Shared-prefix attention is two calls merged through their log-sum-exp (kernels.attention_merge):
+the prefix/prompt part, whose K/V is stored once and shared by every sample/beam of a request, and
+the per-sequence part.
 
-On CUDA, attention over a whole packed batch (Score, BeamSearch prefill) goes through
-`biased_attention` instead: torch's fused scaled_dot_product_attention with one additive bias
-built once per batch (`attention_bias`), so the [H, T, T] float32 scores of the reference are
-never materialised. The C++ runtime calls the same op (cpp_dag/layer_ops.cpp).
+On CUDA, Score and BeamSearch-prefill attention is `varlen_attention`: FlashAttention's varlen
+kernel (ATen's `_flash_attention_forward`, GQA without expanding K/V) over packed segments whose
+boundaries `segment_bounds` computes on the device from the segment ids, with static shapes (a
+fixed number of segments per bucket, unused ones zero-length) so it can live in a CUDA graph. Each
+sample attends causally to itself; a sample after a shared prefix also attends to its request's
+prefix, a second varlen call merged by log-sum-exp. The work is the sum over samples of
+(prefix * s + s^2 / 2), not L^2 per request block. The C++ runtime calls the same ATen ops
+(cpp_dag/layer_ops.cpp), so the two runtimes stay byte-identical. The plain-torch references
+below are what the CPU runs and what the CUDA path is tested against.
 """
 
 from __future__ import annotations
@@ -22,25 +27,49 @@ def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
     return k.unsqueeze(-2).expand(*lead, g, num_heads // g, e).reshape(*lead, num_heads, e)
 
 
-def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """mask [N, M] or [R, N, M] bool (True = visible) -> additive bias [1 or R, 1, N, M]: 0 where
-    visible, -inf elsewhere."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return bias.view(-1, 1, mask.shape[-2], mask.shape[-1])
+def segment_bounds(seg: torch.Tensor, block_len: int, num_segments: int) -> torch.Tensor:
+    """cu_seqlens [num_segments + 1] int32 of the runs of equal ids in seg [T] (a run also ends at
+    every multiple of block_len); entries past the last run are T (zero-length segments). Static
+    shapes and no host sync; num_segments must bound the number of runs."""
+    t = seg.shape[0]
+    rows = torch.arange(t, device=seg.device)
+    first = torch.ones(1, dtype=torch.bool, device=seg.device)
+    starts = torch.cat([first, seg[1:].ne(seg[:-1])]).logical_or(rows.remainder(block_len).eq(0))
+    index = starts.cumsum(0).sub(1)  # [T]: each row's run
+    bounds = torch.full((num_segments + 1,), t, dtype=torch.int32, device=seg.device)
+    return bounds.scatter_reduce(0, index, rows.to(torch.int32), "amin")
 
 
-def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Block-diagonal attention: q [R*N, H, E]; k, v [R*N, G, E]; bias [R, 1, N, N] from
-    attention_bias (block r: rows r*N ... r*N+N-1 see only keys of the same block, as the bias
-    allows; every row must see at least one key). Returns out [R*N, H, E] through torch's fused
-    SDPA kernels."""
-    h, r, n = q.shape[1], bias.shape[0], bias.shape[-1]
-    q4 = q.view(r, n, h, -1).transpose(1, 2)
-    k4 = _expand_kv(k, h).view(r, n, h, -1).transpose(1, 2)
-    v4 = _expand_kv(v, h).view(r, n, h, -1).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale)
-    return out.transpose(1, 2).reshape(q.shape)
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, causal: bool, scale: float,
+                     seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA only. q [N, H, E]; k, v [M, G, E]; segment i: queries cu_q[i]..cu_q[i+1], keys from
+    cu_k[i] (cu_k[i+1] - cu_k[i] of them, or seqused_k[i] when given); causal aligns the last query
+    with the last key. Returns out [N, H, E] and lse [N, H] float32 (a row with no keys: out 0; its
+    lse is not -inf, so callers mask it)."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                       scale=scale, seqused_k=seqused_k)[:2]
+    return out, lse.t()
+
+
+def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                         causal: bool, scale: float,
+                         seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """varlen_attention in plain torch, segment by segment (rows outside every segment, and rows
+    with no keys: out 0, lse -inf)."""
+    n, h, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(cu_q.shape[0] - 1):
+        q0, q1, k0 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i])
+        k1 = k0 + int(seqused_k[i]) if seqused_k is not None else int(cu_k[i + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
+        if causal:  # bottom-right aligned
+            mask = mask.tril(diagonal=(k1 - k0) - (q1 - q0))
+        out[q0:q1], lse[q0:q1] = masked_attention_ref(q[q0:q1], k[k0:k1], v[k0:k1], mask, scale)
+    return out, lse
 
 
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -30,7 +30,7 @@ from .dag import Node, beam_dag, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 2  # 2: Score buckets of request blocks (block_tokens input, score_masks reads it)
+FORMAT_VERSION = 3  # 2: Score buckets of request blocks; 3: masks nodes write varlen segment bounds
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

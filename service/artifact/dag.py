@@ -52,11 +52,12 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0) -> list[Nod
         if step:
             attrs["step"] = step
         if mode == "score":  # prefix part (shared K/V) + own-sample causal part, merged by LSE
-            ins, outs = ("x", "positions", "mask_ctx", "mask_self"), ("x",)
+            ins = ("x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx")
+            outs = ("x",)
         elif mode == "prefill":  # keeps the prompt K/V that every beam shares
-            ins, outs = ("x", "positions", "mask_self"), ("x", f"prompt_k.{i}", f"prompt_v.{i}")
+            ins, outs = ("x", "positions", "mask_self", "cu_self"), ("x", f"prompt_k.{i}", f"prompt_v.{i}")
         else:  # decode: one token per beam; prompt part + per-beam suffix part, merged by LSE
-            ins = ("x", "beam_pos", "mask_beam", f"prompt_k.{i}", f"prompt_v.{i}",
+            ins = ("x", "beam_pos", "mask_beam", "kv_start", "kv_len", f"prompt_k.{i}", f"prompt_v.{i}",
                    f"suffix_k.{i}", f"suffix_v.{i}")
             outs = ("x", f"suffix_k.{i}", f"suffix_v.{i}")
         # mlp_out: a layer's MLP output is added to x by the next layer's first norm (or the final
@@ -81,8 +82,9 @@ def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]
 
 
 def score_dag(cfg: ModelConfig) -> list[Node]:
-    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "block_tokens"),
-                  ("mask_self", "mask_ctx", "attn_bias")),
+    # on the CPU (and float32 on CUDA) the masks of the dense reference; on CUDA in 16 bits the varlen segment bounds
+    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "block_tokens", "last"),
+                  ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx")),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "score")
     nodes += _head(cfg, "", "last")
@@ -96,7 +98,8 @@ def score_dag(cfg: ModelConfig) -> list[Node]:
 def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
     if cfg.has_cls_head:
         return []
-    nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req"), ("mask_self", "mask_beam")),
+    nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req", "beam_pos", "last"),
+                  ("mask_self", "cu_self", "mask_beam", "kv_start", "kv_len")),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill")
     nodes += _head(cfg, "", "last")

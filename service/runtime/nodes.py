@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import attention_bias, biased_attention, masked_attention_ref
+from kernels.attention import masked_attention_ref, segment_bounds, varlen_attention
+from kernels.attention_merge import merge_attention_states_ref
 from kernels.beam_topk import merge_candidates
 
 from ..model.config import ModelConfig
@@ -43,28 +44,37 @@ def _causal_within(pos: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
     return same & (pos.unsqueeze(-2) <= pos.unsqueeze(-1))
 
 
+def _uses_varlen(ctx: NodeContext, seg: torch.Tensor) -> bool:
+    # FlashAttention takes 16-bit inputs only: float32 on CUDA keeps the dense-mask reference path
+    return seg.is_cuda and ctx.rope_cos.dtype in (torch.float16, torch.bfloat16)
+
+
 def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
-    pos, seg, prefix, blocks = (env[n] for n in node.inputs)
-    if seg.is_cuda:  # one fused attention per request block over the union (a row sees at least itself)
-        r = blocks.shape[0]
-        pos_b, seg_b, prefix_b = pos.view(r, -1), seg.view(r, -1), prefix.view(r, -1)
-        visible = _causal_within(pos_b, seg_b) | (prefix_b.unsqueeze(-1) == seg_b.unsqueeze(-2))
-        env["attn_bias"] = attention_bias(visible, ctx.rope_cos.dtype)  # [R, 1, T/R, T/R]
+    pos, seg, prefix, blocks, last = (env[n] for n in node.inputs)
+    if _uses_varlen(ctx, seg):  # varlen attention: segment bounds, and each request block's prefix (the shared K/V)
+        r, t, s = blocks.shape[0], seg.shape[0], last.shape[0]
+        block = t // r
+        # runs: at most a prefix and a padding run per block besides the samples
+        env["cu_self"] = segment_bounds(seg, block, s + 2 * r)
+        env["cu_blocks"] = torch.arange(0, t + 1, block, dtype=torch.int32, device=seg.device)  # [R+1]
+        prefix_seg = prefix.view(r, block).amax(1)  # a block's prefix segment id, or NO_CONTEXT (-2)
+        env["prefix_len"] = seg.view(r, block).eq(prefix_seg.unsqueeze(1)).sum(1, dtype=torch.int32)  # [R]
+        env["has_ctx"] = prefix.ge(0).unsqueeze(1)  # [T, 1]: a sample after a prefix
         return
     env["mask_self"] = _causal_within(pos, seg)  # [T, T]: causal within a segment
     env["mask_ctx"] = prefix.unsqueeze(1) == seg.unsqueeze(0)  # a sample sees its whole prefix
 
 
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
-    pos, seg, beam_req = (env[n] for n in node.inputs)
-    env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
+    pos, seg, beam_req, plen, last = (env[n] for n in node.inputs)
+    if _uses_varlen(ctx, seg):  # varlen prefill attention: one causal segment per prompt (+ the padding run)
+        env["cu_self"] = segment_bounds(seg, seg.shape[0], last.shape[0] + 1)
+    else:
+        env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
     env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
-    if seg.is_cuda:
-        env["attn_bias"] = attention_bias(env["mask_self"], ctx.rope_cos.dtype)
     if ctx.fused is not None:  # the fused decode attention reads each beam row's prompt range instead of mask_beam
-        plen = env["beam_pos"]
         env["kv_len"] = plen
-        env["kv_start"] = env["last"].index_select(0, beam_req) - plen + 1
+        env["kv_start"] = last.index_select(0, beam_req) - plen + 1
 
 
 def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -78,8 +88,8 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     x, h = residual_rms_norm(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused)
     if mode in ("score", "prefill"):
         q, k, v = qkv_projection(cfg, w, h, env["positions"], 0, ctx.rope_cos, ctx.rope_sin, ctx.fused)
-        if "attn_bias" in env:  # on CUDA: one fused attention over the batch
-            attn = biased_attention(q, k, v, env["attn_bias"], ctx.scale)
+        if "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
+            attn = _varlen_layer_attention(q, k, v, env, mode, ctx.scale)
         elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
         else:
@@ -102,6 +112,21 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
         env["x"], env["mlp_out"] = x, mlp_out
     else:  # a DAG without the pending buffer
         env["x"] = x + mlp_out
+
+
+def _varlen_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, env: Env, mode: str,
+                            scale: float) -> torch.Tensor:
+    cu_self = env["cu_self"]
+    if mode == "prefill":
+        t = q.shape[0]
+        return varlen_attention(q, k, v, cu_self, cu_self, t, t, True, scale)[0]
+    cu_blocks = env["cu_blocks"]
+    block = q.shape[0] // (cu_blocks.shape[0] - 1)
+    out_self, lse_self = varlen_attention(q, k, v, cu_self, cu_self, block, block, True, scale)
+    # every row of a block against the block's prefix; only samples after a prefix keep it
+    out_ctx, lse_ctx = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, False, scale, env["prefix_len"])
+    lse_ctx = lse_ctx.masked_fill(env["has_ctx"].logical_not(), float("-inf"))
+    return merge_attention_states_ref(out_ctx, lse_ctx, out_self, lse_self)[0]
 
 
 def rms_norm_node(ctx: NodeContext, node: Node, env: Env) -> None:

@@ -9,7 +9,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "attention_merge.h"
 
 #include "layer_ops.h"
 #include "node_types.h"
@@ -42,7 +41,9 @@ at::Tensor varlen_layer_attention(const at::Tensor& q, const at::Tensor& k, cons
   auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, false, scale,
                                              env.at("prefix_len"));
   lse_ctx = lse_ctx.masked_fill(env.at("has_ctx").logical_not(), -std::numeric_limits<double>::infinity());
-  return merge_attention_states(out_ctx, lse_ctx, out_self, lse_self, nullptr);
+  // the log-sum-exp merge as one interpolation (exact algebra; weight 0 without a prefix)
+  at::Tensor weight = lse_ctx.sub(lse_self).sigmoid().to(out_self.scalar_type()).unsqueeze(-1);  // [T, H, 1]
+  return out_self.lerp(out_ctx, weight);
 }
 
 class DecoderLayer final : public Node {

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import masked_attention_ref, segment_bounds, varlen_attention
-from kernels.attention_merge import merge_attention_states_ref
 from kernels.beam_topk import merge_candidates
 
 from ..model.config import ModelConfig
@@ -126,7 +125,10 @@ def _varlen_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e
     # every row of a block against the block's prefix; only samples after a prefix keep it
     out_ctx, lse_ctx = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, False, scale, env["prefix_len"])
     lse_ctx = lse_ctx.masked_fill(env["has_ctx"].logical_not(), float("-inf"))
-    return merge_attention_states_ref(out_ctx, lse_ctx, out_self, lse_self)[0]
+    # the log-sum-exp merge as one interpolation: out_self + sigmoid(lse_ctx - lse_self) * (out_ctx - out_self),
+    # exact algebra (a row without a prefix gets weight 0); one pass over [T, H, E] instead of a float32 merge
+    weight = torch.sigmoid(lse_ctx - lse_self).to(out_self.dtype).unsqueeze(-1)  # [T, H, 1]
+    return torch.lerp(out_self, out_ctx, weight)
 
 
 def rms_norm_node(ctx: NodeContext, node: Node, env: Env) -> None:

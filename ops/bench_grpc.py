@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="slmrank serve --capture-graphs (lazy: each bucket's graph on its first batch, in warm-up)")
-    p.add_argument("--kernels", default="aten", choices=["aten", "triton"], help="slmrank serve --kernels")
+    p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"], help="slmrank serve --kernels")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--check-requests", type=int, default=2, help="requests sent to both systems to compare answers")
     p.add_argument("--stop-above-ms", type=float, default=2000.0,

@@ -17,6 +17,7 @@ from ..artifact.artifact import Artifact
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
+from ..model.config import ModelConfig
 from ..model.progress import Progress
 
 
@@ -107,7 +108,7 @@ class CppRuntime:
             return []
         table = self.artifact.buckets
         todo = buckets if buckets is not None else [*table.score, *table.beam]
-        todo = sorted(todo, key=_bucket_size, reverse=True)
+        todo = sorted(todo, key=lambda b: _footprint(b, self.cfg), reverse=True)
         label_columns = 1 if self.cfg.has_cls_head else self.artifact.limits.max_labels
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
@@ -139,10 +140,13 @@ def _device_used(device: torch.device) -> int:
     return total - free
 
 
-def _bucket_size(bucket: ScoreBucket | BeamBucket) -> int:
+def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig) -> int:
+    """Rough device elements a bucket's intermediates take: capturing the largest first lets every
+    later capture reuse the lane pool's blocks. Beam buckets are dominated by their logits rows."""
+    per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size
     if isinstance(bucket, ScoreBucket):
-        return bucket.max_tokens
-    return bucket.max_requests * bucket.beam_width * bucket.new_tokens + bucket.max_prompt_tokens
+        return bucket.max_tokens * per_token + bucket.max_samples * cfg.vocab_size
+    return 2 * bucket.max_requests * bucket.beam_width * cfg.vocab_size + bucket.max_prompt_tokens * per_token
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:

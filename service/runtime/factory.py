@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from ..artifact.artifact import DTYPES, Artifact
 from .cpp_runtime import CppRuntime
+from .fused import resolve_kernels
 from .python_runtime import PythonRuntime
 
 
-def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "aten",
+def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "auto",
                  num_lanes: int = 0):
-    """num_lanes: the C++ runtime's batches in flight (0: its default, 2 on CUDA, 1 on the CPU)."""
+    """kernels: aten | triton | auto (triton on CUDA). num_lanes: the C++ runtime's batches in flight
+    (0: its default, 2 on CUDA, 1 on the CPU)."""
     torch_dtype = DTYPES[dtype] if dtype else None
+    kernels = resolve_kernels(kernels, device)
     if name == "python":
         return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels)
     if name == "cpp":

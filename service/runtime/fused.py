@@ -58,6 +58,14 @@ class JitKernels:
                               k_out, v_out)
 
 
+def resolve_kernels(kernels: str, device: str) -> str:
+    """"auto": the fused Triton kernels on a GPU (the fast path), ATen elsewhere."""
+    if kernels == "auto":
+        return "triton" if str(device).startswith("cuda") else "aten"
+    check_choice(kernels)
+    return kernels
+
+
 def check_choice(kernels: str) -> None:
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")

@@ -127,8 +127,8 @@ MODEL_SETTINGS = (
     Setting("device", _str, "auto", "auto: cuda when a GPU is visible, else cpu", "model", ("auto", "cuda", "cpu")),
     Setting("dtype", _str, "auto", "compute dtype; auto: bfloat16 on a GPU, else the weights'", "model",
             ("auto", "bfloat16", "float32", "float16")),
-    Setting("kernels", _str, "aten", "decoder-layer kernels: aten, or the fused Triton kernels (CUDA)", "model",
-            ("aten", "triton")),
+    Setting("kernels", _str, "auto", "decoder-layer kernels: aten, or the fused Triton kernels (CUDA); "
+            "auto: triton on a GPU, else aten", "model", ("auto", "aten", "triton")),
 )
 
 SERVE_SETTINGS = MODEL_SETTINGS + (

@@ -152,16 +152,15 @@ def test_capture_logs_each_bucket(tiny_artifact, runtimes) -> None:
     from service.runtime.cpp_runtime import CppRuntime
 
     rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True)
+    batch = _score_batch(tiny_artifact, 21)  # two requests: a bucket of request blocks with R >= 2
     try:
-        buckets = [tiny_artifact.buckets.score[0], tiny_artifact.buckets.beam[0], tiny_artifact.buckets.beam[-1]]
+        buckets = [batch.bucket, tiny_artifact.buckets.beam[0], tiny_artifact.buckets.beam[-1]]
         log = rt.capture(buckets, quiet=True)
         assert sorted(e["bucket"] for e in log) == sorted(b.key for b in buckets)
         for entry in log:
             assert entry["capture_ms"] > 0 and entry["reserved_bytes"] > 0, entry
         assert rt.capture(buckets[:1], quiet=True)[0]["capture_ms"] == 0, "already captured: no second capture"
         # a captured bucket then serves a batch by replay, with the Python runtime's bytes
-        batch = _score_batch(tiny_artifact, 21)
-        assert batch.bucket == buckets[0]
         assert _same_bytes(rt.run_score(batch), runtimes["python"].run_score(batch))
         assert rt.last_timings["graph"] is True
     finally:

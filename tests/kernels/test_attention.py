@@ -89,18 +89,20 @@ def test_flash_varlen_matches_reference_cuda(seed: int, heads: int, kv_heads: in
     assert cu.cpu().tolist() == segment_bounds(seg, block, num_runs + 5).tolist()
     scale = dim ** -0.5
     got, got_lse = varlen_attention(q, k, v, cu, cu, block, block, True, scale)
-    want, want_lse = varlen_attention_ref(q.double(), k.double(), v.double(), cu.cpu(), cu.cpu(), True, scale)
+    want, want_lse = varlen_attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu.cpu(), cu.cpu(),
+                                          True, scale)
     err = (got.double().cpu() - want).abs().max().item()
     assert err <= 2e-2, err  # bf16 inputs and output
-    torch.testing.assert_close(got_lse.cpu().double(), want_lse, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got_lse.cpu().double(), want_lse.double(), rtol=0, atol=1e-3)
     # the prefix part: every row of a block against the block's first prefix_len keys
     cu_blocks = torch.arange(0, n + 1, block, dtype=torch.int32, device="cuda")
     used = torch.randint(0, block // 2, (blocks,), generator=g, dtype=torch.int32)
     used[0] = 0  # a block without a prefix: its rows get out 0 (their lse is masked by the caller)
     got, got_lse = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, False, scale, used.cuda())
-    want, want_lse = varlen_attention_ref(q.double(), k.double(), v.double(), cu_blocks.cpu(), cu_blocks.cpu(),
+    want, want_lse = varlen_attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu_blocks.cpu(),
+                                          cu_blocks.cpu(),
                                           False, scale, used)
     assert (got.double().cpu() - want).abs().max().item() <= 2e-2
     has_keys = torch.repeat_interleave(used > 0, block)
-    torch.testing.assert_close(got_lse.cpu().double()[has_keys], want_lse[has_keys], rtol=0, atol=1e-3)
+    torch.testing.assert_close(got_lse.cpu().double()[has_keys], want_lse.double()[has_keys], rtol=0, atol=1e-3)
     assert got[:block].abs().max().item() == 0

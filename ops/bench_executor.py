@@ -425,7 +425,7 @@ def main() -> None:
         for kernels in args.breakdown_kernels.split(","):
             result["breakdown"].update(breakdown(arts, g, wanted, kernels))
         save(out, result)
-        log(f"device ms by node category, x1 graph: {json.dumps(result['breakdown'])}")
+        log(f"device ms by node category, one batch from its graph: {json.dumps(result['breakdown'])}")
     if "lanes" not in skip:
         result["lanes"] = lanes(arts, args.seconds, g)
         save(out, result)

@@ -14,17 +14,8 @@ class BuildInfo(TypedDict):
 RunResult = tuple[list[torch.Tensor], dict[str, Any]]
 
 class Executor:
-    def __init__(
-        self,
-        config: dict[str, Any],
-        weights: dict[str, torch.Tensor],
-        rope_cos: torch.Tensor,
-        rope_sin: torch.Tensor,
-        score_dag: list[dict[str, Any]],
-        beam_dag: list[dict[str, Any]],
-        use_graphs: bool = True,
-        num_lanes: int = 0,
-    ) -> None: ...
+    """Made only by Executor.from_artifact."""
+
     @staticmethod
     def from_artifact(
         path: str,

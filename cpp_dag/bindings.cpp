@@ -44,40 +44,6 @@ py::dict build_info() {
 
 // ---- the executor: Python dicts in, C++ structs out -------------------------------------
 
-slmrank::ModelConfig config_from(const py::dict& d) {
-  slmrank::ModelConfig c;
-  c.vocab_size = d["vocab_size"].cast<int64_t>();
-  c.hidden_size = d["hidden_size"].cast<int64_t>();
-  c.num_layers = d["num_layers"].cast<int64_t>();
-  c.num_heads = d["num_heads"].cast<int64_t>();
-  c.num_kv_heads = d["num_kv_heads"].cast<int64_t>();
-  c.head_dim = d["head_dim"].cast<int64_t>();
-  c.intermediate_size = d["intermediate_size"].cast<int64_t>();
-  c.num_labels = d["num_labels"].cast<int64_t>();
-  c.rms_norm_eps = d["rms_norm_eps"].cast<double>();
-  c.qk_norm = d["arch"].cast<std::string>() == "qwen3";
-  return c;
-}
-
-std::vector<slmrank::NodeSpec> dag_from(const py::list& nodes) {
-  std::vector<slmrank::NodeSpec> out;
-  for (const auto& item : nodes) {
-    py::dict d = item.cast<py::dict>();
-    slmrank::NodeSpec s;
-    s.name = d["name"].cast<std::string>();
-    s.type = d["type"].cast<std::string>();
-    s.inputs = d["inputs"].cast<std::vector<std::string>>();
-    s.outputs = d["outputs"].cast<std::vector<std::string>>();
-    py::dict attrs = d["attrs"].cast<py::dict>();
-    if (attrs.contains("layer")) s.layer = attrs["layer"].cast<int64_t>();
-    if (attrs.contains("step")) s.step = attrs["step"].cast<int64_t>();
-    if (attrs.contains("mode")) s.mode = attrs["mode"].cast<std::string>();
-    if (attrs.contains("weight")) s.weight = attrs["weight"].cast<std::string>();
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
 py::dict timings_to_dict(const slmrank::RunTimings& t) {
   py::dict d;
   d["submit_ns"] = t.submit_ns;
@@ -241,17 +207,9 @@ PYBIND11_MODULE(_core, m) {
         "Merge two partial attention results over disjoint keys through their LSEs.\n"
         "out_*: [N, H, E] float dtype; lse_*: [N, H] float32 (-inf = no keys).\n"
         "Returns (out [N, H, E] in out_a's dtype, lse [N, H] float32).");
+  // One way to make an executor: from an artifact directory (its manifest, weights, DAGs).
   py::class_<slmrank::Executor, ExecutorPtr>(m, "Executor",
                                  "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
-      .def(py::init([](const py::dict& config, std::unordered_map<std::string, at::Tensor> weights,
-                       at::Tensor rope_cos, at::Tensor rope_sin, const py::list& score_dag,
-                       const py::list& beam_dag, bool use_graphs, int num_lanes) {
-             return ExecutorPtr(new slmrank::Executor(config_from(config), std::move(weights), std::move(rope_cos),
-                                                      std::move(rope_sin), dag_from(score_dag), dag_from(beam_dag),
-                                                      use_graphs, num_lanes));
-           }),
-           py::arg("config"), py::arg("weights"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("score_dag"),
-           py::arg("beam_dag"), py::arg("use_graphs") = true, py::arg("num_lanes") = 0)
       .def_static("from_artifact", &executor_from_artifact, py::arg("path"), py::arg("device") = "cpu",
                   py::arg("dtype") = py::none(), py::arg("use_graphs") = true, py::arg("verify") = true,
                   py::arg("num_lanes") = 0,

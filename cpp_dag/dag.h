@@ -54,6 +54,9 @@ struct Context {
   const at::Tensor& weight(const std::string& name) const;
 };
 
+// A node touches only the buffers its spec declares (service/artifact/dag.py): every node type
+// states at construction what it reads and writes by name (`require`, checked against the spec
+// when the DAG is loaded), and every access goes through the checked accessors below.
 class Node {
  public:
   explicit Node(NodeSpec spec) : spec_(std::move(spec)) {}
@@ -62,15 +65,30 @@ class Node {
   const NodeSpec& spec() const { return spec_; }
 
  protected:
-  const at::Tensor& in(const Env& env, size_t i) const;
+  const at::Tensor& in(const Env& env, size_t i) const;  // the i-th declared input, which must be set
+  const at::Tensor& read(const Env& env, const std::string& name) const;  // declared input or output
+  at::Tensor& update(Env& env, const std::string& name) const;  // declared input and output, changed in place
+  void write(Env& env, const std::string& name, at::Tensor value) const;  // declared output
+  bool has(const Env& env, const std::string& name) const;  // declared input: is it set on this device?
+  // std::invalid_argument naming the node and the buffer unless the spec declares at least
+  // min_inputs inputs and min_outputs outputs, every name of `reads` as an input and every name
+  // of `writes` as an output.
+  void require(size_t min_inputs, size_t min_outputs, const std::vector<std::string>& reads = {},
+               const std::vector<std::string>& writes = {}) const;
+  bool declares_input(const std::string& name) const;
+  bool declares_output(const std::string& name) const;
   NodeSpec spec_;
 };
 
 // The registry (nodes.cpp): one line per node type. Throws std::invalid_argument for an unknown type.
 std::unique_ptr<Node> make_node(const NodeSpec& spec);
 
-// The per-beam suffix K/V with the fused kernels: binds suffix_kv [layers, 2, rows, slots, G, E]
-// and its per-layer views suffix_k.{i} / suffix_v.{i} (node_beam.cpp; service/runtime/nodes.py).
-void set_beam_suffix(Env& env, const at::Tensor& suffix_kv);
+// A batch's input buffers (service/artifact/dag.py SCORE_INPUTS / BEAM_INPUTS).
+const std::vector<std::string>& batch_inputs(bool beam);
+
+// std::invalid_argument unless every input a node declares is a batch input or an earlier node's
+// output, and the DAG writes `outputs` (service/artifact/dag.py check_dataflow).
+void check_dataflow(const std::vector<NodeSpec>& dag, const std::vector<std::string>& inputs,
+                    const std::vector<std::string>& outputs);
 
 }  // namespace slmrank

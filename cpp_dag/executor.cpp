@@ -21,10 +21,18 @@ int64_t now_ns() {
 
 namespace {
 
-std::vector<std::unique_ptr<Node>> build_dag(const std::vector<NodeSpec>& specs) {
+// The node objects of one DAG, and its declarations checked: each node type finds the buffers it
+// uses declared (its constructor's `require`), every input comes from the batch or an earlier node,
+// and the batch's outputs are written.
+std::vector<std::unique_ptr<Node>> build_dag(const std::vector<NodeSpec>& specs, bool beam) {
   std::vector<std::unique_ptr<Node>> dag;
   dag.reserve(specs.size());
   for (const auto& spec : specs) dag.push_back(make_node(spec));
+  if (beam) {
+    check_dataflow(specs, batch_inputs(true), {"beam_seqs", "beam_scores"});
+  } else {
+    check_dataflow(specs, batch_inputs(false), {"scores"});
+  }
   return dag;
 }
 
@@ -58,8 +66,8 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
                    const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
                    int num_lanes)
     : device_(weights.count("embed") ? weights.at("embed").device() : at::Device(at::kCPU)),
-      score_dag_(build_dag(score_dag)),
-      beam_dag_(build_dag(beam_dag)),
+      score_dag_(build_dag(score_dag, false)),
+      beam_dag_(build_dag(beam_dag, true)),
       num_threads_(at::get_num_threads()),
       use_graphs_(use_graphs && device_.is_cuda()) {
   ctx_.cfg = cfg;
@@ -136,24 +144,6 @@ Env Executor::device_env(const BatchSpec& batch) const {
   return env;
 }
 
-void Executor::add_beam_state(Env& env, const BatchSpec& batch) const {
-  if (batch.kind != Kind::kBeam) return;
-  const auto& cfg = ctx_.cfg;
-  const int64_t r = batch.num_requests, b = batch.beam_width, n = batch.new_tokens;
-  auto state = at::TensorOptions().dtype(ctx_.rope_cos.scalar_type()).device(device_);
-  env["beam_seqs"] = at::zeros({r, b, n}, at::TensorOptions().dtype(at::kLong).device(device_));
-  if (ctx_.fused) {  // one buffer: a beam step reorders every layer's suffix in one gather
-    set_beam_suffix(env, at::zeros({cfg.num_layers, 2, r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads,
-                                    cfg.head_dim}, state));
-    return;
-  }
-  for (int64_t i = 0; i < cfg.num_layers; ++i) {  // per-beam suffix K/V: one slot per decode step
-    for (const char* kv : {"suffix_k.", "suffix_v."}) {
-      env[kv + std::to_string(i)] = at::zeros({r * b, std::max<int64_t>(n - 1, 1), cfg.num_kv_heads, cfg.head_dim}, state);
-    }
-  }
-}
-
 namespace {
 
 std::vector<std::string> output_names(Kind kind) {
@@ -195,10 +185,9 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   std::vector<const Node*> nodes = plan(batch);
   std::vector<std::string> inputs;
   for (const auto& [name, t] : batch.inputs) inputs.push_back(name);
-  // The beam state is allocated inside the body: during capture it comes from the lane's pool and
-  // is handed back to it afterwards, like every other intermediate buffer of the graph.
-  auto body = [this, &nodes, &batch](Env& env, const std::function<void(size_t)>& mark) {
-    add_beam_state(env, batch);
+  // The beam state (the beam_state node) is allocated inside the body: during capture it comes from
+  // the lane's pool and is handed back to it afterwards, like every other intermediate buffer.
+  auto body = [this, &nodes](Env& env, const std::function<void(size_t)>& mark) {
     run_nodes(nodes, env, mark, nullptr);
   };
   const std::thread::id thread = std::this_thread::get_id();
@@ -251,7 +240,6 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
     return out;
   }
   Env env = device_env(batch);
-  add_beam_state(env, batch);
   t.h2d_end_ns = now_ns();
   t.launch_ns = t.h2d_end_ns;
   std::vector<double> host_ms;

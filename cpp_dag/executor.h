@@ -111,7 +111,6 @@ class Executor {
   };
   RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);
   Env device_env(const BatchSpec& batch) const;              // the inputs, on the device
-  void add_beam_state(Env& env, const BatchSpec& batch) const;  // zeroed beam state (beam batches)
   std::vector<const Node*> plan(const BatchSpec& batch) const;
   // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given.
   void run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,

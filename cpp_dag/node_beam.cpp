@@ -1,4 +1,5 @@
-// beam_init and beam_step: the fused beam bookkeeping.
+// beam_state, beam_init and beam_step: the beam bookkeeping.
+//   beam_state: the zeroed per-beam suffix K/V, sized from the batch's beam_seqs
 //   beam_init: top-B of the prompt's next-token log-probs (every beam starts equal)
 //   beam_step: log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder
 // With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each parent row's
@@ -11,7 +12,10 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <limits>
+#include <stdexcept>
+#include <vector>
 #include <string>
 #include <tuple>
 
@@ -19,16 +23,46 @@
 #include "triton_kernels.h"
 
 namespace slmrank {
-
-void set_beam_suffix(Env& env, const at::Tensor& suffix_kv) {
-  env["suffix_kv"] = suffix_kv;
-  for (int64_t i = 0; i < suffix_kv.size(0); ++i) {
-    env["suffix_k." + std::to_string(i)] = suffix_kv.select(0, i).select(0, 0);
-    env["suffix_v." + std::to_string(i)] = suffix_kv.select(0, i).select(0, 1);
-  }
-}
-
 namespace {
+
+// A node that owns the per-beam suffix K/V (beam_state, beam_step): suffix_k.{i} / suffix_v.{i}
+// [rows, slots, G, E] per layer; with the fused kernels views of one buffer suffix_kv [layers, 2,
+// rows, slots, G, E], so that a beam step reorders every layer's suffix in one gather.
+// service/runtime/nodes.py::beam_state / set_beam_suffix.
+class SuffixOwner : public Node {
+ public:
+  explicit SuffixOwner(const NodeSpec& spec) : Node(spec) {}
+
+ protected:
+  void set_suffix(Env& env, const at::Tensor& suffix_kv) const {
+    write(env, "suffix_kv", suffix_kv);
+    for (int64_t i = 0; i < suffix_kv.size(0); ++i) {
+      write(env, "suffix_k." + std::to_string(i), suffix_kv.select(0, i).select(0, 0));
+      write(env, "suffix_v." + std::to_string(i), suffix_kv.select(0, i).select(0, 1));
+    }
+  }
+};
+
+// beam_state: the zeroed suffix K/V of a beam batch, sized from beam_seqs [R, B, n]: R*B rows,
+// max(n-1, 1) slots (one per decode step).
+class BeamState final : public SuffixOwner {
+ public:
+  explicit BeamState(const NodeSpec& spec) : SuffixOwner(spec) { require(1, 0, {}, {"suffix_kv"}); }
+  void run(const Context& ctx, Env& env) const override {
+    const ModelConfig& cfg = ctx.cfg;
+    const at::Tensor& seqs = in(env, 0);
+    const std::vector<int64_t> shape = {seqs.size(0) * seqs.size(1), std::max<int64_t>(seqs.size(2) - 1, 1),
+                                        cfg.num_kv_heads, cfg.head_dim};
+    auto options = seqs.options().dtype(ctx.rope_cos.scalar_type());
+    if (!ctx.fused) {
+      for (int64_t i = 0; i < cfg.num_layers; ++i) {
+        for (const char* kv : {"suffix_k.", "suffix_v."}) write(env, kv + std::to_string(i), at::zeros(shape, options));
+      }
+      return;
+    }
+    set_suffix(env, at::zeros({cfg.num_layers, 2, shape[0], shape[1], shape[2], shape[3]}, options));
+  }
+};
 
 at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) {
   at::Tensor rank = at::arange(scores.size(1), scores.options().dtype(at::kLong)).unsqueeze(0);
@@ -52,10 +86,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor
 
 class BeamInit final : public Node {
  public:
-  using Node::Node;
+  explicit BeamInit(const NodeSpec& spec) : Node(spec) {
+    require(3, 0, {"beam_seqs"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents"});
+  }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &logits = in(env, 0), &widths = in(env, 1);  // [R, V] (model dtype when fused), [R]
-    at::Tensor& seqs = env.at("beam_seqs");                        // [R, B, n]
+    at::Tensor seqs = in(env, 2).clone();  // [R, B, n]; the batch's input buffer stays as the caller made it
     const int64_t b = seqs.size(1);
     at::Tensor scores, tokens;
     if (ctx.fused) {  // one parent row per request, beam score 0
@@ -67,15 +103,22 @@ class BeamInit final : public Node {
       std::tie(scores, tokens) = logits.log_softmax(-1).topk(b, -1);
     }
     seqs.select(2, 0).copy_(tokens);
-    env["beam_scores"] = mask_extra_beams(scores, widths);
-    env["beam_tokens"] = tokens.reshape({-1});
-    env["beam_parents"] = at::zeros_like(tokens);
+    write(env, "beam_seqs", seqs);
+    write(env, "beam_scores", mask_extra_beams(scores, widths));
+    write(env, "beam_tokens", tokens.reshape({-1}));
+    write(env, "beam_parents", at::zeros_like(tokens));
   }
 };
 
-class BeamStep final : public Node {
+class BeamStep final : public SuffixOwner {
  public:
-  using Node::Node;
+  explicit BeamStep(const NodeSpec& spec) : SuffixOwner(spec) {
+    require(5, 0, {"suffix_kv"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents", "suffix_kv"});
+    if (spec.inputs[4] != "suffix_kv") {  // inputs[5:] are the per-layer suffix buffers of the ATen path
+      throw std::invalid_argument("node " + spec.name + " (beam_step): input 4 must be suffix_kv, not '" +
+                                  spec.inputs[4] + "'");
+    }
+  }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &logits = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2), &widths = in(env, 3);
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
@@ -93,23 +136,24 @@ class BeamStep final : public Node {
     at::Tensor rows = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
     at::Tensor new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();
     new_seqs.select(2, spec_.step).copy_(tokens);
-    env["beam_seqs"] = new_seqs;
-    env["beam_scores"] = mask_extra_beams(top_scores, widths);
-    env["beam_tokens"] = tokens.reshape({-1});
-    env["beam_parents"] = parents;
+    write(env, "beam_seqs", new_seqs);
+    write(env, "beam_scores", mask_extra_beams(top_scores, widths));
+    write(env, "beam_tokens", tokens.reshape({-1}));
+    write(env, "beam_parents", parents);
     if (!ctx.fused) {
-      for (size_t i = 4; i < spec_.inputs.size(); ++i) {
+      for (size_t i = 5; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[4]: suffix_kv)
         const std::string& name = spec_.inputs[i];
-        env[name] = env.at(name).index_select(0, rows);
+        write(env, name, read(env, name).index_select(0, rows));
       }
     } else if (spec_.step < new_seqs.size(2) - 1) {  // a later decode step reads the suffix: one gather
-      set_beam_suffix(env, env.at("suffix_kv").index_select(2, rows));
+      set_suffix(env, read(env, "suffix_kv").index_select(2, rows));
     }
   }
 };
 
 }  // namespace
 
+std::unique_ptr<Node> make_beam_state(const NodeSpec& spec) { return std::make_unique<BeamState>(spec); }
 std::unique_ptr<Node> make_beam_init(const NodeSpec& spec) { return std::make_unique<BeamInit>(spec); }
 std::unique_ptr<Node> make_beam_step(const NodeSpec& spec) { return std::make_unique<BeamStep>(spec); }
 

@@ -2,13 +2,12 @@
 //   score:   own-sample causal part + shared-prefix part, merged by LSE
 //   prefill: causal over the packed prompts; keeps the prompt K/V every beam shares
 //   decode:  one token per beam; prompt part + per-beam suffix part, merged by LSE
-// Mirrors service/nodes.py::decoder_layer.
+// Mirrors service/runtime/nodes.py::decoder_layer.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <string>
-
 
 #include "layer_ops.h"
 #include "node_types.h"
@@ -26,31 +25,23 @@ Mode parse_mode(const NodeSpec& spec) {
   throw std::invalid_argument("node " + spec.name + ": unknown decoder_layer mode '" + spec.mode + "'");
 }
 
-// Mirrors service/runtime/nodes.py::_varlen_layer_attention.
-at::Tensor varlen_layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Env& env,
-                                  Mode mode, double scale) {
-  const at::Tensor& cu_self = env.at("cu_self");
-  if (mode == Mode::kPrefill) {
-    const int64_t t = q.size(0);
-    return std::get<0>(varlen_attention(q, k, v, cu_self, cu_self, t, t, true, scale));
-  }
-  const at::Tensor& cu_blocks = env.at("cu_blocks");
-  const int64_t block = q.size(0) / (cu_blocks.size(0) - 1);
-  auto [out_self, lse_self] = varlen_attention(q, k, v, cu_self, cu_self, block, block, true, scale);
-  // every row of a block against the block's prefix; only samples after a prefix keep it
-  auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, false, scale,
-                                             env.at("prefix_len"));
-  lse_ctx = lse_ctx.masked_fill(env.at("has_ctx").logical_not(), -std::numeric_limits<double>::infinity());
-  // the log-sum-exp merge as one interpolation (exact algebra; weight 0 without a prefix)
-  at::Tensor weight = lse_ctx.sub(lse_self).sigmoid().to(out_self.scalar_type()).unsqueeze(-1);  // [T, H, 1]
-  return out_self.lerp(out_ctx, weight);
-}
-
 class DecoderLayer final : public Node {
  public:
   explicit DecoderLayer(const NodeSpec& spec) : Node(spec), mode_(parse_mode(spec)), i_(std::to_string(spec.layer)) {
     if (spec.layer < 0) throw std::invalid_argument("node " + spec.name + ": decoder_layer needs a layer index");
     if (mode_ == Mode::kDecode && spec.step < 1) throw std::invalid_argument("node " + spec.name + ": decode needs step >= 1");
+    const std::string k = "prompt_k." + i_, v = "prompt_v." + i_, sk = "suffix_k." + i_, sv = "suffix_v." + i_;
+    switch (mode_) {  // the buffers run() touches by name, each mode (service/artifact/dag.py::_layers)
+      case Mode::kScore:
+        require(0, 0, {"x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx"}, {"x"});
+        break;
+      case Mode::kPrefill:
+        require(0, 0, {"x", "positions", "mask_self", "cu_self"}, {"x", k, v});
+        break;
+      case Mode::kDecode:
+        require(0, 0, {"x", "beam_pos", "mask_beam", "kv_start", "kv_len", k, v, sk, sv}, {"x", sk, sv});
+        break;
+    }
   }
 
   void run(const Context& ctx, Env& env) const override {
@@ -58,55 +49,72 @@ class DecoderLayer final : public Node {
     const LayerWeights& w = ctx.layers.at(spec_.layer);
     const TritonKernels* fused = ctx.fused.get();
     // the previous layer's MLP output, added to x by this layer's first norm
-    auto [x, h] = residual_rms_norm(env.at("x"), has_pending_ ? env.at("mlp_out") : at::Tensor(), w.attn_norm,
+    auto [x, h] = residual_rms_norm(read(env, "x"), has_pending_ ? read(env, "mlp_out") : at::Tensor(), w.attn_norm,
                                     cfg.rms_norm_eps, fused);
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
-      auto [q, k, v] = qkv_projection(cfg, w, h, env.at("positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);
-      if (env.count("cu_self")) {  // on CUDA: varlen flash attention over the packed segments
-        attn = varlen_layer_attention(q, k, v, env, mode_, ctx.scale);
+      auto [q, k, v] = qkv_projection(cfg, w, h, read(env, "positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);
+      if (has(env, "cu_self")) {  // on CUDA in 16 bits: varlen flash attention over the packed segments
+        attn = varlen_layer_attention(q, k, v, env, ctx.scale);
       } else if (mode_ == Mode::kScore) {
-        attn = two_part_attention(q, k, v, env.at("mask_ctx"), k, v, env.at("mask_self"), ctx.scale);
+        attn = two_part_attention(q, k, v, read(env, "mask_ctx"), k, v, read(env, "mask_self"), ctx.scale);
       } else {
-        attn = std::get<0>(masked_attention(q, k, v, env.at("mask_self"), ctx.scale));
+        attn = std::get<0>(masked_attention(q, k, v, read(env, "mask_self"), ctx.scale));
       }
       if (mode_ == Mode::kPrefill) {
-        env["prompt_k." + i_] = k;
-        env["prompt_v." + i_] = v;
+        write(env, "prompt_k." + i_, k);
+        write(env, "prompt_v." + i_, v);
       }
     } else {
       const int64_t t = spec_.step;
-      at::Tensor& suffix_k = env.at("suffix_k." + i_);  // [R*B, n-1, G, E]
-      at::Tensor& suffix_v = env.at("suffix_v." + i_);
+      at::Tensor& suffix_k = update(env, "suffix_k." + i_);  // [R*B, n-1, G, E]
+      at::Tensor& suffix_v = update(env, "suffix_v." + i_);
       // this token's k and v go straight into suffix slot t-1
-      at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, env.at("beam_pos"), t - 1, ctx.rope_cos, ctx.rope_sin,
+      at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, read(env, "beam_pos"), t - 1, ctx.rope_cos, ctx.rope_sin,
                                                 fused, suffix_k.select(1, t - 1), suffix_v.select(1, t - 1)));
+      const at::Tensor &prompt_k = read(env, "prompt_k." + i_), &prompt_v = read(env, "prompt_v." + i_);
       if (fused) {  // one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
-        attn = fused->decode_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("kv_start"),
-                                       env.at("kv_len"), suffix_k, suffix_v, t, ctx.scale);
+        attn = fused->decode_attention(q, prompt_k, prompt_v, read(env, "kv_start"), read(env, "kv_len"), suffix_k,
+                                       suffix_v, t, ctx.scale);
       } else {
-        attn = two_part_attention(q, env.at("prompt_k." + i_), env.at("prompt_v." + i_), env.at("mask_beam"),
-                                  suffix_k.slice(1, 0, t), suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+        attn = two_part_attention(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
+                                  suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
       }
     }
     auto [y, mlp_out] = attention_output_and_mlp(cfg, w, x, attn, fused);
     if (defers_mlp_) {  // the next layer's (or the final) norm adds it, in the same kernel
-      env["x"] = y;
-      env["mlp_out"] = mlp_out;
+      write(env, "x", y);
+      write(env, "mlp_out", mlp_out);
     } else {  // a DAG without the pending buffer
-      env["x"] = y.add(mlp_out);
+      write(env, "x", y.add(mlp_out));
     }
   }
 
  private:
-  static bool declares(const std::vector<std::string>& names, const std::string& name) {
-    return std::find(names.begin(), names.end(), name) != names.end();
+  // Mirrors service/runtime/nodes.py::_varlen_layer_attention.
+  at::Tensor varlen_layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Env& env,
+                                    double scale) const {
+    const at::Tensor& cu_self = read(env, "cu_self");
+    if (mode_ == Mode::kPrefill) {
+      const int64_t t = q.size(0);
+      return std::get<0>(varlen_attention(q, k, v, cu_self, cu_self, t, t, true, scale));
+    }
+    const at::Tensor& cu_blocks = read(env, "cu_blocks");
+    const int64_t block = q.size(0) / (cu_blocks.size(0) - 1);
+    auto [out_self, lse_self] = varlen_attention(q, k, v, cu_self, cu_self, block, block, true, scale);
+    // every row of a block against the block's prefix; only samples after a prefix keep it
+    auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, false, scale,
+                                               read(env, "prefix_len"));
+    lse_ctx = lse_ctx.masked_fill(read(env, "has_ctx").logical_not(), -std::numeric_limits<double>::infinity());
+    // the log-sum-exp merge as one interpolation (exact algebra; weight 0 without a prefix)
+    at::Tensor weight = lse_ctx.sub(lse_self).sigmoid().to(out_self.scalar_type()).unsqueeze(-1);  // [T, H, 1]
+    return out_self.lerp(out_ctx, weight);
   }
 
   Mode mode_;
   std::string i_;
-  bool has_pending_ = declares(spec_.inputs, "mlp_out");
-  bool defers_mlp_ = declares(spec_.outputs, "mlp_out");
+  bool has_pending_ = declares_input("mlp_out");
+  bool defers_mlp_ = declares_output("mlp_out");
 };
 
 }  // namespace

@@ -9,7 +9,7 @@ namespace {
 
 class Embedding final : public Node {
  public:
-  using Node::Node;
+  explicit Embedding(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
     env[spec_.outputs[0]] = at::embedding(ctx.weight("embed"), in(env, 0).reshape({-1}));
   }

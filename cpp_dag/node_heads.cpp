@@ -10,7 +10,7 @@ namespace {
 
 class LmHead final : public Node {
  public:
-  using Node::Node;
+  explicit LmHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
     auto it = ctx.weights.find("lm_head");  // tied embeddings share the table
     const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
@@ -22,7 +22,7 @@ class LmHead final : public Node {
 
 class ClsHead final : public Node {
  public:
-  using Node::Node;
+  explicit ClsHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
     env[spec_.outputs[0]] = at::linear(in(env, 0), ctx.weight("cls_head")).to(at::kFloat);
   }
@@ -30,7 +30,7 @@ class ClsHead final : public Node {
 
 class LabelLogprobs final : public Node {
  public:
-  using Node::Node;
+  explicit LabelLogprobs(const NodeSpec& spec) : Node(spec) { require(2, 1); }
   void run(const Context&, Env& env) const override {
     env[spec_.outputs[0]] = in(env, 0).to(at::kFloat).log_softmax(-1).gather(1, in(env, 1));
   }

@@ -23,40 +23,44 @@ bool uses_varlen(const Context& ctx, const at::Tensor& seg) {
 
 class ScoreMasks final : public Node {
  public:
-  using Node::Node;
+  explicit ScoreMasks(const NodeSpec& spec) : Node(spec) {
+    require(5, 0, {}, {"mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx"});
+  }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3),
                      &last = in(env, 4);
     if (uses_varlen(ctx, seg)) {  // varlen attention: segment bounds, and each request block's prefix (the shared K/V)
       const int64_t r = blocks.size(0), t = seg.size(0), s = last.size(0), block = t / r;
       // runs: at most a prefix and a padding run per block besides the samples
-      env["cu_self"] = segment_bounds(seg, block, s + 2 * r);
-      env["cu_blocks"] = at::arange(0, t + 1, block, seg.options().dtype(at::kInt));  // [R+1]
+      write(env, "cu_self", segment_bounds(seg, block, s + 2 * r));
+      write(env, "cu_blocks", at::arange(0, t + 1, block, seg.options().dtype(at::kInt)));  // [R+1]
       at::Tensor prefix_seg = prefix.view({r, block}).amax(1);  // a block's prefix segment id, or NO_CONTEXT (-2)
-      env["prefix_len"] = seg.view({r, block}).eq(prefix_seg.unsqueeze(1)).sum(1, false, at::kInt);  // [R]
-      env["has_ctx"] = prefix.ge(0).unsqueeze(1);  // [T, 1]: a sample after a prefix
+      write(env, "prefix_len", seg.view({r, block}).eq(prefix_seg.unsqueeze(1)).sum(1, false, at::kInt));  // [R]
+      write(env, "has_ctx", prefix.ge(0).unsqueeze(1));  // [T, 1]: a sample after a prefix
       return;
     }
-    env["mask_self"] = causal_within(pos, seg);
-    env["mask_ctx"] = prefix.unsqueeze(1).eq(seg.unsqueeze(0));  // a sample sees its whole prefix
+    write(env, "mask_self", causal_within(pos, seg));
+    write(env, "mask_ctx", prefix.unsqueeze(1).eq(seg.unsqueeze(0)));  // a sample sees its whole prefix
   }
 };
 
 class BeamMasks final : public Node {
  public:
-  using Node::Node;
+  explicit BeamMasks(const NodeSpec& spec) : Node(spec) {
+    require(5, 0, {}, {"mask_self", "cu_self", "mask_beam", "kv_start", "kv_len"});
+  }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &beam_req = in(env, 2), &plen = in(env, 3),
                      &last = in(env, 4);
     if (uses_varlen(ctx, seg)) {  // varlen prefill attention: one causal segment per prompt (+ the padding run)
-      env["cu_self"] = segment_bounds(seg, seg.size(0), last.size(0) + 1);
+      write(env, "cu_self", segment_bounds(seg, seg.size(0), last.size(0) + 1));
     } else {
-      env["mask_self"] = causal_within(pos, seg);  // causal within a prompt
+      write(env, "mask_self", causal_within(pos, seg));  // causal within a prompt
     }
-    env["mask_beam"] = beam_req.unsqueeze(1).eq(seg.unsqueeze(0));  // a beam sees its request's prompt
+    write(env, "mask_beam", beam_req.unsqueeze(1).eq(seg.unsqueeze(0)));  // a beam sees its request's prompt
     if (ctx.fused) {  // the fused decode attention reads each beam row's prompt range instead of mask_beam
-      env["kv_len"] = plen;
-      env["kv_start"] = last.index_select(0, beam_req).sub(plen).add(1);
+      write(env, "kv_len", plen);
+      write(env, "kv_start", last.index_select(0, beam_req).sub(plen).add(1));
     }
   }
 };

@@ -9,7 +9,7 @@ namespace {
 
 class RmsNorm final : public Node {
  public:
-  using Node::Node;
+  explicit RmsNorm(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
     // a second input: the last layer's MLP output, added first (in one kernel with the norm when fused)
     const at::Tensor pending = spec_.inputs.size() > 1 ? in(env, 1) : at::Tensor();
@@ -20,7 +20,7 @@ class RmsNorm final : public Node {
 
 class GatherRows final : public Node {
  public:
-  using Node::Node;
+  explicit GatherRows(const NodeSpec& spec) : Node(spec) { require(2, 1); }
   void run(const Context&, Env& env) const override {
     env[spec_.outputs[0]] = in(env, 0).index_select(0, in(env, 1));
   }

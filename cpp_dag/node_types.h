@@ -9,6 +9,7 @@ namespace slmrank {
 
 std::unique_ptr<Node> make_score_masks(const NodeSpec& spec);
 std::unique_ptr<Node> make_beam_masks(const NodeSpec& spec);
+std::unique_ptr<Node> make_beam_state(const NodeSpec& spec);
 std::unique_ptr<Node> make_embedding(const NodeSpec& spec);
 std::unique_ptr<Node> make_decoder_layer(const NodeSpec& spec);
 std::unique_ptr<Node> make_rms_norm(const NodeSpec& spec);

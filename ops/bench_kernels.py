@@ -417,7 +417,7 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
     from service.runtime.nodes import NodeContext, beam_init, beam_step
 
     model, layers, g, e, r, b, n = BEAM_SHAPES[name]
-    suffix = tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")
+    suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")  # as the DAG declares
     outs = ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")
     ins = ("logits", "beam_scores", "beam_seqs", "beam_width")
     ctx = {"aten": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), None),  # type: ignore[arg-type]
@@ -441,8 +441,9 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
             per_step.append(graph_time_ms(lambda node=node: beam_step(ctx[label], node, dict(env))))
         init_env = {"logits": env["logits"][::b].contiguous(), "beam_width": env["beam_width"],
                     "beam_seqs": torch.zeros(r, b, n, dtype=torch.int64, device="cuda")}
-        init = graph_time_ms(lambda: beam_init(ctx[label], Node("beam_init", "beam_init", ("logits", "beam_width"),
-                                                                 outs), dict(init_env)))
+        init = graph_time_ms(lambda: beam_init(ctx[label], Node("beam_init", "beam_init",
+                                                                 ("logits", "beam_width", "beam_seqs"), outs),
+                                               dict(init_env)))
         row = {"bench": "beam_step", "workload": name, "model": model, "variant": label, "rows": r * b,
                "ms_beam_init": init, "ms_per_step": per_step, "ms_per_batch": init + sum(per_step),
                "floor_ms_per_step": one_read / (HBM_TB_S * 1e12) * 1e3, "max_score_err": err, "same_beams": same}

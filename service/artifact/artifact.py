@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from .buckets import BucketTable, default_bucket_table
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
-from .dag import Node, beam_dag, dag_from_list, dag_to_list, score_dag
+from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 3  # 2: Score buckets of request blocks; 3: masks nodes write varlen segment bounds
+FORMAT_VERSION = 4  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -191,6 +191,8 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
         limits = ServingLimits.from_dict(m["limits"])
         buckets = BucketTable.from_dict(m["buckets"])
         score, beam = dag_from_list(m["dags"]["score"]), dag_from_list(m["dags"]["beam"])
+        check_dataflow(score, SCORE_INPUTS, ("scores",))
+        check_dataflow(beam, BEAM_INPUTS, ("beam_seqs", "beam_scores"))
         wdtype = DTYPES[m["weights"]["dtype"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{mpath}: malformed manifest ({e})") from e

@@ -1,10 +1,15 @@
 """The request DAGs as data: nodes with named inputs/outputs, stored in the artifact manifest.
 
-Both runtimes walk the same node list. Buffers are named; a batch's input buffers are:
+Both runtimes walk the same node list, and the declarations are the whole data flow: a node reads
+only buffers it declares as inputs (or outputs it updates) and writes only its declared outputs;
+both runtimes refuse anything else (the Python runtime at each access, the C++ runtime when it
+loads the DAG). A declared output may be left unwritten where a device does not need it (the masks
+of the dense attention on a GPU in 16 bits). A batch's input buffers are:
   Score: tokens, positions, seg, ctx [T] (R blocks of T/R rows, one request each);
          block_tokens [R]; last [S]; labels [S, L]
   Beam:  tokens, positions, seg [N]; last, beam_width [R]; beam_req, beam_pos [R*B]
-         (beam_pos = the request's prompt length: the position of the first generated token)
+         (beam_pos = the request's prompt length: the position of the first generated token);
+         beam_seqs [R, B, n] zeros (the generated tokens, filled step by step)
 Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
 runs the nodes with step < n.
 """
@@ -16,8 +21,28 @@ from typing import Any
 
 from ..model.config import ModelConfig
 
-NODE_TYPES = ("score_masks", "beam_masks", "embedding", "decoder_layer", "rms_norm", "gather_rows", "lm_head", "cls_head",
-              "label_logprobs", "beam_init", "beam_step")
+NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_layer", "rms_norm", "gather_rows",
+              "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step")
+SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "block_tokens", "last", "labels")
+BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_seqs")
+
+
+class DagError(ValueError):
+    """A DAG whose declarations do not hold together."""
+
+
+def check_dataflow(nodes: list["Node"], batch_inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+    """Every input a node declares is a batch input or an output of an earlier node, and the DAG
+    produces the batch's outputs."""
+    available = set(batch_inputs)
+    for node in nodes:
+        missing = [name for name in node.inputs if name not in available]
+        if missing:
+            raise DagError(f"node {node.name} ({node.type}) reads {missing}, which neither the batch nor an "
+                           "earlier node provides")
+        available.update(node.outputs)
+    if nodes and (absent := [name for name in outputs if name not in available]):
+        raise DagError(f"the DAG never writes {absent}")
 
 
 @dataclass(frozen=True)
@@ -98,19 +123,22 @@ def score_dag(cfg: ModelConfig) -> list[Node]:
 def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
     if cfg.has_cls_head:
         return []
+    # per-beam suffix K/V, one slot per decode step: one buffer (suffix_kv) on the fused path, with
+    # every layer's suffix_k/v.i a view of it; separate buffers on the ATen path
+    suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
     nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req", "beam_pos", "last"),
                   ("mask_self", "cu_self", "mask_beam", "kv_start", "kv_len")),
+             Node("beam_state", "beam_state", ("beam_seqs",), suffix),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill")
     nodes += _head(cfg, "", "last")
-    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width"),
+    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs"),
                       ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")))
     for t in range(1, max_new_tokens):
         p = f"step{t}."
         nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
         nodes += _layers(cfg, p, "decode", t)
         nodes += _head(cfg, p, "", t)
-        suffix = tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
         nodes.append(Node(f"{p}beam_step", "beam_step",
                           ("logits", "beam_scores", "beam_seqs", "beam_width") + suffix,
                           ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix,

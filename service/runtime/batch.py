@@ -153,6 +153,7 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
         "beam_width": _i64(widths),
         "beam_req": torch.arange(r_max, dtype=torch.int64).repeat_interleave(b),
         "beam_pos": _i64(prompt_len).repeat_interleave(b),
+        "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
     }
     return BeamBatch(requests, bucket, inputs)
 

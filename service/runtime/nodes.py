@@ -1,13 +1,15 @@
 """Node implementations of the Python artifact runtime: one function per DAG node type.
 
-Each takes (ctx, node, env) and writes its outputs into env; env maps buffer names to tensors.
+Each takes (ctx, node, env) and writes its outputs into env; env maps buffer names to tensors and
+admits only the buffers the node declares (service/runtime/env.py).
 The C++ runtime implements the same node types with the same ATen ops in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ from ..artifact.dag import Node
 from ..model.layers import (LayerWeights, attention_output_and_mlp, qkv_projection, residual_rms_norm,
                             two_part_attention)
 
-Env = dict[str, torch.Tensor]
+Env = MutableMapping[str, torch.Tensor]
 
 
 @dataclass
@@ -166,10 +168,27 @@ def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tenso
     return scores.masked_fill(rank >= widths.unsqueeze(1), float("-inf"))
 
 
+def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
+    """The per-beam suffix K/V, one slot per decode step, sized from beam_seqs [R, B, n]:
+    suffix_k.{i} / suffix_v.{i} [R*B, max(n-1, 1), G, E]. With the fused kernels they are views of
+    one buffer suffix_kv [layers, 2, R*B, slots, G, E], so that a beam step reorders every layer's
+    suffix in one gather (cpp_dag/node_beam.cpp alike)."""
+    cfg = ctx.cfg
+    r, b, n = env[node.inputs[0]].shape
+    shape = (r * b, max(n - 1, 1), cfg.num_kv_heads, cfg.head_dim)
+    device = env[node.inputs[0]].device
+    if ctx.fused is None:
+        for i in range(cfg.num_layers):
+            for kv in "kv":
+                env[f"suffix_{kv}.{i}"] = torch.zeros(shape, dtype=ctx.rope_cos.dtype, device=device)
+        return
+    set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=device))
+
+
 def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     """First generated token: top-B of the prompt's next-token distribution (every beam equal)."""
-    logits, widths = (env[n] for n in node.inputs)  # [R, V] (float32; the model dtype when fused), [R]
-    num_beams, num_new = env["beam_seqs"].shape[1:]
+    logits, widths, seqs = (env[n] for n in node.inputs)  # [R, V] (float32; model dtype when fused), [R], [R, B, n]
+    num_beams = seqs.shape[1]
     if ctx.fused is not None:  # kernels/beam_topk.py with one parent row per request, beam score 0
         r, vocab = logits.shape
         zero = torch.zeros(r, dtype=torch.float32, device=logits.device)
@@ -178,8 +197,9 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     else:
         logp = torch.log_softmax(logits, dim=-1)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
-    seqs = env["beam_seqs"]
+    seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
     seqs[:, :, 0] = tokens
+    env["beam_seqs"] = seqs
     env["beam_scores"] = _mask_extra_beams(scores, widths)
     env["beam_tokens"] = tokens.reshape(-1)
     env["beam_parents"] = torch.zeros_like(tokens)
@@ -206,24 +226,10 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     env["beam_tokens"] = tokens.reshape(-1)
     env["beam_parents"] = parents
     if ctx.fused is None:
-        for name in node.inputs[4:]:
+        for name in node.inputs[5:]:  # suffix_k.{i} / suffix_v.{i} (inputs[4] is the fused path's suffix_kv)
             env[name] = env[name].index_select(0, rows)
     elif node.step < seqs.shape[2] - 1:  # a later decode step reads the suffix: every layer's in one gather
         set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))
-
-
-def beam_suffix(ctx: NodeContext, rows: int, slots: int, device: torch.device) -> Env:
-    """Per-beam suffix K/V, one slot per decode step: suffix_k.{i} / suffix_v.{i} [rows, slots, G, E].
-    With the fused kernels they are views of one buffer suffix_kv [layers, 2, rows, slots, G, E], so
-    that a beam step reorders every layer's suffix in one gather (cpp_dag/executor.cpp alike)."""
-    cfg = ctx.cfg
-    if ctx.fused is None:
-        return {f"suffix_{kv}.{i}": torch.zeros(rows, slots, cfg.num_kv_heads, cfg.head_dim, dtype=ctx.rope_cos.dtype,
-                                                device=device) for i in range(cfg.num_layers) for kv in "kv"}
-    env: Env = {}
-    set_beam_suffix(env, torch.zeros(cfg.num_layers, 2, rows, slots, cfg.num_kv_heads, cfg.head_dim,
-                                     dtype=ctx.rope_cos.dtype, device=device))
-    return env
 
 
 def set_beam_suffix(env: Env, suffix_kv: torch.Tensor) -> None:
@@ -235,6 +241,7 @@ def set_beam_suffix(env: Env, suffix_kv: torch.Tensor) -> None:
 NODE_FUNCS: dict[str, Callable[[NodeContext, Node, Env], None]] = {
     "score_masks": score_masks,
     "beam_masks": beam_masks,
+    "beam_state": beam_state,
     "embedding": embedding,
     "decoder_layer": decoder_layer,
     "rms_norm": rms_norm_node,

@@ -14,7 +14,8 @@ from .batch import BeamBatch, ScoreBatch
 from ..artifact.dag import Node
 from .fused import python_kernels
 from ..model.layers import LayerWeights, rope_table
-from .nodes import NODE_FUNCS, Env, NodeContext, beam_suffix
+from .env import NodeEnv
+from .nodes import NODE_FUNCS, Env, NodeContext
 
 Trace = Callable[[Node, Env], None]
 
@@ -45,7 +46,7 @@ class PythonRuntime:
         for node in dag:
             if node.step >= num_steps:
                 continue
-            NODE_FUNCS[node.type](self.ctx, node, env)
+            NODE_FUNCS[node.type](self.ctx, node, NodeEnv(env, node))
             if trace is not None:
                 trace(node, env)
 
@@ -59,10 +60,6 @@ class PythonRuntime:
     @torch.inference_mode()
     def run_beam(self, batch: BeamBatch, trace: Trace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns seqs [R, B, n] int64 and cumulative log-probs [R, B] float32, on the host."""
-        bucket = batch.bucket
         env = self._inputs(batch.inputs)
-        rows, n = bucket.max_requests * bucket.beam_width, bucket.new_tokens
-        env["beam_seqs"] = torch.zeros(bucket.max_requests, bucket.beam_width, n, dtype=torch.int64, device=self.device)
-        env.update(beam_suffix(self.ctx, rows, max(n - 1, 1), self.device))  # one slot per decode step
-        self._walk(self.artifact.beam_dag, env, n, trace)
+        self._walk(self.artifact.beam_dag, env, batch.bucket.new_tokens, trace)
         return env["beam_seqs"].cpu(), env["beam_scores"].cpu()

@@ -7,13 +7,17 @@ Everything is built fresh from fixed seeds in pytest's tmp dirs; nothing is down
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import msgpack
 import pytest
 import torch
+
+from service.artifact.artifact import MANIFEST
 
 VOCAB = 512
 MAX_POS = 96  # small limits: prompt buckets of r x 91 tokens keep the CPU runs quick
@@ -84,6 +88,21 @@ def describe_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{n} differing bytes, max |diff| {diff.max().item():.3g}"
 
 
+def executor_with_dags(art, tmp_path: Path, score_dag: list[dict[str, Any]] | None = None,
+                       beam_dag: list[dict[str, Any]] | None = None):
+    """A cpp_dag._core.Executor (CPU, eager) from a copy of the artifact whose manifest carries
+    other DAGs (node dicts): the executor's one construction path is an artifact directory."""
+    from cpp_dag import _core
+
+    copy = tmp_path / f"art-{len(list(tmp_path.glob('art-*')))}"
+    shutil.copytree(art.path, copy)
+    m = msgpack.unpackb((copy / MANIFEST).read_bytes())
+    m["dags"]["score"] = score_dag if score_dag is not None else m["dags"]["score"]
+    m["dags"]["beam"] = beam_dag if beam_dag is not None else m["dags"]["beam"]
+    (copy / MANIFEST).write_bytes(msgpack.packb(m))
+    return _core.Executor.from_artifact(str(copy), "cpu", verify=False, use_graphs=False)
+
+
 def rand_ids(rng: random.Random, n: int, vocab: int = VOCAB) -> tuple[int, ...]:
     return tuple(rng.randrange(vocab) for _ in range(n))
 
@@ -91,4 +110,5 @@ def rand_ids(rng: random.Random, n: int, vocab: int = VOCAB) -> tuple[int, ...]:
 @pytest.fixture(scope="session")
 def helpers() -> SimpleNamespace:
     """Helpers as a fixture (test modules cannot import conftest under --import-mode=importlib)."""
-    return SimpleNamespace(same_bytes=same_bytes, describe_diff=describe_diff, rand_ids=rand_ids, vocab=VOCAB)
+    return SimpleNamespace(same_bytes=same_bytes, describe_diff=describe_diff, rand_ids=rand_ids, vocab=VOCAB,
+                           executor_with_dags=executor_with_dags)

@@ -21,7 +21,6 @@ import torch
 from service.runtime import cpp_runtime as cpp_runtime_mod
 from service.runtime.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.cpp_runtime import CppRuntime
-from service.model.layers import rope_table
 from service.runtime.requests import BeamRequest, ScoreRequest
 
 # ---- batches -----------------------------------------------------------------------------------
@@ -65,19 +64,6 @@ def _run(rt, batch) -> list[torch.Tensor]:
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor], helpers) -> bool:
     return len(a) == len(b) and all(helpers.same_bytes(x, y) for x, y in zip(a, b))
-
-
-def _raw_executor(art, score_dag: list[dict[str, Any]] | None = None, beam_dag: list[dict[str, Any]] | None = None):
-    """A cpp_dag._core.Executor built directly from the artifact's parts (DAGs replaceable)."""
-    from cpp_dag import _core
-
-    cfg, limits = art.config, art.limits
-    weights = art.load_weights("cpu", art.weight_dtype)
-    num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
-    cos, sin = rope_table(cfg, num_positions, torch.device("cpu"))
-    return _core.Executor(cfg.to_dict(), weights, cos.to(art.weight_dtype), sin.to(art.weight_dtype),
-                          score_dag if score_dag is not None else [n.to_dict() for n in art.score_dag],
-                          beam_dag if beam_dag is not None else [n.to_dict() for n in art.beam_dag], False)
 
 
 def _beam_kwargs(batch: BeamBatch) -> dict[str, int]:
@@ -180,24 +166,42 @@ def test_concurrent_submits_match_blocking_runs(qwen2_small, helpers, monkeypatc
 # ---- errors ------------------------------------------------------------------------------------------
 
 
-def test_missing_input_buffer_names_the_node(qwen2_small, helpers) -> None:
+def test_an_input_nothing_provides_is_refused_at_load(qwen2_small, tmp_path, helpers) -> None:
     art = qwen2_small.artifact
     dag = [n.to_dict() for n in art.score_dag]
     head = next(d for d in dag if d["type"] == "lm_head")
     head["inputs"] = ["h_missing"]
-    ex = _raw_executor(art, score_dag=dag)
-    batch = _score_batch(art, random.Random(6), helpers)
-    with pytest.raises(RuntimeError) as info:
-        ex.run("score", batch.inputs)
+    with pytest.raises(ValueError) as info:
+        helpers.executor_with_dags(art, tmp_path, score_dag=dag)
     msg = str(info.value)
-    assert head["name"] in msg and "lm_head" in msg and "h_missing" in msg, msg
-    # the executor is still usable: its (intact) beam DAG gives what it gave before the failure
-    beam = _beam_batch(art, random.Random(6), helpers)
-    before, _ = ex.run("beam", beam.inputs, **_beam_kwargs(beam))
-    with pytest.raises(RuntimeError, match="h_missing"):
-        ex.run("score", batch.inputs)
-    after, _ = ex.run("beam", beam.inputs, **_beam_kwargs(beam))
-    assert _same(list(after), list(before), helpers)
+    assert head["name"] in msg and "lm_head" in msg and "h_missing" in msg and "earlier node" in msg, msg
+
+
+@pytest.mark.parametrize("kind, node_type, drop, where", [
+    ("score", "decoder_layer", "positions", "inputs"),  # read by name
+    ("score", "score_masks", "cu_blocks", "outputs"),  # written by name
+    ("beam", "beam_init", "beam_seqs", "inputs"),  # changed in place: must be an input too
+    ("beam", "beam_step", "beam_parents", "outputs"),
+])
+def test_a_buffer_the_node_uses_but_does_not_declare_is_refused_at_load(qwen2_small, tmp_path, helpers, kind,
+                                                                       node_type, drop, where) -> None:
+    art = qwen2_small.artifact
+    dag = [n.to_dict() for n in (art.score_dag if kind == "score" else art.beam_dag)]
+    node = next(d for d in dag if d["type"] == node_type)
+    node[where] = [name for name in node[where] if name != drop]
+    with pytest.raises(ValueError) as info:
+        helpers.executor_with_dags(art, tmp_path, **{f"{kind}_dag": dag})
+    msg = str(info.value)
+    assert node["name"] in msg and drop in msg, msg
+
+
+def test_the_artifact_dags_load_and_run_unchanged(qwen2_small, tmp_path, helpers) -> None:
+    """The copy path itself: the very same DAGs load and give the runtime's bytes."""
+    art, rt = qwen2_small.artifact, qwen2_small.cpp
+    ex = helpers.executor_with_dags(art, tmp_path)
+    batch = _score_batch(art, random.Random(6), helpers)
+    (scores,), _ = ex.run("score", batch.inputs)
+    assert helpers.same_bytes(scores, rt.run_score(batch))
     ex.shutdown()
 
 
@@ -209,12 +213,12 @@ def test_wrong_dtype_input_fails_in_its_node(qwen2_small, helpers) -> None:
     assert "node label_logprobs" in str(info.value)
 
 
-def test_unknown_node_type_at_construction(qwen2_small) -> None:
+def test_unknown_node_type_at_construction(qwen2_small, tmp_path, helpers) -> None:
     art = qwen2_small.artifact
     dag = [n.to_dict() for n in art.score_dag]
     dag.insert(2, {"name": "mystery_node", "type": "fancy_attention", "inputs": ["x"], "outputs": ["x"], "attrs": {}})
     with pytest.raises(ValueError) as info:
-        _raw_executor(art, score_dag=dag)
+        helpers.executor_with_dags(art, tmp_path, score_dag=dag)
     assert "mystery_node" in str(info.value) and "fancy_attention" in str(info.value)
 
 

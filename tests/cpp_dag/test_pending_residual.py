@@ -9,10 +9,8 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from service.artifact.dag import Node
-from service.model.layers import rope_table
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, ScoreRequest
@@ -25,20 +23,9 @@ def _without_pending(dag: list[Node]) -> list[Node]:
     return [dataclasses.replace(n, inputs=strip(n.inputs), outputs=strip(n.outputs)) for n in dag]
 
 
-def _executor(art, score_dag: list[Node], beam_dag: list[Node]):
-    from cpp_dag import _core
-
-    cfg, limits = art.config, art.limits
-    num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
-    cos, sin = rope_table(cfg, num_positions, torch.device("cpu"))
-    return _core.Executor(cfg.to_dict(), art.load_weights("cpu", art.weight_dtype), cos.to(art.weight_dtype),
-                          sin.to(art.weight_dtype), [n.to_dict() for n in score_dag],
-                          [n.to_dict() for n in beam_dag], False)
-
-
 @pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
 def test_a_dag_without_the_pending_buffer_gives_the_same_bytes(model_name: str, request: pytest.FixtureRequest,
-                                                               helpers) -> None:
+                                                               helpers, tmp_path) -> None:
     art = request.getfixturevalue(model_name).artifact
     layers = [n for n in art.score_dag if n.type == "decoder_layer"]
     assert "mlp_out" not in layers[0].inputs and all("mlp_out" in n.inputs for n in layers[1:])
@@ -60,7 +47,7 @@ def test_a_dag_without_the_pending_buffer_gives_the_same_bytes(model_name: str, 
     got = {"python": (PythonRuntime(old).run_score(score_batch), PythonRuntime(old).run_beam(beam_batch))}
     for name, (s_dag, b_dag) in {"cpp": (art.score_dag, art.beam_dag),
                                  "cpp_without": (old.score_dag, old.beam_dag)}.items():
-        ex = _executor(art, s_dag, b_dag)
+        ex = helpers.executor_with_dags(art, tmp_path, [n.to_dict() for n in s_dag], [n.to_dict() for n in b_dag])
         (scores,), _ = ex.run("score", score_batch.inputs)
         beams, _ = ex.run("beam", beam_batch.inputs, **dims)
         got[name] = (scores, tuple(beams))

@@ -5,7 +5,7 @@
 the cubin file and its SHA-256, the function name, the launch parameters in order (name and C
 type; constexpr arguments are baked in and absent, and the two trailing scratch pointers of
 Triton >= 3.3/3.5 are listed), `num_warps` (block = 32 x num_warps threads), dynamic shared
-memory bytes, and the scratch sizes: the launch ABI of KERNELS-FROM-CPP.md.
+memory bytes, and the scratch sizes: the launch ABI that cpp_dag/triton_kernels.cpp checks and uses.
 `model_kernel_specs(...)` lists the variants one model needs.
 
   python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR [--arch 90] [--dtype bfloat16]

@@ -104,6 +104,12 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"
 
+    @property
+    def label_columns(self) -> int:
+        """Columns of a Score batch's labels and results: a classification head returns its one
+        output row per sample; a causal LM up to max_labels label log-probs."""
+        return 1 if self.config.has_cls_head else self.limits.max_labels
+
 
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False) -> Path:

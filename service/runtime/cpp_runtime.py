@@ -109,7 +109,7 @@ class CppRuntime:
         table = self.artifact.buckets
         todo = buckets if buckets is not None else [*table.score, *table.beam]
         todo = sorted(todo, key=lambda b: _footprint(b, self.cfg), reverse=True)
-        label_columns = 1 if self.cfg.has_cls_head else self.artifact.limits.max_labels
+        label_columns = self.artifact.label_columns
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
             for bucket in todo:

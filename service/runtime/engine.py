@@ -92,7 +92,7 @@ def run_score_requests(artifact: Artifact, runtime: Runtime, reqs: list[ScoreReq
     bucket = pick_score_bucket(artifact.buckets, reqs)
     assert bucket is not None, "plan_batches only forms batches that fit a bucket"
     # label columns are padded to max_labels; a classification head reads no labels
-    label_columns = 1 if artifact.config.has_cls_head else artifact.limits.max_labels
+    label_columns = artifact.label_columns
     batch = pack_score(reqs, bucket, label_columns)
     return unpack_score(batch, runtime.run_score(batch))
 

@@ -234,7 +234,7 @@ class Scheduler:
         self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
         self.costs = CostTable(artifact, self.config.max_batch_requests)
-        self._label_columns = 1 if artifact.config.has_cls_head else artifact.limits.max_labels
+        self._label_columns = artifact.label_columns
         self._buckets = buckets_by_kind(artifact)
         self._wake = asyncio.Event()  # something changed: an arrival, a drop, a batch done
         self._progress = asyncio.Event()  # a batch finished or a ticket left the queue (for drain)

@@ -30,6 +30,7 @@ from service.artifact.artifact import build_artifact, load_artifact  # noqa: E40
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket  # noqa: E402
 from service.runtime.cpp_runtime import CppRuntime  # noqa: E402
 from service.runtime.engine import execute  # noqa: E402
+from service.model.checkpoint import hf_config_kwargs, hf_state_dict  # noqa: E402
 from service.model.flops import beam_flops, score_flops  # noqa: E402
 from service.runtime.jsonl import format_result  # noqa: E402
 from service.runtime.python_runtime import PythonRuntime  # noqa: E402
@@ -239,32 +240,9 @@ def save_hf_checkpoint(art, out: str) -> str:
         return out
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = art.config
-    hf_cfg = AutoConfig.for_model(c.arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  intermediate_size=c.intermediate_size, rope_theta=c.rope_theta,
-                                  rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_positions,
-                                  tie_word_embeddings=c.tie_word_embeddings)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
-    w = art.load_weights("cpu")
-    sd = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
-    q, kv = c.q_size, c.kv_size
-    for i in range(c.num_layers):
-        p, a = f"model.layers.{i}.", f"layers.{i}."
-        wq, wk, wv = w[a + "wqkv"].split([q, kv, kv])
-        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": w[a + "wo"],
-                   p + "input_layernorm.weight": w[a + "attn_norm"],
-                   p + "post_attention_layernorm.weight": w[a + "mlp_norm"]})
-        if c.attention_bias:
-            bq, bk, bv = w[a + "bqkv"].split([q, kv, kv])
-            sd.update({p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
-                       p + "self_attn.v_proj.bias": bv})
-        if c.qk_norm:
-            sd.update({p + "self_attn.q_norm.weight": w[a + "q_norm"], p + "self_attn.k_norm.weight": w[a + "k_norm"]})
-        gate, up = w[a + "wgu"].chunk(2)
-        sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w[a + "wdown"]})
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(art.config.arch, **hf_config_kwargs(art.config)),
+                                             dtype=torch.bfloat16)
+    sd = hf_state_dict(art.config, art.load_weights("cpu"))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     model.save_pretrained(out)

@@ -120,6 +120,37 @@ def iter_hf_weights(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.T
         yield a + "wdown", src.get(mlp + "down_proj.weight")
 
 
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, object]:
+    """transformers' config of this model: `AutoConfig.for_model(cfg.arch, **hf_config_kwargs(cfg))`."""
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                max_position_embeddings=cfg.max_positions, tie_word_embeddings=cfg.tie_word_embeddings)
+
+
+def hf_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Artifact-layout weights back under a transformers causal LM's names (iter_hf_weights, inverted):
+    how the benchmarks' peer and the accuracy tests run Hugging Face on the very same weights."""
+    sd = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["final_norm"]}
+    if "lm_head" in weights:
+        sd["lm_head.weight"] = weights["lm_head"]
+    q, kv = cfg.q_size, cfg.kv_size
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        for name, t in zip(("q_proj", "k_proj", "v_proj"), weights[a + "wqkv"].split([q, kv, kv])):
+            sd[p + f"self_attn.{name}.weight"] = t
+        if cfg.attention_bias:
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), weights[a + "bqkv"].split([q, kv, kv])):
+                sd[p + f"self_attn.{name}.bias"] = t
+        if cfg.qk_norm:
+            sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = weights[a + "q_norm"], weights[a + "k_norm"]
+        gate, up = weights[a + "wgu"].chunk(2)
+        sd.update({p + "self_attn.o_proj.weight": weights[a + "wo"], p + "input_layernorm.weight": weights[a + "attn_norm"],
+                   p + "post_attention_layernorm.weight": weights[a + "mlp_norm"], p + "mlp.gate_proj.weight": gate,
+                   p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": weights[a + "wdown"]})
+    return sd
+
+
 # ---- Embedded specs: real shapes, deterministic random weights -------------------------------
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from service.runtime.engine import execute
+from service.model.checkpoint import hf_config_kwargs, hf_state_dict
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -23,32 +24,9 @@ def _hf_float64(art):
     """transformers' model for the artifact's config with its very weights, in float64 on the GPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = art.config
-    hf_cfg = AutoConfig.for_model(c.arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  intermediate_size=c.intermediate_size, rope_theta=c.rope_theta,
-                                  rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_positions,
-                                  tie_word_embeddings=c.tie_word_embeddings)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float64)
-    w = {k: v.double() for k, v in art.load_weights("cpu").items()}
-    sd = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
-    if "lm_head" in w:
-        sd["lm_head.weight"] = w["lm_head"]
-    q, kv = c.q_size, c.kv_size
-    for i in range(c.num_layers):
-        p, a = f"model.layers.{i}.", f"layers.{i}."
-        for name, t in zip(("q_proj", "k_proj", "v_proj"), w[a + "wqkv"].split([q, kv, kv])):
-            sd[p + f"self_attn.{name}.weight"] = t
-        if c.attention_bias:
-            for name, t in zip(("q_proj", "k_proj", "v_proj"), w[a + "bqkv"].split([q, kv, kv])):
-                sd[p + f"self_attn.{name}.bias"] = t
-        if c.qk_norm:
-            sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = w[a + "q_norm"], w[a + "k_norm"]
-        gate, up = w[a + "wgu"].chunk(2)
-        sd.update({p + "self_attn.o_proj.weight": w[a + "wo"], p + "input_layernorm.weight": w[a + "attn_norm"],
-                   p + "post_attention_layernorm.weight": w[a + "mlp_norm"], p + "mlp.gate_proj.weight": gate,
-                   p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w[a + "wdown"]})
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(art.config.arch, **hf_config_kwargs(art.config)),
+                                             dtype=torch.float64)
+    sd = hf_state_dict(art.config, {k: v.double() for k, v in art.load_weights("cpu").items()})
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     return model.to("cuda").eval()

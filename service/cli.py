@@ -11,15 +11,21 @@ from pathlib import Path
 # torch (behind .artifact) is imported only by the commands that run a model: `slmrank client`
 # and `slmrank trace` start in a fraction of a second.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# ServingLimits fields settable at `slmrank build` (the defaults cover BENCHMARKS.md's W1-W6)
+LIMIT_FLAGS = {"max_prompt_tokens": "BeamSearch prompt tokens (1024)", "max_beam_width": "beam width (400)",
+               "max_new_tokens": "BeamSearch new tokens (5)", "max_samples": "Score samples a request (64)",
+               "max_score_tokens": "Score prefix + sample tokens a request (2048)",
+               "max_labels": "label ids a Score request (16)"}
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from .artifact.artifact import build_artifact, load_artifact
 
-    out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet)
+    limits = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
+    out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits)
     art = load_artifact(out)
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}, "
-          f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets")
+          f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets; limits {art.limits.to_dict()}")
     return 0
 
 
@@ -245,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   "embedded:qwen3-1.7b | a local HF checkpoint directory")
     b.add_argument("--out", required=True, help="artifact directory to write")
     b.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="weight dtype (auto: the source's)")
+    for name, what in LIMIT_FLAGS.items():
+        b.add_argument("--" + name.replace("_", "-"), type=int, default=None, metavar="N",
+                       help=f"serving limit: {what} (default: the model's, see the manifest)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

@@ -112,12 +112,14 @@ class Artifact:
 
 
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
-                   buckets: BucketTable | None = None, quiet: bool = False) -> Path:
-    """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory."""
+                   buckets: BucketTable | None = None, quiet: bool = False,
+                   limit_overrides: dict[str, int] | None = None) -> Path:
+    """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
+    limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
-    limits = limits or ServingLimits.for_model(cfg)
+    limits = limits or ServingLimits.for_model(cfg, **(limit_overrides or {}))
     limits.check_positions(cfg)
     buckets = buckets or default_bucket_table(limits)
     buckets.fits_one(limits)

@@ -15,6 +15,7 @@ from service.artifact.artifact import (FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS
                               load_artifact, sha256_file)
 from service.model.checkpoint import EMBEDDED, expected_shapes
 from service.cli import main as cli_main
+from service.model.config import ServingLimits
 from service.artifact.dag import NODE_TYPES
 
 
@@ -227,3 +228,23 @@ def test_manifest_config_not_matching_the_weights_is_refused(embedded_tiny, tmp_
     _write_manifest(d, m)
     with pytest.raises((ArtifactError, ConfigError), match="wgu|wdown|shape"):
         PythonRuntime(load_artifact(d))
+
+
+def test_build_flags_set_the_serving_limits(tmp_path, capsys):
+    out = tmp_path / "limited"
+    assert cli_main(["build", "--model", "embedded:tiny", "--out", str(out), "--max-prompt-tokens", "200",
+                     "--max-beam-width", "16", "--max-new-tokens", "3", "--quiet"]) == 0
+    art = load_artifact(out)
+    assert (art.limits.max_prompt_tokens, art.limits.max_beam_width, art.limits.max_new_tokens) == (200, 16, 3)
+    assert art.limits.max_samples == ServingLimits().max_samples  # the others keep their defaults
+    assert max(b.beam_width for b in art.buckets.beam) == 16 and max(b.new_tokens for b in art.buckets.beam) == 3
+    assert {b.max_prompt_tokens // b.max_requests for b in art.buckets.beam} == {128, 200}
+    assert "max_prompt_tokens': 200" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value, words", [("--max-beam-width", "0", ["max_beam_width", "> 0"]),
+                                                ("--max-prompt-tokens", "99999", ["max_prompt_tokens", "max_positions"])])
+def test_a_bad_build_limit_is_one_line_and_exit_2(tmp_path, capsys, flag, value, words):
+    assert cli_main(["build", "--model", "embedded:tiny", "--out", str(tmp_path / "x"), flag, value, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("slmrank build: error:") and all(w in err for w in words), err

@@ -311,6 +311,18 @@ class RankerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection([RANKER, HEALTH], self._server)
         await self._set_health(NOT_SERVING)
+        try:
+            await self._listen()
+        except BaseException:
+            # a start-up mistake (TLS file, taken port): close what was opened, or the grpc.aio servers
+            # left behind block whichever thread garbage-collects them later (an embedding process)
+            await self._close_listeners()
+            raise
+        self._loading = asyncio.create_task(self._load())
+        return self.port
+
+    async def _listen(self) -> None:
+        assert self._server is not None
         credentials = None
         if self.config.tls_cert and self.config.tls_key:
             credentials = server_credentials(self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca)
@@ -322,11 +334,17 @@ class RankerServer:
             await self._health_server.start()
         if self.config.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
-                                                chrome=self.tracer.chrome)
+                                                chrome=self.tracer.chrome if self.tracer else None)
             self.metrics_server.start()  # GET /metrics, GET /trace, on a thread of its own; BindError
         await self._server.start()
-        self._loading = asyncio.create_task(self._load())
-        return self.port
+
+    async def _close_listeners(self) -> None:
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(None)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     async def _load(self) -> None:
         t0 = time.monotonic()

@@ -91,7 +91,7 @@ class DecoderLayer final : public Node {
   }
 
  private:
-  // Mirrors service/runtime/nodes.py::_varlen_layer_attention.
+  // Mirrors service/runtime/nodes.py::varlen_layer_attention.
   at::Tensor varlen_layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Env& env,
                                     double scale) const {
     const at::Tensor& cu_self = read(env, "cu_self");

@@ -26,9 +26,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.attention import masked_attention_ref
-from kernels.attention_merge import merge_attention_states_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
 from service.model.layers import two_part_attention
+from service.runtime.nodes import varlen_layer_attention
 
 CALLS, REPS = 20, 30
 
@@ -569,25 +569,19 @@ def _prefill_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale)
         return out.transpose(1, 2).reshape(t, h, e)
 
-    # after: varlen flash attention, causal within each run; samples after a prefix also attend to it
-    # (a second, non-causal call per block over the block's first prefix_len keys), merged by LSE
+    # after: varlen flash attention, causal within each run; every block also against its first prefix_len keys
+    # (a second, non-causal call; zero keys without a prefix), merged by one lerp on the LSE difference
     cu_self = torch.tensor([s for s, _, _ in runs] + [t], dtype=torch.int32, device="cuda")
     cu_blocks = torch.arange(0, t + 1, block, dtype=torch.int32, device="cuda")
     prefix_len = torch.full((blocks,), lengths[0] if per_block == 1 else 0, dtype=torch.int32, device="cuda")
     has_ctx = torch.zeros(t, 1, dtype=torch.bool, device="cuda")
     for i in prefix_of:
         has_ctx[i] = True
-    has_prefix = bool(prefix_of)
 
-    def by_sample() -> torch.Tensor:
-        out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_self, cu_self, block, block, 0.0, True, False,
-                                                           scale=scale)[:2]
-        if not has_prefix:
-            return out
-        out_ctx, lse_ctx = torch.ops.aten._flash_attention_forward(q, k, v, cu_blocks, cu_blocks, block, block, 0.0,
-                                                                   False, False, scale=scale, seqused_k=prefix_len)[:2]
-        lse_ctx = _lse_rows(lse_ctx, t, h).masked_fill(~has_ctx, float("-inf"))
-        return merge_attention_states_ref(out_ctx, lse_ctx, out, _lse_rows(lse, t, h))[0]
+    env = {"cu_self": cu_self, "cu_blocks": cu_blocks, "prefix_len": prefix_len, "has_ctx": has_ctx}
+
+    def by_sample() -> torch.Tensor:  # what the runtimes run (service/runtime/nodes.py), prefix call included
+        return varlen_layer_attention(q, k, v, env, "score", scale)
 
     lse_shape = list(torch.ops.aten._flash_attention_forward(q, k, v, cu_self, cu_self, block, block, 0.0, True,
                                                              False, scale=scale)[1].shape)

@@ -90,7 +90,7 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     if mode in ("score", "prefill"):
         q, k, v = qkv_projection(cfg, w, h, env["positions"], 0, ctx.rope_cos, ctx.rope_sin, ctx.fused)
         if "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
-            attn = _varlen_layer_attention(q, k, v, env, mode, ctx.scale)
+            attn = varlen_layer_attention(q, k, v, env, mode, ctx.scale)
         elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
         else:
@@ -115,7 +115,7 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
         env["x"] = x + mlp_out
 
 
-def _varlen_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, env: Env, mode: str,
+def varlen_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, env: Env, mode: str,
                             scale: float) -> torch.Tensor:
     cu_self = env["cu_self"]
     if mode == "prefill":

@@ -306,7 +306,12 @@ class RankerServer:
             ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
             ("grpc.max_send_message_length", self.config.max_send_message_bytes),
             # a taken port is an error, not a port silently shared with another process (gRPC's default)
-            ("grpc.so_reuseport", 0)])
+            ("grpc.so_reuseport", 0),
+            # gRPC cancels calls it received but the event loop has not taken yet beyond 1,000 (no status
+            # a client can act on, never seen by the metrics): let a burst reach StatusInterceptor's
+            # bound instead, which answers UNAVAILABLE with a retry hint
+            ("grpc.server.max_pending_requests", 8 * self.servicer.admission.max_inflight_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", 32 * self.servicer.admission.max_inflight_rpcs)])
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection([RANKER, HEALTH], self._server)

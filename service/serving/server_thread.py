@@ -48,6 +48,7 @@ class ServerThread:
         except Exception as e:  # reported to the constructor's caller
             self._error = e
             self._bound.set()
+            await self.server.shutdown(grace_s=0.1)  # a bound listener must not outlive its loop
             return
         self._bound.set()
         await self._stop.wait()

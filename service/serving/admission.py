@@ -19,8 +19,8 @@ The prediction (ServiceTimeModel measures the executor, per bucket):
 where margin is response_margin_s or the event loop's measured delay in answering, whichever is
 larger, and h stretches a lower lane's wait by the higher lanes' utilisation, 1/(1 − ρ_higher),
 at most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits;
-calibration is the worst ratio of actual to predicted latency among the last requests (>= 1):
-what the model misses, it learns from its own errors.
+calibration is the worst ratio of actual to predicted latency seen, its excess decaying over
+calibration_decay_s (>= 1): what the model misses, it learns from its own errors.
 A request refused for its deadline (or a full lane) is told to retry when it would fit (at least
 one run of its own later), and after the requests refused before it: retry appointments one share
 of the executor apart, so that requests refused together do not all return together.
@@ -106,7 +106,7 @@ class AdmissionConfig:
     service_quantile: float = 0.9  # a bucket's time is this quantile of its window
     service_ttl_s: float = 60.0  # older measurements give way to interpolation over fresher ones
     outlier_factor: float = 4.0  # a sample above this x the estimate is recorded capped at it
-    calibration_window: int = 256  # predictions stretched by the worst actual/predicted of this many; 0: off
+    calibration_decay_s: float = 10.0  # predictions stretched by the worst actual/predicted seen, decaying; 0: off
     max_calibration: float = 2.0  # ... at most this much
     safety_margin: float = 0.1  # predicted wait + service is stretched by this fraction
     response_margin_s: float = 0.002  # unpacking, encoding and sending after the batch
@@ -118,9 +118,6 @@ class AdmissionConfig:
     client_id_metadata: str = "x-client-id"  # metadata key naming the client; absent: the peer's address
 
     def __post_init__(self) -> None:
-        if isinstance(self.calibration_window, bool) or not isinstance(self.calibration_window, int) \
-                or self.calibration_window < 0:
-            raise ValueError(f"admission.calibration_window: must be an integer >= 0, got {self.calibration_window!r}")
         if not self.max_calibration >= 1:
             raise ValueError(f"admission.max_calibration: must be >= 1, got {self.max_calibration!r}")
         for name in ("max_queue_online", "max_queue_normal", "max_queue_background", "online_burst", "normal_burst",
@@ -132,7 +129,7 @@ class AdmissionConfig:
                      "max_retry_after_s", "min_retry_after_s", "unavailable_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"admission.{name}: must be > 0, got {getattr(self, name)!r}")
-        for name in ("safety_margin", "response_margin_s", "max_client_work_s"):
+        for name in ("safety_margin", "response_margin_s", "max_client_work_s", "calibration_decay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"admission.{name}: must be >= 0, got {getattr(self, name)!r}")
         if not 0 < self.service_quantile <= 1:
@@ -142,7 +139,8 @@ class AdmissionConfig:
         if self.min_retry_after_s > self.max_retry_after_s:
             raise ValueError("admission.min_retry_after_s: must be <= max_retry_after_s")
         if not self.client_id_metadata or self.client_id_metadata != self.client_id_metadata.lower():
-            raise ValueError(f"admission.client_id_metadata: a lower-case metadata key, got {self.client_id_metadata!r}")
+            raise ValueError("admission.client_id_metadata: a lower-case metadata key, got "
+                             f"{self.client_id_metadata!r}")
 
     def retry_hint_s(self, seconds: float) -> float:
         """A retry hint: seconds, within [min_retry_after_s, max_retry_after_s]."""
@@ -156,7 +154,7 @@ class AdmissionConfig:
         return ServiceTimeModel(default_s=self.default_service_s, window=self.service_window,
                                 quantile=self.service_quantile, ttl_s=self.service_ttl_s,
                                 outlier_factor=self.outlier_factor, utilisation_window_s=self.utilisation_window_s,
-                                num_lanes=num_lanes, calibration_window=self.calibration_window,
+                                num_lanes=num_lanes, calibration_decay_s=self.calibration_decay_s,
                                 max_calibration=self.max_calibration)
 
 
@@ -181,7 +179,7 @@ class Ticket:
     slack_s: float = math.inf  # deadline − predicted finish, less the shares admitted ahead of it since
     tag: float = 0.0  # start-time fair queuing: its virtual start in its lane
     answered_s: float = 0.0  # when its result (or error) was set
-    predicted_s: float = 0.0  # admission's latency prediction before calibration (with a deadline)
+    predicted_s: float = 0.0  # admission's latency prediction before calibration
 
     def is_expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -280,10 +278,10 @@ class AdmissionController:
                          f"client {ticket.client!r} has {client_s:.3f} s of work outstanding (at most "
                          f"{cfg.max_client_work_s:g} s)")
         index, tag = self._place(lane, ticket)
+        ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
+        ticket.predicted_s = self._predict_s(ticket.priority, ahead_s, own_s, now)  # also calibrates, deadline or not
         if ticket.deadline is not None:
-            ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
-            ticket.predicted_s = self._predict_s(ticket.priority, ahead_s, own_s, now)
-            finish = now + ticket.predicted_s * self.model.calibration
+            finish = now + ticket.predicted_s * self.model.calibration_at(now)
             if finish > ticket.deadline:  # back when it would fit, and at least one run of its own later
                 self._refuse("deadline", self._appointment(ticket, max(finish - ticket.deadline, own_s), now),
                              f"predicted completion in {finish - now:.4f} s misses the deadline in "
@@ -353,7 +351,8 @@ class AdmissionController:
         """Admission's prediction for this ticket if it came now, at the end of its lane."""
         now = self.clock() if now is None else now
         own_s = self._bucket_s(ticket, 1, now)
-        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, own_s, now) * self.model.calibration
+        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, own_s, now) * \
+            self.model.calibration_at(now)
 
     # -- costs --
 
@@ -539,5 +538,5 @@ class AdmissionController:
         }
 
 
-__all__ = ["GROWTH_TOLERANCE", "AdmissionConfig", "AdmissionController", "DeadlineExpired", "DeadlineUnmeetable", "Overloaded", "Priority",
-           "Ticket"]
+__all__ = ["GROWTH_TOLERANCE", "AdmissionConfig", "AdmissionController", "DeadlineExpired", "DeadlineUnmeetable",
+           "Overloaded", "Priority", "Ticket"]

@@ -230,7 +230,8 @@ class Scheduler:
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
         self._executor: _SubmitExecutor | _ThreadExecutor = (
-            _SubmitExecutor(runtime) if hasattr(runtime, "submit") else _ThreadExecutor(runtime, self.config.max_inflight))
+            _SubmitExecutor(runtime) if hasattr(runtime, "submit")
+            else _ThreadExecutor(runtime, self.config.max_inflight))
         self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
         self.costs = CostTable(artifact, self.config.max_batch_requests)
@@ -245,6 +246,7 @@ class Scheduler:
         self._num_batches = 0
         self._num_failed_batches = 0
         self._num_executed = 0
+        self._num_answered_late = 0  # admitted, run, and answered after the deadline
         self._batch_sizes: Counter[int] = Counter()
         self._occupancy: dict[str, list[float]] = {}  # bucket key -> [batches, sum of occupancy]
 
@@ -326,6 +328,7 @@ class Scheduler:
             "batches": self._num_batches,
             "batches_failed": self._num_failed_batches,
             "requests_executed": self._num_executed,
+            "answered_late": self._num_answered_late,
             "batch_sizes": dict(sorted(self._batch_sizes.items())),
             "buckets": buckets,
             "occupancy_mean": sum(total for _, total in self._occupancy.values()) / num if num else 0.0,
@@ -390,7 +393,7 @@ class Scheduler:
                 is_full = True  # first fit: a smaller one further back may still join
                 continue
             tighter = deadline if t.deadline is None else min(deadline, t.deadline)
-            if bucket is not fill.bucket:  # a larger bucket: no slower per request, in time for all, light if it must be
+            if bucket is not fill.bucket:  # a larger bucket: no slower per request, in time for all, light if need be
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / (fill.count + 1) > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
@@ -408,7 +411,7 @@ class Scheduler:
     def _finish_s(self, batch_s: float) -> float:
         """From a batch's start to its answers, as admission predicts it."""
         return ((batch_s * (1 + self.admission.config.safety_margin) + self.admission.response_margin_s())
-                * self.model.calibration)
+                * self.model.calibration_at(self.clock()))
 
     def _is_heavy(self, ticket: Ticket, now: float) -> bool:
         cost = ticket.cost
@@ -450,7 +453,9 @@ class Scheduler:
             # the executor's own run (not its queue, nor pauses for lighter batches), on our clock
             run_s = (timings["done_ns"] - timings["start_ns"] - timings.get("paused_ns", 0)) / 1e9
             run = (end_s - run_s, end_s)
-            service_s = (start_s - packed_from) + run_s + (self.clock() - end_s)  # packing + run + unpacking
+            # what the batch held a slot for: packing, the run, the loop taking the results, unpacking
+            service_s = (self.clock() - packed_from - (timings["start_ns"] - timings["submit_ns"]) / 1e9
+                         - timings.get("paused_ns", 0) / 1e9)
         except Exception as e:  # only this batch's requests see the failure
             self._num_failed_batches += 1
             error = ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")
@@ -460,8 +465,9 @@ class Scheduler:
             answered_s = self.clock()
             for i, (t, result) in enumerate(zip(tickets, results)):
                 t.answered_s = answered_s
+                self._num_answered_late += t.deadline is not None and answered_s > t.deadline
                 if t.predicted_s:  # whether or not its caller is still there to hear it
-                    self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued)
+                    self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s)
                 _settle(t.future, Completed(result, RequestTimings(
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,
                     batch.bucket.key, timings)))
@@ -506,7 +512,8 @@ class Scheduler:
     def _on_drop(self, ticket: Ticket, reason: DropReason) -> None:
         if reason == "expired":
             if ticket.predicted_s:  # it would have taken longer still: the least of its error
-                self.model.observe_prediction(ticket.predicted_s, self.clock() - ticket.enqueued)
+                now = self.clock()
+                self.model.observe_prediction(ticket.predicted_s, now - ticket.enqueued, now)
             _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {self.clock() - ticket.enqueued:.4f} s "
                                                          "in the queue; the request was not executed"))
         elif reason == "drained":

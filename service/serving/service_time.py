@@ -19,8 +19,8 @@ utilisation(k)     busy time / wall time over the trailing window, counting only
                    between its requests) — metrics, and how much higher lanes delay a lower one.
 lag_s              the event loop's delay between a batch's results and its handlers resuming
                    (the same quantile of the last 64): a busy loop makes every answer later.
-calibration        the worst actual / predicted latency of the last requests (>= 1): what the
-                   model misses, learnt from its own errors.
+calibration        the worst actual / predicted latency seen, its excess decaying over
+                   calibration_decay_s (>= 1): what the model misses, learnt from its own errors.
 
 Time comes from the caller (seconds, one clock); nothing here reads a clock.
 """
@@ -54,7 +54,7 @@ class _BusySpan:
 class ServiceTimeModel:
     def __init__(self, *, default_s: float = 0.010, window: int = 32, quantile: float = 0.9,
                  ttl_s: float = 60.0, outlier_factor: float = 4.0, utilisation_window_s: float = 2.0,
-                 num_lanes: int = 1, calibration_window: int = 256, max_calibration: float = 2.0) -> None:
+                 num_lanes: int = 1, calibration_decay_s: float = 10.0, max_calibration: float = 2.0) -> None:
         self.default_s, self.window, self.quantile = default_s, window, quantile
         self.ttl_s, self.outlier_factor = ttl_s, outlier_factor
         self.utilisation_window_s, self.num_lanes = utilisation_window_s, num_lanes
@@ -72,10 +72,9 @@ class ServiceTimeModel:
         self._busy_until = -math.inf
         self._lags: deque[float] = deque(maxlen=64)  # answered -> handler resumed, the event loop's delay
         self._lag_s = 0.0
-        self._errors: deque[float] = deque(maxlen=max(calibration_window, 1))  # actual / predicted latency
-        self._use_calibration = calibration_window > 0
-        self.max_calibration = max_calibration
-        self._calibration = 1.0
+        self.calibration_decay_s, self.max_calibration = calibration_decay_s, max_calibration
+        self._peak_error, self._peak_at = 1.0, 0.0  # the worst actual / predicted latency, and when
+        self._now = 0.0  # the latest time seen, for the decay
         self.num_batches = 0
         self.last_run_s = 0.0
 
@@ -175,18 +174,26 @@ class ServiceTimeModel:
     def lag_s(self) -> float:
         return self._lag_s
 
-    def observe_prediction(self, predicted_s: float, actual_s: float) -> None:
+    def observe_prediction(self, predicted_s: float, actual_s: float, now: float) -> None:
         """A request's latency as admission predicted it (uncalibrated) and as it came to be."""
-        if predicted_s > 0 and self._use_calibration:
-            self._errors.append(actual_s / predicted_s)
-            self._calibration = min(max(max(self._errors), 1.0), self.max_calibration)
+        if predicted_s > 0 and self.calibration_decay_s > 0:
+            self._now = max(self._now, now)
+            error = min(actual_s / predicted_s, self.max_calibration)
+            if error >= self.calibration_at(now):
+                self._peak_error, self._peak_at = error, now
+
+    def calibration_at(self, now: float) -> float:
+        """Predictions are stretched by the worst ratio of actual to predicted latency seen, its
+        excess over 1 decaying with time constant calibration_decay_s (1 to max_calibration):
+        whatever the model misses (a busy event loop, lanes sharing a CPU, another process taking
+        the cores) it learns from its own errors, and keeps in mind for a while."""
+        if self._peak_error <= 1.0:
+            return 1.0
+        return 1.0 + (self._peak_error - 1.0) * math.exp(-max(now - self._peak_at, 0.0) / self.calibration_decay_s)
 
     @property
     def calibration(self) -> float:
-        """Predictions are stretched by the worst ratio of actual to predicted latency among the
-        last calibration_window requests (1 to max_calibration): whatever the model misses (a busy
-        event loop, lanes sharing a CPU) it learns from its own errors."""
-        return self._calibration
+        return self.calibration_at(self._now)
 
     # -- now --
 
@@ -233,7 +240,7 @@ class ServiceTimeModel:
             "inflight_remaining_s": self.inflight_remaining_s(now),
             "parallelism": self.parallelism(now),
             "loop_lag_s": self._lag_s,
-            "calibration": self._calibration,
+            "calibration": self.calibration_at(now),
             "rho": self.utilisation(None, now),
             "batches_observed": self.num_batches,
         }

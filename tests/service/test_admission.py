@@ -421,18 +421,20 @@ def test_config_is_validated():
 
 
 def test_predictions_learn_from_their_own_errors():
-    ctl, clock, _ = make(safety_margin=0.0, response_margin_s=0.0, calibration_window=4, max_calibration=3.0)
+    ctl, clock, _ = make(safety_margin=0.0, response_margin_s=0.0, calibration_decay_s=10.0, max_calibration=3.0)
     measure(ctl.model, clock, S1, 0.1, 3)
     t = Ticket("x", "score", N, cost=SCORE_COST)
     assert ctl.predict_latency_s(t) == pytest.approx(0.1)
-    ctl.model.observe_prediction(0.1, 0.15)  # a request took half again what was predicted
-    assert ctl.model.calibration == pytest.approx(1.5) and ctl.predict_latency_s(t) == pytest.approx(0.15)
+    ctl.model.observe_prediction(0.1, 0.15, clock.t)  # a request took half again what was predicted
+    assert ctl.model.calibration_at(clock.t) == pytest.approx(1.5) and ctl.predict_latency_s(t) == pytest.approx(0.15)
     with pytest.raises(Overloaded):
         admit(ctl, "tight", deadline=clock.t + 0.12)
-    ctl.model.observe_prediction(0.1, 1.0)
-    assert ctl.model.calibration == 3.0  # at most max_calibration
-    for _ in range(4):  # the window forgets
-        ctl.model.observe_prediction(0.1, 0.05)
-    assert ctl.model.calibration == 1.0  # never below 1
+    ctl.model.observe_prediction(0.1, 0.05, clock.t)  # a fast one does not undo it
+    ctl.model.observe_prediction(0.1, 1.0, clock.t)
+    assert ctl.model.calibration_at(clock.t) == 3.0  # at most max_calibration
+    clock.t += 10.0  # its excess decays: e^-1 after calibration_decay_s
+    assert ctl.model.calibration_at(clock.t) == pytest.approx(1 + 2 / 2.718281828, rel=1e-6)
+    clock.t += 200.0
+    assert ctl.model.calibration_at(clock.t) == pytest.approx(1.0)
     ctl.model.observe_lag(0.03)  # a busy event loop answers late: every prediction carries it
     assert ctl.response_margin_s() == pytest.approx(0.03) and ctl.predict_latency_s(t) == pytest.approx(0.13)

@@ -15,7 +15,6 @@ import shutil
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 

@@ -1,0 +1,345 @@
+"""Overload of `slmrank serve` (issue 11): its capacity measured, then load offered well past it.
+
+  python ops/overload_bench.py --workload W1 --factor 3 --duration-s 60 --out DIR \
+      [--capacity QPS] [--device cuda|cpu] [--model SPEC] [--client-procs 4]
+
+1. `slmrank serve` runs as a subprocess on 127.0.0.1 (as ops/bench_grpc.py runs it).
+2. Capacity: --capacity, else ops/bench_grpc.py's closed loop over --levels: the highest QPS of a
+   level within the SLO (mean < 20 ms, P99 < 80 ms), else the highest QPS measured.
+3. Overload: an open loop, Poisson arrivals at --factor x capacity for --duration-s, spread over
+   --client-procs processes; --online-share of the requests are ONLINE with --online-deadline-ms,
+   the others NORMAL with --deadline-ms. A refused request is not retried: it is the excess.
+4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
+
+Report (DIR/overload.json, and a table): served QPS as a share of capacity (issue 11: >= 0.9),
+ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms), status codes, admitted
+requests that ended DEADLINE_EXCEEDED (0), the largest retry hint (<= the cap), and RSS / device
+memory over the first and the last 10 s (flat).
+
+The client loops (`closed_loop`, `open_loop`) are also what tests/service/test_overload.py runs
+against an in-process server on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "ops"))
+
+from bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,  # noqa: E402
+                        wait_serving)
+from service.serving.proto_gen import load as load_stubs  # noqa: E402
+
+ONLINE, NORMAL = 1, 2
+SLO_ONLINE_P99_MS = 80.0
+
+
+# ---- client loops ------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    sent_s: float  # since the loop began
+    latency_s: float
+    code: str  # grpc.StatusCode name
+    priority: int
+    retry_after_ms: int | None = None
+    impossible: bool = False  # DEADLINE_EXCEEDED at admission (the deadline could never be met), not late work
+
+
+# (message, priority, deadline_s or None) for the i-th request
+MakeRequest = Callable[[int], tuple[Any, int, float | None]]
+
+
+async def call_once(call: Any, msg: Any, priority: int, deadline_s: float | None, t0: float,
+                    metadata: Sequence[tuple[str, str]] = ()) -> Outcome:
+    sent = time.perf_counter()
+    try:
+        await call(msg, timeout=deadline_s, metadata=tuple(metadata) or None)
+        return Outcome(sent - t0, time.perf_counter() - sent, "OK", priority)
+    except grpc.aio.AioRpcError as e:
+        latency = time.perf_counter() - sent
+        retry = next((int(v) for k, v in (e.trailing_metadata() or ()) if k == "retry-after-ms"), None)
+        impossible = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no retry can meet it" in (e.details() or "")
+        return Outcome(sent - t0, latency, e.code().name, priority, retry, impossible)
+
+
+async def closed_loop(call: Any, make: MakeRequest, clients: int, duration_s: float, honor_hints: bool = True,
+                      metadata: Sequence[tuple[str, str]] = (), first_index: int = 0) -> list[Outcome]:
+    """`clients` tasks, each sending its next request when its last one is answered; a refusal with a
+    retry-after-ms hint is followed by that long a pause when honor_hints."""
+    out: list[Outcome] = []
+    t0 = time.perf_counter()
+    end = t0 + duration_s
+    counter = [first_index]
+
+    async def client() -> None:
+        while time.perf_counter() < end:
+            i = counter[0]
+            counter[0] += 1
+            msg, priority, deadline_s = make(i)
+            o = await call_once(call, msg, priority, deadline_s, t0, metadata)
+            out.append(o)
+            if honor_hints and o.retry_after_ms is not None:
+                await asyncio.sleep(min(o.retry_after_ms / 1e3, max(end - time.perf_counter(), 0.0)))
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return out
+
+
+async def open_loop(call: Any, make: MakeRequest, rate_per_s: float, duration_s: float, seed: int = 1,
+                    metadata: Sequence[tuple[str, str]] = (), first_index: int = 0) -> list[Outcome]:
+    """Poisson arrivals at rate_per_s for duration_s, whatever the answers; refusals are not retried."""
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task] = []
+    t0 = time.perf_counter()
+    next_s, i = 0.0, first_index
+    while next_s < duration_s:
+        delay = t0 + next_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        msg, priority, deadline_s = make(i)
+        tasks.append(asyncio.ensure_future(call_once(call, msg, priority, deadline_s, t0, metadata)))
+        i += 1
+        next_s += rng.expovariate(rate_per_s)
+    return list(await asyncio.gather(*tasks))
+
+
+def pct_ms(values_s: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values_s) * 1e3, q)) if len(values_s) else float("nan")
+
+
+def summarize(outcomes: Sequence[Outcome], window_s: float) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.code == "OK"]
+    refused = [o for o in outcomes if o.code == "UNAVAILABLE"]
+    online_ok = [o.latency_s for o in ok if o.priority == ONLINE]
+    hints = [o.retry_after_ms for o in outcomes if o.retry_after_ms is not None]
+    return {
+        "sent": len(outcomes), "codes": dict(Counter(o.code for o in outcomes)),
+        "served_qps": len(ok) / window_s,
+        "late_deadline_exceeded": sum(o.code == "DEADLINE_EXCEEDED" and not o.impossible for o in outcomes),
+        "impossible": sum(o.impossible for o in outcomes),
+        "ok_p50_ms": pct_ms([o.latency_s for o in ok], 50), "ok_p99_ms": pct_ms([o.latency_s for o in ok], 99),
+        "online_served": len(online_ok), "online_p50_ms": pct_ms(online_ok, 50), "online_p99_ms": pct_ms(online_ok, 99),
+        "refused": len(refused), "refusal_p50_ms": pct_ms([o.latency_s for o in refused], 50),
+        "refusal_p99_ms": pct_ms([o.latency_s for o in refused], 99),
+        "max_retry_after_ms": max(hints, default=None),
+    }
+
+
+# ---- the H200 run -------------------------------------------------------------------------------------
+
+def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: float, duration_s: float,
+            online_share: float, online_deadline_s: float, deadline_s: float, conn: Any) -> None:
+    """One client process: its share of the open loop; sends back its outcomes."""
+    async def main() -> list[Outcome]:
+        stubs = load_stubs()
+        reqs = Requests(w, high, seed=seed)
+        pool = [reqs.next() for _ in range(256)]  # building a message costs more than sending it
+        rng = random.Random(seed)
+
+        def make(i: int) -> tuple[Any, int, float | None]:
+            msg = type(pool[0])()
+            msg.CopyFrom(pool[i % len(pool)])
+            online = rng.random() < online_share
+            msg.priority = ONLINE if online else NORMAL
+            return msg, msg.priority, online_deadline_s if online else deadline_s
+
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = stubs.pb2_grpc.RankerStub(ch)
+            await ch.channel_ready()
+            call = stub.Score if w["kind"] == "score" else stub.BeamSearch
+            return await open_loop(call, make, rate_per_s, duration_s, seed=seed)
+
+    conn.send([asdict(o) for o in asyncio.run(main())])
+    conn.close()
+
+
+class Sampler:
+    """The server's RSS and device memory, once a second, on a thread."""
+
+    def __init__(self, pid: int, gpu: bool) -> None:
+        self.pid, self.gpu = pid, gpu
+        self.rows: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            row = {"t_s": round(time.perf_counter() - self._t0, 2), "rss_mb": self._rss_mb()}
+            if self.gpu:
+                row["gpu_mb"] = self._gpu_mb()
+            self.rows.append(row)
+
+    def _rss_mb(self) -> float:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return float("nan")
+
+    def _gpu_mb(self) -> float:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return float("nan")
+        for line in out.splitlines():
+            pid, _, mb = line.partition(",")
+            if pid.strip() == str(self.pid):
+                return float(mb)
+        return float("nan")
+
+    def stop(self) -> list[dict[str, float]]:
+        self._stop.set()
+        self.thread.join(5)
+        return self.rows
+
+
+def flatness(rows: list[dict[str, float]], key: str, edge_s: float = 10.0) -> dict[str, float] | None:
+    values = [(r["t_s"], r[key]) for r in rows if key in r and r[key] == r[key]]
+    if len(values) < 2:
+        return None
+    end = values[-1][0]
+    first = [v for t, v in values if t <= values[0][0] + edge_s]
+    last = [v for t, v in values if t >= end - edge_s]
+    return {"first_mb": float(np.mean(first)), "last_mb": float(np.mean(last)),
+            "max_mb": max(v for _, v in values), "growth_mb": float(np.mean(last) - np.mean(first))}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from service.artifact.resolve import resolve_artifact
+
+    w = parse_workload(args.workload)
+    model = args.model or w.get("model") or "embedded:tiny"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = resolve_artifact(model, quiet=True)
+    high = min(ID_HIGH, artifact.config.vocab_size)
+    runtime = args.runtime or ("cpp" if args.device == "cuda" else "python")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "workload": w, "model": model,
+        "device": args.device, "runtime": runtime, "dtype": dtype, "factor": args.factor,
+        "duration_s": args.duration_s, "online_share": args.online_share,
+        "deadlines_ms": {"ONLINE": args.online_deadline_ms, "NORMAL": args.deadline_ms},
+        "logical_flops_per_request": flops_per_request(artifact.config, w)}
+    server = Proc("slmrank", [
+        sys.executable, "-m", "service.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+        "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "10",
+        "--kernels", args.kernels, *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s)
+    try:
+        await wait_serving(server.target, args.start_timeout_s)
+        if args.capacity:
+            result["capacity"] = {"qps": args.capacity, "given": True}
+        else:
+            args.seed, args.stop_above_ms, args.rpc_timeout_s = 7, 2000.0, 60.0
+            system = await bench_system("slmrank", server.target, w, high, args, 0)
+            cap = system["capacity"] or {"qps": system["max_qps"], "within_slo": False}
+            result["capacity"] = cap
+            result["capacity_levels"] = system["levels"]
+        rate = args.factor * result["capacity"]["qps"]
+        print(f"capacity {result['capacity']['qps']:.1f} req/s; offering {rate:.1f} req/s for {args.duration_s:.0f} s "
+              f"from {args.client_procs} processes", flush=True)
+        sampler = Sampler(server.proc.pid, args.device == "cuda")
+        ctx = mp.get_context("spawn")
+        pipes, procs = [], []
+        for k in range(args.client_procs):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(server.target, w, high, 100 + k, rate / args.client_procs,
+                                                  args.duration_s, args.online_share, args.online_deadline_ms / 1e3,
+                                                  args.deadline_ms / 1e3, child))
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+        outcomes = [Outcome(**o) for parent in pipes for o in parent.recv()]
+        for p in procs:
+            p.join(30)
+        result["memory"] = {"samples": sampler.stop()}
+        result["memory"]["rss"] = flatness(result["memory"]["samples"], "rss_mb")
+        result["memory"]["gpu"] = flatness(result["memory"]["samples"], "gpu_mb")
+        s = summarize(outcomes, args.duration_s)
+        s["offered_qps"] = len(outcomes) / args.duration_s
+        s["served_share_of_capacity"] = s["served_qps"] / result["capacity"]["qps"]
+        result["overload"] = s
+    finally:
+        result["server_exit_code"] = server.stop()
+    (out / "overload.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_report(result: dict[str, Any]) -> None:
+    s, cap = result["overload"], result["capacity"]
+    print(f"\n== {result['workload']['name']} overload at {result['factor']}x capacity ({cap['qps']:.1f} req/s), "
+          f"{result['duration_s']:.0f} s ==")
+    print(f"offered {s['offered_qps']:.1f} req/s; served {s['served_qps']:.1f} req/s = "
+          f"{s['served_share_of_capacity']:.1%} of capacity (target >= 90%)")
+    print(f"ONLINE served {s['online_served']}: p50 {s['online_p50_ms']:.1f} ms, p99 {s['online_p99_ms']:.1f} ms "
+          f"(target < {SLO_ONLINE_P99_MS:.0f} ms)")
+    print(f"refused {s['refused']}: p50 {s['refusal_p50_ms']:.3f} ms, p99 {s['refusal_p99_ms']:.3f} ms "
+          f"(target < 1 ms); largest retry hint {s['max_retry_after_ms']} ms")
+    print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
+          f"deadlines no request could meet: {s['impossible']}")
+    for key in ("rss", "gpu"):
+        f = result["memory"][key]
+        if f:
+            print(f"{key.upper()}: first 10 s {f['first_mb']:.0f} MB, last 10 s {f['last_mb']:.0f} MB "
+                  f"(growth {f['growth_mb']:+.0f} MB, max {f['max_mb']:.0f} MB)")
+    print(f"server exit code {result['server_exit_code']}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", required=True, help="W1..W6, or a custom one as in ops/bench_grpc.py")
+    p.add_argument("--factor", type=float, default=3.0, help="offered load, in multiples of the capacity")
+    p.add_argument("--duration-s", type=float, default=60.0)
+    p.add_argument("--capacity", type=float, default=0.0, help="req/s; default: measured first")
+    p.add_argument("--levels", default="1,2,4,8,16,32,64", help="closed-loop levels for the capacity")
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--measure-s", type=float, default=5.0)
+    p.add_argument("--online-share", type=float, default=0.2)
+    p.add_argument("--online-deadline-ms", type=float, default=80.0)
+    p.add_argument("--deadline-ms", type=float, default=1000.0, help="NORMAL requests' deadline")
+    p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/overload_bench"))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--runtime", default=None, choices=["python", "cpp"])
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kernels", default="aten", choices=["aten", "triton"])
+    p.add_argument("--serve-args", default="",
+                   help="more `slmrank serve` flags, e.g. '--admission-max-retry-after-s 2'")
+    p.add_argument("--start-timeout-s", type=float, default=900.0)
+    args = p.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",")]
+    if args.factor <= 0 or args.duration_s <= 0 or args.client_procs < 1 or not 0 <= args.online_share <= 1:
+        raise SystemExit("--factor > 0, --duration-s > 0, --client-procs >= 1, 0 <= --online-share <= 1")
+    result = asyncio.run(run(args))
+    print_report(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

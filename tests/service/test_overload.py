@@ -1,0 +1,360 @@
+"""The CPU overload suite of issue 11 (short; the long one is ops/overload_bench.py on the H200).
+
+Over real gRPC on loopback, the server in this process on its own event loop, the tiny random Qwen2
+(vocabulary 512: a light Score takes milliseconds, a maximal BeamSearch a second), clients from
+ops/overload_bench.py (closed loops that honour retry-after-ms):
+
+- after a burst of maximal requests, a small request with a generous deadline is served;
+- with deadlines, goodput >= 0.7x goodput without (same run, 32 and 64 clients honouring the
+  hints), no admitted request ends DEADLINE_EXCEEDED, every hint <= the cap;
+- a light client keeps its p99 within 2x of its unloaded p99 while another sends maximal requests;
+- polling /trace does not move Score p50 by more than 10%; a 100 KB HTTP request line is answered,
+  no traceback; megabyte texts (refused before tokenizing) do not double Score p50.
+
+Timing on a shared 2-core machine is noisy: each comparison alternates its two conditions in short
+windows, so both see the same background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from service.serving.admission import AdmissionConfig
+from service.serving.batcher import BatcherConfig
+from service.serving.proto_gen import load as load_stubs
+from service.serving.server import Model, RankerServer, ServerConfig
+from service.serving.server_thread import ServerThread
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+import overload_bench as ob  # noqa: E402
+
+pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
+NORMAL = 2
+MAX_HINT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def small_model(qwen2_tiny):
+    from service.model.tokenizer import load_tokenizer
+
+    art = qwen2_tiny.artifact
+    return Model(art, qwen2_tiny.runtime, load_tokenizer(art.tokenizer_dir))
+
+
+def _serve(model: Model, admission: AdmissionConfig | None = None, **batcher: Any) -> ServerThread:
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_sample_rate=0.0,
+                          admission=admission or AdmissionConfig(max_retry_after_s=MAX_HINT_S),
+                          batcher=BatcherConfig(validate_requests=False, **batcher))
+    srv = ServerThread(RankerServer(config, lambda: model))
+    srv.wait_serving()
+    return srv
+
+
+def small(i: int) -> Any:
+    rng = random.Random(i)
+    return pb2.ScoreRequest(prefix=pb2.Segment(ids=[rng.randrange(500) for _ in range(6)]),
+                            samples=[pb2.Segment(ids=[rng.randrange(500) for _ in range(4)]) for _ in range(3)],
+                            label_ids=[1, 2], priority=NORMAL)
+
+
+def maximal_beam(model: Model, i: int) -> Any:
+    lim, rng = model.artifact.limits, random.Random(10_000 + i)
+    return pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[rng.randrange(500) for _ in range(lim.max_prompt_tokens)]),
+                                 beam_width=lim.max_beam_width, new_tokens=lim.max_new_tokens, priority=NORMAL)
+
+
+async def _with_stub(target: str, fn: Any) -> Any:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb2_grpc.RankerStub(ch)
+        await ch.channel_ready()
+        return await fn(stub)
+
+
+def _p50(outcomes: list[ob.Outcome]) -> float:
+    return ob.pct_ms([o.latency_s for o in outcomes if o.code == "OK"], 50)
+
+
+# ---- the small request after the storm ----------------------------------------------------------------
+
+def test_after_a_burst_of_maximal_requests_a_small_request_is_served(small_model):
+    """Issue 11: after 4 maximal BeamSearch an idle server refused a small Score with a 10 s deadline
+    ("predicted completion in 226.8 s"): a kind never seen took the slowest kind's time, times a
+    Kingman term with rho clamped at 0.95."""
+    srv = _serve(small_model)
+
+    async def run(stub: Any) -> list[ob.Outcome]:
+        burst = await asyncio.gather(*(ob.call_once(stub.BeamSearch, maximal_beam(small_model, i), NORMAL, None, 0)
+                                       for i in range(4)))
+        assert [o.code for o in burst] == ["OK"] * 4
+        return [await ob.call_once(stub.Score, small(i), NORMAL, 10.0, 0) for i in range(3)]
+
+    try:
+        after = asyncio.run(_with_stub(srv.target, run))
+        assert [o.code for o in after] == ["OK"] * 3, after
+        assert max(o.latency_s for o in after) < 1.0
+    finally:
+        srv.stop()
+
+
+# ---- goodput with deadlines ------------------------------------------------------------------------
+
+_CLIENTS = """
+import asyncio, json, random, sys
+import grpc
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/ops")
+import overload_bench as ob
+from service.serving.proto_gen import load
+stubs = load()
+pb2 = stubs.pb2
+target, clients, window_s, phases = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), json.loads(sys.argv[5])
+
+def small(i):
+    rng = random.Random(i)
+    return pb2.ScoreRequest(prefix=pb2.Segment(ids=[rng.randrange(500) for _ in range(6)]),
+                            samples=[pb2.Segment(ids=[rng.randrange(500) for _ in range(4)]) for _ in range(3)],
+                            label_ids=[1, 2], priority=2)
+
+async def main():
+    out = []
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = stubs.pb2_grpc.RankerStub(ch)
+        await ch.channel_ready()
+        for k, (name, deadline_s) in enumerate(phases):
+            outcomes = await ob.closed_loop(stub.Score, lambda i: (small(i), 2, deadline_s), clients, window_s,
+                                            first_index=100_000 * k)
+            out.append([name, ob.summarize(outcomes, window_s)])
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def _client_phases(target: str, clients: int, window_s: float, phases: list[tuple[str, float | None]]) -> list:
+    """Closed loops of `clients` in a process of their own (a client sharing the server's
+    interpreter would slow it down), one window per phase: [(name, summary)]."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _CLIENTS, str(ROOT), target, str(clients), str(window_s),
+                           json.dumps(phases)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("clients", [32, 64])
+def test_deadlines_keep_goodput_and_admitted_work_is_never_late(small_model, clients):
+    """Closed loops of `clients`, alternating windows without deadlines and with them (clients
+    honour retry-after-ms): goodput with deadlines >= 0.7x without; every hint within the cap.
+
+    generous: 3x the no-deadline median latency (the issue's 5 s against ~1.5 s): nothing admitted
+              ends late.
+    tight:    the median itself, where half the load must be turned away. A request admitted near
+              its deadline can still be caught by this machine's noise (another process taking the
+              cores: on a shared 2-core box one request in a hundred takes 1.3x its prediction, one
+              in a thousand 2x; the calibration learns it only once it has happened), and a client
+              process short of CPU reads its answer late: at most 2% of those admitted end late on
+              the server (expired in the queue, or answered after the deadline), 5% as the clients
+              see it. (Beyond the issue's criterion, which is the generous case.)"""
+    srv = _serve(small_model)
+    window_s = 2.0
+    try:
+        ((_, warm), (_, base)) = _client_phases(srv.target, clients, window_s, [("warm", None), ("none", None)])
+        p50_s = base["ok_p50_ms"] / 1e3
+        phases = [("generous", 3 * p50_s), ("tight", p50_s), ("none", None)] * 2
+        runs = _client_phases(srv.target, clients, window_s, phases)
+    finally:
+        stats = srv.on_loop(lambda: srv.server.stats()["scheduler"])
+        srv.stop()
+    summary: dict[str, dict[str, Any]] = {}
+    for name, s in [("none", base)] + runs:
+        acc = summary.setdefault(name, {"windows": 0, "codes": {}, "late": 0, "refused": 0, "max_hint_ms": 0})
+        acc["windows"] += 1
+        for code, n in s["codes"].items():
+            acc["codes"][code] = acc["codes"].get(code, 0) + n
+        acc["late"] += s["late_deadline_exceeded"]
+        acc["refused"] += s["refused"]
+        acc["max_hint_ms"] = max(acc["max_hint_ms"], s["max_retry_after_ms"] or 0)
+    for acc in summary.values():
+        acc["goodput"] = acc["codes"].get("OK", 0) / (acc["windows"] * window_s)
+    report = {n: {k: acc[k] for k in ("goodput", "codes", "max_hint_ms")} for n, acc in summary.items()}
+    server_late = stats["expired"] + stats["answered_late"]
+    print(f"\n{clients} clients, deadline {3 * p50_s * 1e3:.0f} / {p50_s * 1e3:.0f} ms: {report}; late on the "
+          f"server {server_late} (expired in the queue {stats['expired']}); calibration "
+          f"{stats['model']['calibration']:.2f}")
+    for name in ("generous", "tight"):
+        acc = summary[name]
+        assert acc["goodput"] >= 0.7 * summary["none"]["goodput"], report
+        assert acc["max_hint_ms"] <= MAX_HINT_S * 1000, report
+        assert set(acc["codes"]) <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, report
+    assert summary["generous"]["late"] == 0, report
+    admitted = summary["tight"]["codes"].get("OK", 0) + summary["tight"]["late"]
+    assert server_late <= 0.02 * admitted and summary["tight"]["late"] <= 0.05 * admitted, report
+    assert summary["tight"]["refused"] > 0, "the tight deadline turned nothing away: it tests nothing"
+
+
+# ---- fairness ----------------------------------------------------------------------------------------
+
+def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small_model):
+    """A light client (one small Score at a time) against a heavy one (4 maximal BeamSearch in
+    flight), by x-client-id: its p99 stays within 2x of its p99 alone. Windows alternate, 1 s each."""
+    srv = _serve(small_model, heavy_batch_s=0.02)
+    light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
+
+    async def run(stub: Any) -> tuple[list[ob.Outcome], list[ob.Outcome], list[ob.Outcome]]:
+        light = lambda i: (small(i), NORMAL, None)  # noqa: E731
+        await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md)  # warm up
+        await ob.closed_loop(stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.0,
+                             metadata=heavy_md)
+        alone, loaded, heavy = [], [], []
+        for k in range(4):
+            alone += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=1000 * k)
+            heavy_task = asyncio.ensure_future(ob.closed_loop(
+                stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.2, metadata=heavy_md,
+                first_index=100 * k))
+            await asyncio.sleep(0.1)  # the heavy batch is running
+            loaded += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=500 + 1000 * k)
+            heavy += await heavy_task
+        return alone, loaded, heavy
+
+    try:
+        alone, loaded, heavy = asyncio.run(_with_stub(srv.target, run))
+    finally:
+        srv.stop()
+    a, b, h = ob.summarize(alone, 4.0), ob.summarize(loaded, 4.0), ob.summarize(heavy, 4.8)
+    report = (f"light alone p50 {a['ok_p50_ms']:.1f} p99 {a['ok_p99_ms']:.1f} ms ({a['sent']}); beside maximal "
+              f"requests p50 {b['ok_p50_ms']:.1f} p99 {b['ok_p99_ms']:.1f} ms ({b['sent']}); heavy served "
+              f"{h['codes'].get('OK', 0)}")
+    print("\n" + report)
+    assert set(a["codes"]) == set(b["codes"]) == {"OK"} and h["codes"].get("OK", 0) >= 4, report
+    assert b["ok_p99_ms"] <= 2 * a["ok_p99_ms"], report
+
+
+# ---- the metrics endpoint and big texts ----------------------------------------------------------------
+
+_POLLER = """
+import sys, time, urllib.request
+url, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        r.read()
+    time.sleep(0.25)  # a dashboard's pace; back to back, the pollers alone would fill this 2-core box
+"""
+
+
+def _alternate(srv: ServerThread, start_load: Any, stop_load: Any, rounds: int = 3,
+               window_s: float = 1.5) -> tuple[list[ob.Outcome], list[ob.Outcome]]:
+    """Score latencies of 4 closed-loop clients, windows alternating without and with a load."""
+    quiet: list[ob.Outcome] = []
+    busy: list[ob.Outcome] = []
+
+    async def run(stub: Any) -> None:
+        make = lambda i: (small(i), NORMAL, None)  # noqa: E731
+        await ob.closed_loop(stub.Score, make, 4, 1.0)
+        for k in range(rounds):
+            quiet.extend(await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k))
+            handle = start_load()
+            await asyncio.sleep(0.3)
+            busy.extend(await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k + 5000))
+            stop_load(handle)
+
+    asyncio.run(_with_stub(srv.target, run))
+    return quiet, busy
+
+
+def test_polling_trace_does_not_move_score_p50(small_model):
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_sample_rate=1.0,
+                          batcher=BatcherConfig(validate_requests=False))
+    srv = ServerThread(RankerServer(config, lambda: small_model))
+    srv.wait_serving()
+    url = f"http://127.0.0.1:{srv.server.metrics_server.port}/trace"
+
+    def start() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", _POLLER, url, "30"]) for _ in range(4)]
+
+    def stop(pollers: list[subprocess.Popen]) -> None:
+        for p in pollers:
+            p.terminate()
+            p.wait(10)
+
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert r.status == 200 and len(r.read()) > 0
+        quiet, busy = _alternate(srv, start, stop)
+    finally:
+        srv.stop()
+    p50_quiet, p50_busy = _p50(quiet), _p50(busy)
+    print(f"\nScore p50 {p50_quiet:.2f} ms; with 4 clients polling /trace {p50_busy:.2f} ms")
+    assert p50_busy <= 1.1 * p50_quiet, (p50_quiet, p50_busy)
+
+
+def test_a_100kb_http_request_line_is_answered_without_a_traceback(small_model, caplog):
+    srv = _serve(small_model)
+    port = srv.server.metrics_server.port
+    try:
+        with caplog.at_level(logging.DEBUG):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.") and reply.split()[1] in (b"400", b"414"), reply[:100]
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200  # and it still serves
+    finally:
+        srv.stop()
+
+
+_FLOODER = """
+import sys, time, grpc
+sys.path.insert(0, sys.argv[3])
+from service.serving.proto_gen import load
+stubs = load()
+raw = stubs.pb2.ScoreRequest(samples=[stubs.pb2.Segment(text="word " * 200_000)], label_ids=[1]).SerializeToString()
+end = time.monotonic() + float(sys.argv[2])
+with grpc.insecure_channel(sys.argv[1]) as ch:  # 1 MB, serialized once: the client's own work stays small
+    call = ch.unary_unary("/slmrank.v1.Ranker/Score", request_serializer=bytes, response_deserializer=bytes)
+    while time.monotonic() < end:
+        time.sleep(0.05)  # 20 a second each: tokenizing one took ~40 ms of the event loop
+        try:
+            call(raw, timeout=30)
+            sys.exit("a 1 MB text was served")
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                sys.exit(f"{e.code()}: {e.details()}")
+"""
+
+
+def test_megabyte_texts_do_not_slow_other_requests(small_model):
+    """Issue 11: 1 MB texts were tokenized in full on the event loop before the length check
+    (~40 ms each); 4 clients sending them doubled Score p50. They are refused before tokenizing
+    now; 4 clients sending 20 a second each cost the loop only their receiving and parsing."""
+    srv = _serve(small_model)
+
+    def start() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", _FLOODER, srv.target, "30", str(ROOT)]) for _ in range(4)]
+
+    def stop(flooders: list[subprocess.Popen]) -> None:
+        for p in flooders:
+            assert p.poll() is None, f"a flooder stopped: exit {p.returncode}"
+            p.terminate()
+            p.wait(10)
+
+    try:
+        quiet, busy = _alternate(srv, start, stop)
+        tokenized = srv.server.servicer.codec.tokenize_stats.num_segments
+    finally:
+        srv.stop()
+    p50_quiet, p50_busy = _p50(quiet), _p50(busy)
+    print(f"\nScore p50 {p50_quiet:.2f} ms; with 4 clients sending 1 MB texts {p50_busy:.2f} ms")
+    assert tokenized == 0
+    assert p50_busy < 1.5 * p50_quiet, (p50_quiet, p50_busy)

@@ -59,9 +59,11 @@ class JitKernels:
 
 
 def resolve_kernels(kernels: str, device: str) -> str:
-    """"auto": the fused Triton kernels on a GPU (the fast path), ATen elsewhere."""
+    """"auto": the fused Triton kernels on a Hopper GPU (the fast path; kernels/aot.py compiles them
+    for sm_90a only), ATen elsewhere (the CPU, older GPUs)."""
     if kernels == "auto":
-        return "triton" if str(device).startswith("cuda") else "aten"
+        on_hopper = str(device).startswith("cuda") and torch.cuda.get_device_capability(torch.device(device)) >= (9, 0)
+        return "triton" if on_hopper else "aten"
     check_choice(kernels)
     return kernels
 

@@ -33,3 +33,17 @@ def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_gr
     assert model.runtime is made[0]
     assert made[0].captures == expected
     assert model.tokenizer.vocab_size > 0
+
+
+@pytest.mark.parametrize("device, capability, expected", [("cpu", None, "aten"), ("cuda", (9, 0), "triton"),
+                                                           ("cuda:0", (9, 0), "triton"), ("cuda", (8, 0), "aten")])
+def test_auto_kernels_are_the_fused_ones_on_hopper_only(monkeypatch, device, capability, expected) -> None:
+    import torch
+
+    from service.runtime.fused import resolve_kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    assert resolve_kernels("auto", device) == expected
+    assert resolve_kernels("aten", device) == "aten" and resolve_kernels("triton", device) == "triton"
+    with pytest.raises(ValueError, match="kernels"):
+        resolve_kernels("cuda-graphs", device)

@@ -11,7 +11,8 @@ has waited `max_wait_s`. Requests are never split.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
-maximal ones (on a GPU, each slot is a lane: its own stream and graphs).
+maximal ones (on a GPU, each slot is a lane: its own stream and graphs); its packing and
+unpacking (thousands of beam rows) run off the event loop, where light requests wait.
 
 The C++ runtime runs a batch through `runtime.submit` (its lanes, no GIL); any other runtime runs
 on `max_inflight` worker threads. Batch times (packing + the executor's start → done, not its
@@ -444,12 +445,14 @@ class Scheduler:
         service_s = 0.0
         try:
             packed_from = self.clock()
-            batch = self._pack(reqs)
+            # a heavy batch's host work (thousands of beam rows) off the event loop, where light requests wait
+            batch = await asyncio.to_thread(self._pack, reqs) if is_heavy else self._pack(reqs)
             self._record_batch(batch)
             start_s = self.clock()
             outputs, timings = await self._executor.run(batch, is_heavy)
             end_s = self.clock()
-            results = self._unpack(batch, outputs)
+            results = (await asyncio.to_thread(self._unpack, batch, outputs) if is_heavy
+                       else self._unpack(batch, outputs))
             # the executor's own run (not its queue, nor pauses for lighter batches), on our clock
             run_s = (timings["done_ns"] - timings["start_ns"] - timings.get("paused_ns", 0)) / 1e9
             run = (end_s - run_s, end_s)
@@ -514,7 +517,8 @@ class Scheduler:
             if ticket.predicted_s:  # it would have taken longer still: the least of its error
                 now = self.clock()
                 self.model.observe_prediction(ticket.predicted_s, now - ticket.enqueued, now)
-            _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {self.clock() - ticket.enqueued:.4f} s "
+            waited_s = self.clock() - ticket.enqueued
+            _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {waited_s:.4f} s "
                                                          "in the queue; the request was not executed"))
         elif reason == "drained":
             _settle(ticket.future, error=Overloaded("draining", self.admission.unavailable_hint_s(),

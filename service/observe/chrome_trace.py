@@ -34,6 +34,42 @@ class _Group:
     events: list[tuple[str, str, int, int, dict[str, Any]]]  # name, cat, start_ns, end_ns, args
 
 
+@dataclass(frozen=True)
+class TraceSnapshot:
+    """A ChromeTraceWriter's groups at one moment, rendered to the Chrome trace format."""
+
+    groups: tuple[_Group, ...]
+    num_added: int
+
+    def to_json(self) -> dict[str, Any]:
+        groups = sorted(self.groups, key=lambda g: (g.start_ns, -g.end_ns))
+        origin = groups[0].start_ns if groups else 0
+        events: list[dict[str, Any]] = []
+        rows: dict[int, list[int]] = {pid: [] for pid in PROCESS_NAMES}  # pid -> end_ns of each row's last group
+        for g in groups:
+            ends = rows[g.pid]
+            row = next((i for i, e in enumerate(ends) if e <= g.start_ns), len(ends))
+            ends[row:row + 1] = [g.end_ns]
+            for name, cat, s, e, args in g.events:
+                # ends rounded like starts, so a child never pokes out of its parent
+                ts, end_us = round((s - origin) / 1e3, 3), round((e - origin) / 1e3, 3)
+                events.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": round(end_us - ts, 3),
+                               "pid": g.pid, "tid": row + 1, "args": {k: v for k, v in args.items() if v is not None}})
+        meta = []
+        for pid, name in PROCESS_NAMES.items():
+            meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+            meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+            meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": row + 1,
+                      "args": {"name": f"{ROW_NAMES[pid]} row {row + 1}"}} for row in range(len(rows[pid]))]
+        num_requests = sum(g.pid == PIDS["request"] for g in groups)
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+                "otherData": {"clock": "monotonic", "origin_wall_ns": origin + WALL_OFFSET_NS, "requests": num_requests,
+                              "requests_dropped": self.num_added - num_requests}}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+
 class ChromeTraceWriter:
     def __init__(self, max_events: int = 20_000) -> None:
         if max_events < 1:
@@ -76,33 +112,16 @@ class ChromeTraceWriter:
     def num_events(self) -> int:
         return self._num_events
 
+    def snapshot(self) -> TraceSnapshot:
+        """The kept groups as they are now: a copy of references (groups are never changed once
+        added), cheap on the thread that owns the writer; rendering it can happen anywhere."""
+        return TraceSnapshot(tuple(self._groups), self.num_added)
+
     def to_json(self) -> dict[str, Any]:
-        groups = sorted(self._groups, key=lambda g: (g.start_ns, -g.end_ns))
-        origin = groups[0].start_ns if groups else 0
-        events: list[dict[str, Any]] = []
-        rows: dict[int, list[int]] = {pid: [] for pid in PROCESS_NAMES}  # pid -> end_ns of each row's last group
-        for g in groups:
-            ends = rows[g.pid]
-            row = next((i for i, e in enumerate(ends) if e <= g.start_ns), len(ends))
-            ends[row:row + 1] = [g.end_ns]
-            for name, cat, s, e, args in g.events:
-                # ends rounded like starts, so a child never pokes out of its parent
-                ts, end_us = round((s - origin) / 1e3, 3), round((e - origin) / 1e3, 3)
-                events.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": round(end_us - ts, 3),
-                               "pid": g.pid, "tid": row + 1, "args": {k: v for k, v in args.items() if v is not None}})
-        meta = []
-        for pid, name in PROCESS_NAMES.items():
-            meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
-            meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-            meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": row + 1,
-                      "args": {"name": f"{ROW_NAMES[pid]} row {row + 1}"}} for row in range(len(rows[pid]))]
-        num_requests = sum(g.pid == PIDS["request"] for g in groups)
-        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-                "otherData": {"clock": "monotonic", "origin_wall_ns": origin + WALL_OFFSET_NS, "requests": num_requests,
-                              "requests_dropped": self.num_added - num_requests}}
+        return self.snapshot().to_json()
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), separators=(",", ":"))
+        return self.snapshot().dumps()
 
     def write(self, path: str | Path) -> int:
         """Writes the file (atomically: a reader never sees half of it); returns the number of events."""

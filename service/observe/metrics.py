@@ -27,6 +27,7 @@ import logging
 import platform
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from importlib import metadata
@@ -270,8 +271,12 @@ class MetricsServer:
     time, each bounded by a socket timeout. port 0: any free port (see .port after start)."""
 
     def __init__(self, metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 9464, chrome: Any = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, trace_refresh_s: float = 1.0) -> None:
         self.metrics, self.host, self.port, self.chrome, self.timeout_s = metrics, host, port, chrome, timeout_s
+        # GET /trace renders a snapshot at most this often (the copy of references is taken on the
+        # event loop, the rendering here; both hold the GIL, so polling clients share one rendering)
+        self.trace_refresh_s = trace_refresh_s
+        self._trace: tuple[float, bytes] | None = None  # (monotonic time rendered, body)
         self._httpd: http.server.HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -304,11 +309,14 @@ class MetricsServer:
         if path == "/metrics":
             return 200, CONTENT_TYPE, self.metrics.exposition().encode()
         if path == "/trace" and self.chrome is not None:
-            try:  # the writer is the event loop's; its size is bounded (chrome_max_events)
-                body = self.metrics.call_on_loop(self.chrome.dumps)
-            except TimeoutError:
-                return 503, "text/plain; charset=utf-8", b"the server is too busy to copy its trace; retry\n"
-            return 200, "application/json", body.encode()
+            now = time.monotonic()
+            if self._trace is None or now - self._trace[0] >= self.trace_refresh_s:
+                try:  # the writer is the event loop's: only the copy of its references happens there
+                    snapshot = self.metrics.call_on_loop(self.chrome.snapshot)
+                except TimeoutError:
+                    return 503, "text/plain; charset=utf-8", b"the server is too busy to copy its trace; retry\n"
+                self._trace = (now, snapshot.dumps().encode())
+            return 200, "application/json", self._trace[1]
         return 404, "text/plain; charset=utf-8", b"not found: try /metrics or /trace\n"
 
 

@@ -346,9 +346,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
         self.close_connection = True
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: nothing to answer, no traceback
+            log.debug("%s went away before the answer to %s", self.address_string(), self.path)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- the standard library's name
         log.debug("%s %s", self.address_string(), format % args)

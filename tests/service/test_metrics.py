@@ -9,7 +9,9 @@ import asyncio
 import json
 import math
 import re
+import struct
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -330,3 +332,26 @@ REFUSALS = {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "infligh
             "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
             "refused": {"queue_full": 0, "deadline": 0, "draining": 0}, "expired": 0, "cancelled": 0, "drained": 0,
             "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
+
+
+def test_a_client_that_leaves_before_the_answer_leaves_no_traceback(capfd) -> None:
+    """A poller killed mid-answer (a 3 MB /trace): the HTTP thread logs at most a debug line."""
+    import socket
+
+    chrome = ChromeTraceWriter(max_events=200_000)
+    for i in range(3000):
+        chrome.add(build_records(executed(i, 0, graph=True)))
+    server = MetricsServer(ServerMetrics(), "127.0.0.1", 0, chrome=chrome)
+    port = server.start()
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+                s.sendall(b"GET /trace HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.recv(1)  # the answer has started
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200  # still serving
+    finally:
+        server.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err, err

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 
+from ..model import progress
 from .artifact import MANIFEST, Artifact, ArtifactError, build_artifact, load_artifact
 
 
@@ -37,8 +37,8 @@ def resolve_artifact(model: str, quiet: bool = False) -> Artifact:
         try:
             return load_artifact(out)
         except ArtifactError as e:
-            print(f"[slmrank] rebuilding cached artifact {out}: {e}", file=sys.stderr)
+            progress.note(f"rebuilding cached artifact {out}: {e}")
     if not quiet:
-        print(f"[slmrank] building artifact for {model} into {out}", file=sys.stderr)
+        progress.note(f"building artifact for {model} into {out}")
     build_artifact(model, out, quiet=quiet)
     return load_artifact(out)

@@ -1,10 +1,32 @@
-"""A small progress bar for long work (artifact builds, graph capture), on stderr."""
+"""A small progress bar for long work (artifact builds, graph capture), on stderr.
+
+A process that configures its own logging (`slmrank serve`, service/observe/logs.py) sets a sink
+with set_sink: progress lines and notes then go through it (as log records, e.g. JSON lines)
+instead of being written to stderr as bare lines.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
+
+# (message, fields) -> None; None: bare lines on the progress stream
+_sink: Callable[[str, dict], None] | None = None
+
+
+def set_sink(sink: Callable[[str, dict], None] | None) -> None:
+    """Routes progress lines and notes (not a terminal's redrawn bar) through sink(message, fields)."""
+    global _sink
+    _sink = sink
+
+
+def note(message: str, stream: TextIO | None = None) -> None:
+    """A one-off line about long work (e.g. "building artifact ..."): the sink, or stderr."""
+    if _sink is not None:
+        _sink(message, {})
+    else:
+        (stream or sys.stderr).write(f"[slmrank] {message}\n")
 
 
 class Progress:
@@ -43,5 +65,9 @@ class Progress:
             if decile == self._last_decile and not final:
                 return
             self._last_decile = decile
+            if _sink is not None:
+                _sink(f"[{self.label}] {frac:4.0%} ({self.done}/{self.total}) {elapsed:.1f}s {note}".rstrip(),
+                      {"progress": self.label, "done": self.done, "total": self.total, "elapsed_s": round(elapsed, 1)})
+                return
             self.stream.write(f"[{self.label}] {frac:4.0%} ({self.done}/{self.total}) {elapsed:.1f}s {note}\n")
         self.stream.flush()

@@ -18,9 +18,12 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..model import progress
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 ANNOUNCE = "slmrank"  # the logger of the start-up announcements (stdout)
 ACCESS = "slmrank.access"  # one record per finished RPC, when the access log is on
+PROGRESS = "slmrank.progress"  # artifact build and graph capture progress (service/model/progress.py)
 # LogRecord attributes that are not a record's own `extra` fields
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
@@ -70,6 +73,9 @@ def configure_logging(level: str = "info", fmt: str = "text", stderr: TextIO | N
     _replace_handler(announce, logging.StreamHandler(stdout or sys.stdout), formatter)
     announce.propagate = False
     announce.setLevel(logging.INFO)
+    # long work (artifact build, graph capture) reports as records of this format, not bare lines
+    progress_log = logging.getLogger(PROGRESS)
+    progress.set_sink(lambda msg, fields: progress_log.info(msg, extra=fields))
 
 
 def _replace_handler(logger: logging.Logger, handler: logging.Handler, formatter: logging.Formatter) -> None:

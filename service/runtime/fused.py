@@ -16,12 +16,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..artifact.artifact import Artifact
+from ..model import progress
 from ..model.config import ModelConfig
 from ..artifact.resolve import cache_dir
 
@@ -97,6 +99,8 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real
+    progress.note(f"compiling the Triton kernels for {dtype_name} {shape} into {out} (once per model shape)")
+    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", shape, "--out", str(tmp),
                            "--dtype", dtype_name], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,6 +110,7 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
     except OSError:
         if not (out / "kernels.msgpack").is_file():
             raise
+    progress.note(f"compiled the Triton kernels in {time.monotonic() - t0:.1f} s")
     return out
 
 

@@ -56,6 +56,37 @@ def test_configure_logging_routes_and_replaces_only_its_own_handlers() -> None:
         root.setLevel(level)
 
 
+def test_progress_of_long_work_is_records_of_the_log_format() -> None:
+    """With logging configured (serve), the artifact build / capture progress and notes are JSON
+    records too, never bare lines among them; without it they are plain stderr lines."""
+    from service.model import progress
+
+    err, out, bare = io.StringIO(), io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    try:
+        with progress.Progress("capture graphs", 4, stream=bare) as bar:  # not configured: bare lines
+            bar.advance(4, "b1")
+        progress.note("building artifact", stream=bare)
+        assert bare.getvalue().splitlines()[0].startswith("[capture graphs] 100% (4/4)")
+        assert bare.getvalue().splitlines()[-1] == "[slmrank] building artifact"
+        configure_logging("info", "json", stderr=err, stdout=out)
+        progress.note("building artifact for embedded:x")
+        with progress.Progress("capture graphs", 20, stream=bare) as bar:
+            for i in range(20):
+                bar.advance(1, f"bucket {i}")
+        records = [json.loads(x) for x in err.getvalue().splitlines()]  # every line is JSON
+        assert records[0]["msg"] == "building artifact for embedded:x" and records[0]["logger"] == "slmrank.progress"
+        bars = [r for r in records if r.get("progress") == "capture graphs"]
+        assert len(bars) == 12 and bars[-1]["done"] == 20 and bars[-1]["total"] == 20  # each decile 0-10, and "done"
+        assert bare.getvalue().count("\n") == 2, "a configured process wrote a bare progress line"
+    finally:
+        progress.set_sink(None)
+        for h in [h for h in root.handlers if getattr(h, "_slmrank", False)]:
+            root.removeHandler(h)
+        root.setLevel(level)
+
+
 def test_access_log_one_record_per_rpc(model, caplog: pytest.LogCaptureFixture) -> None:
     srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True),
                                     lambda: model))

@@ -79,7 +79,7 @@ def test_progress_of_long_work_is_records_of_the_log_format() -> None:
         assert records[0]["msg"] == "building artifact for embedded:x" and records[0]["logger"] == "slmrank.progress"
         bars = [r for r in records if r.get("progress") == "capture graphs"]
         assert len(bars) == 12 and bars[-1]["done"] == 20 and bars[-1]["total"] == 20  # each decile 0-10, and "done"
-        assert bare.getvalue().count("\n") == 2, "a configured process wrote a bare progress line"
+        assert bare.getvalue().count("\n") == 3, "a configured process wrote a bare progress line"
     finally:
         progress.set_sink(None)
         for h in [h for h in root.handlers if getattr(h, "_slmrank", False)]:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from service.model import progress
 from service.observe.logs import ACCESS, JsonFormatter, TextFormatter, announce, configure_logging
 from service.serving.client import RankerClient
 from service.serving.server import RankerServer, ServerConfig
@@ -51,6 +52,7 @@ def test_configure_logging_routes_and_replaces_only_its_own_handlers() -> None:
         with pytest.raises(ValueError):
             configure_logging("loud", "json")
     finally:
+        progress.set_sink(None)
         for h in [h for h in root.handlers if getattr(h, "_slmrank", False)]:
             root.removeHandler(h)
         root.setLevel(level)
@@ -59,8 +61,7 @@ def test_configure_logging_routes_and_replaces_only_its_own_handlers() -> None:
 def test_progress_of_long_work_is_records_of_the_log_format() -> None:
     """With logging configured (serve), the artifact build / capture progress and notes are JSON
     records too, never bare lines among them; without it they are plain stderr lines."""
-    from service.model import progress
-
+    progress.set_sink(None)
     err, out, bare = io.StringIO(), io.StringIO(), io.StringIO()
     root = logging.getLogger()
     level = root.level

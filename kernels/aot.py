@@ -103,7 +103,7 @@ def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90
 
 
 def variant_name(kernel: str, dt: str, **dims: int) -> str:
-    """e.g. rms_norm.n896.res1.bf16, decode_attention.h14.g2.e64.bf16 (cpp_dag/triton_kernels.cpp
+    """e.g. rms_norm.n896.res1.bf16, segment_attention.h14.g2.e64.bf16 (cpp_dag/triton_kernels.cpp
     builds the same names from a call's shapes)."""
     return ".".join([kernel, *(f"{k}{v}" for k, v in dims.items()), dt])
 
@@ -111,7 +111,7 @@ def variant_name(kernel: str, dt: str, **dims: int) -> str:
 def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, num_heads: int,
                        num_kv_heads: int, dtype: str = "bfloat16") -> list[KernelSpec]:
     """The kernel variants one model needs, for `dtype` activations."""
-    from . import decode_attention
+    from . import decode_attention, segment_attention
     from .norm_act import rms_norm_config, rms_norm_kernel, silu_mul_config, silu_mul_kernel
     from .qkv_rope import qkv_rope_config, qkv_rope_kernel
 
@@ -162,6 +162,17 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr"),
         grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
+    tile = segment_attention.default_tile(head_dim, dtype == "float32")
+    specs.append(KernelSpec(
+        variant_name("segment_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),
+        segment_attention.segment_attention_kernel,
+        {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "ranges_ptr": "*i32", "out_ptr": f"*{dt}",
+         "num_rows": "i32", "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr",
+         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"},
+        segment_attention.kernel_constexprs(num_heads, num_kv_heads, head_dim, tile),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        divisible_by_16=("q_ptr", "k_ptr", "v_ptr", "ranges_ptr", "out_ptr"),
+        grid="(num_heads, cdiv(rows, BLOCK_M), 1)"))
     return specs + beam_topk_specs(dt)
 
 

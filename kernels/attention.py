@@ -13,6 +13,9 @@ prefix, a second varlen call merged by log-sum-exp. The work is the sum over sam
 (prefix * s + s^2 / 2), not L^2 per request block. The C++ runtime calls the same ATen ops
 (cpp_dag/layer_ops.cpp), so the two runtimes stay byte-identical. The plain-torch references
 below are what the CPU runs and what the CUDA path is tested against.
+
+With the fused kernels (--kernels triton) the same attention is one Triton kernel instead
+(kernels/segment_attention.py), over each row's key ranges from `segment_key_ranges`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,32 @@ def segment_bounds(seg: torch.Tensor, block_len: int, num_segments: int) -> torc
     index = starts.cumsum(0).sub(1)  # [T]: each row's run
     bounds = torch.full((num_segments + 1,), t, dtype=torch.int32, device=seg.device)
     return bounds.scatter_reduce(0, index, rows.to(torch.int32), "amin")
+
+
+def segment_key_ranges(seg: torch.Tensor, block_len: int, ctx: torch.Tensor | None = None) -> torch.Tensor:
+    """The key ranges of kernels/segment_attention.py: [3, T] int32 for the packed segments seg [T]
+    (ids; < 0: padding), on seg's device with static shapes and no host sync. A segment is a run of
+    equal ids, which also ends at every multiple of block_len. Row t sees keys [out[0, t], out[1, t])
+    (its prefix) and [out[2, t], t] (its own segment, causal); a padding row's out[2, t] is t + 1
+    (no key). ctx [T] (Score): a sample's prefix segment id (< 0: none), that prefix being the run
+    of that id at the start of the sample's block (service/runtime/batch.py); None (BeamSearch
+    prefill): no row has a prefix. cpp_dag/layer_ops.cpp::segment_key_ranges mirrors it op for op."""
+    t = seg.shape[0]
+    rows = torch.arange(t, device=seg.device)
+    first = torch.ones(1, dtype=torch.bool, device=seg.device)
+    starts = torch.cat([first, seg[1:].ne(seg[:-1])]).logical_or(rows.remainder(block_len).eq(0))
+    run_start = rows.mul(starts).cummax(0)[0]  # each row's run's first row
+    self_start = torch.where(seg.ge(0), run_start, rows.add(1))
+    if ctx is None:
+        prefix_start = prefix_end = torch.zeros_like(rows)
+    else:
+        r = t // block_len
+        prefix_seg = ctx.view(r, block_len).amax(1)  # a block's prefix segment id (or < 0: none)
+        prefix_len = seg.view(r, block_len).eq(prefix_seg.unsqueeze(1)).sum(1)  # [R]
+        has_prefix = ctx.ge(0)
+        prefix_start = rows.sub(rows.remainder(block_len)).mul(has_prefix)  # the block's first row
+        prefix_end = prefix_start.add(prefix_len.unsqueeze(1).expand(r, block_len).reshape(t).mul(has_prefix))
+    return torch.stack([prefix_start, prefix_end, self_start]).to(torch.int32)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.attention import masked_attention_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
+from kernels.segment_attention import segment_attention
 from service.model.layers import two_part_attention
 from service.runtime.nodes import varlen_layer_attention
 
@@ -498,6 +499,10 @@ PREFILL_SHAPES = {
 }
 
 
+# the fused kernel's tiles: the default (what kernels/aot.py compiles) first, then candidates
+SEGMENT_TILES = [None, Tile(64, 64, 4, 3), Tile(64, 32, 4, 2), Tile(64, 32, 4, 4), Tile(64, 16, 4, 3), Tile(128, 64, 8, 3)]
+
+
 def prefill_layout(block: int, per_block: int, lengths: list[int], blocks: int):
     """Host-side layout of one bucket: runs [(start, length, kind)] with kind 'prefix', 'sample' or
     'pad' (a block's tail), and prefix_of[t]: the start/length of the prefix a sample token sees."""
@@ -583,22 +588,43 @@ def _prefill_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     def by_sample() -> torch.Tensor:  # what the runtimes run (service/runtime/nodes.py), prefix call included
         return varlen_layer_attention(q, k, v, env, "score", scale)
 
+    # the fused path: one Triton kernel, each row's prefix and own-segment key ranges (kernels/segment_attention.py),
+    # built here from the layout (the masks node computes them on the device: segment_key_ranges)
+    ranges = [[0] * t, [0] * t, [0] * t]
+    for start, length, kind in runs:
+        for i in range(start, start + length):
+            ranges[2][i] = start if kind != "pad" else i + 1
+            if i in prefix_of:
+                ranges[0][i], ranges[1][i] = prefix_of[i][0], prefix_of[i][0] + prefix_of[i][1]
+    ranges = torch.tensor(ranges, dtype=torch.int32, device="cuda")
+
+    def segment(tile: Tile | None) -> Callable[[], torch.Tensor]:
+        return lambda: segment_attention(q, k, v, ranges, scale, tile=tile)
+
     lse_shape = list(torch.ops.aten._flash_attention_forward(q, k, v, cu_self, cu_self, block, block, 0.0, True,
                                                              False, scale=scale)[1].shape)
     truth = dense(q.double(), k.double(), v.double())
     ref_err = (dense(q, k, v).double() - truth)[real].abs().max().item()
     useful = sum(s * (s + 1) / 2 + (prefix_of[st][1] * s if st in prefix_of else 0) for st, s, kind in runs
                  if kind != "pad") * 4 * h * e  # FLOPs: causal within a sample + its prefix
+    # the floor of one layer's attention: q, k, v of the real rows read once, out written once, at 4.8 TB/s
+    n_real = int(real.sum())
+    nbytes = (n_real * (h + 2 * g) * e + t * h * e) * q.element_size()
+    floor_ms = nbytes / (HBM_TB_S * 1e12) * 1e3
+    variants = [("by_block_sdpa_bias", by_block), ("by_sample_varlen", by_sample)]
+    variants += [("segment_triton" if tile is None else f"segment_m{tile.block_m}n{tile.block_n}w{tile.num_warps}"
+                  f"s{tile.num_stages}", segment(tile)) for tile in SEGMENT_TILES]
     results = []
-    for label, fn in (("by_block_sdpa_bias", by_block), ("by_sample_varlen", by_sample)):
+    for label, fn in variants:
         err = (fn().double() - truth)[real].abs().max().item()
         ms = graph_time_ms(fn)
         row = {"bench": "prefill_attention", "workload": name, "variant": label, "dtype": str(dtype),
                "max_err_vs_fp64": err, "dense_ref_max_err_vs_fp64": ref_err, "ms_per_layer": ms,
-               "ms_per_batch": ms * layers, "useful_tflops": useful / ms / 1e9, "flash_lse_shape": lse_shape}
-        print(f"prefill_attention {name:13s} {label:19s} {ms * 1e3:8.1f} us a layer  {ms * layers:7.3f} ms a batch  "
-              f"{row['useful_tflops']:6.1f} useful TFLOP/s  err {err:.2e} (dense ref {ref_err:.2e})  "
-              f"lse {lse_shape}", flush=True)
+               "ms_per_batch": ms * layers, "useful_tflops": useful / ms / 1e9, "flash_lse_shape": lse_shape,
+               "bytes": nbytes, "floor_ms": floor_ms, "of_floor": floor_ms / ms}
+        print(f"prefill_attention {name:13s} {label:21s} {ms * 1e3:8.1f} us a layer  {ms * layers:7.3f} ms a batch  "
+              f"{row['useful_tflops']:6.1f} useful TFLOP/s  floor {floor_ms * 1e3:6.1f} us ({floor_ms / ms:5.1%} of "
+              f"it)  err {err:.2e} (dense ref {ref_err:.2e})", flush=True)
         results.append(row)
     return results
 
@@ -606,8 +632,10 @@ def _prefill_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
 def bench_prefill_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """Score and BeamSearch-prefill attention, one layer: by request block (torch SDPA over each
     block with an additive bias, as at b258f99) vs by sample (ATen's varlen FlashAttention:
-    causal within each sample; a shared prefix through a second call merged by log-sum-exp), each
-    checked against the dense-mask reference in float64 on the real rows."""
+    causal within each sample; a shared prefix through a second call merged by log-sum-exp, what
+    the ATen path runs) vs the fused path's one Triton kernel (kernels/segment_attention.py, its
+    default tile and candidates), each checked against the dense-mask reference in float64 on the
+    real rows; the floor is q, k, v of the real rows read and out written once at 4.8 TB/s."""
     return [row for name in PREFILL_SHAPES for row in _prefill_workload(name, dtype)]
 
 

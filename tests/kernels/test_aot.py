@@ -43,7 +43,7 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.i384.bf16",
                         "qkv_rope.h4.g2.e32.norm0.bf16", "qkv_rope.h4.g2.e32.norm1.bf16",
-                        "decode_attention.h4.g2.e32.bf16"} | BEAM_TOPK_VARIANTS
+                        "decode_attention.h4.g2.e32.bf16", "segment_attention.h4.g2.e32.bf16"} | BEAM_TOPK_VARIANTS
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()
@@ -62,6 +62,12 @@ def test_manifest_states_the_launch_abi(compiled) -> None:
     assert types["scale"] == "float" and types["num_suffix"] == "int32_t" and types["q_ptr"] == "CUdeviceptr"
     assert attn["constexprs"]["E"] == 32 and attn["function"] == "decode_attention_kernel"  # embedded:tiny head_dim
     assert attn["constexprs"]["BEAMS"] == 32 and attn["constexprs"]["INTERPRETED"] is False  # 64 rows / 2 q heads
+    (seg,) = [k for k in manifest["kernels"] if k["variant"].startswith("segment_attention.")]
+    assert [p["name"] for p in seg["params"]] == ["q_ptr", "k_ptr", "v_ptr", "ranges_ptr", "out_ptr", "num_rows",
+                                                  "scale", "global_scratch", "profile_scratch"]
+    assert {p["name"]: p["type"] for p in seg["params"]}["ranges_ptr"] == "CUdeviceptr"
+    assert seg["constexprs"]["BLOCK_M"] == 64 and seg["constexprs"]["H"] == 4 and seg["constexprs"]["G"] == 2
+    assert seg["function"] == "segment_attention_kernel" and seg["grid"] == "(num_heads, cdiv(rows, BLOCK_M), 1)"
 
 
 def test_a_constexpr_missing_from_the_signature_is_refused(tmp_path: Path) -> None:

@@ -75,6 +75,9 @@ class TritonKernels:
         k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def segment_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ranges: torch.Tensor, scale: float,
+    ) -> torch.Tensor: ...
     def decode_attention(
         self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
         kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,

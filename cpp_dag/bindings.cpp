@@ -331,6 +331,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
           py::arg("k_out") = py::none(), py::arg("v_out") = py::none())
       .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
+      .def("segment_attention", &TritonKernels::segment_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+           py::arg("key_ranges"), py::arg("scale"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
            py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
            py::arg("num_suffix"), py::arg("scale"))

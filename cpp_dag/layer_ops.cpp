@@ -9,6 +9,8 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <limits>
 
@@ -128,6 +130,27 @@ at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_
   at::Tensor index = starts.cumsum(0).sub(1);
   at::Tensor bounds = at::full({num_segments + 1}, t, seg.options().dtype(at::kInt));
   return bounds.scatter_reduce(0, index, rows.to(at::kInt), "amin");
+}
+
+at::Tensor segment_key_ranges(const at::Tensor& seg, int64_t block_len, const at::Tensor& ctx) {
+  const int64_t t = seg.size(0);
+  at::Tensor rows = at::arange(t, seg.options().dtype(at::kLong));
+  at::Tensor first = at::ones({1}, seg.options().dtype(at::kBool));
+  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))}).logical_or(rows.remainder(block_len).eq(0));
+  at::Tensor run_start = std::get<0>(rows.mul(starts).cummax(0));  // each row's run's first row
+  at::Tensor self_start = run_start.where(seg.ge(0), rows.add(1));
+  at::Tensor prefix_start, prefix_end;
+  if (!ctx.defined()) {
+    prefix_start = prefix_end = at::zeros_like(rows);
+  } else {
+    const int64_t r = t / block_len;
+    at::Tensor prefix_seg = ctx.view({r, block_len}).amax(1);  // a block's prefix segment id (or < 0: none)
+    at::Tensor prefix_len = seg.view({r, block_len}).eq(prefix_seg.unsqueeze(1)).sum(1);  // [R]
+    at::Tensor has_prefix = ctx.ge(0);
+    prefix_start = rows.sub(rows.remainder(block_len)).mul(has_prefix);  // the block's first row
+    prefix_end = prefix_start.add(prefix_len.unsqueeze(1).expand({r, block_len}).reshape({t}).mul(has_prefix));
+  }
+  return at::stack({prefix_start, prefix_end, self_start}).to(at::kInt);
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -49,6 +49,13 @@ std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const a
 // multiple of block_len); entries past the last run are T. Static shapes, no host sync.
 at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_segments);
 
+// seg [T] (ids; < 0: padding) -> key_ranges [3, T] int32 of the fused segment attention: row t sees keys
+// [out[0][t], out[1][t]) (its prefix) and [out[2][t], t] (its own run, causal; t + 1 for padding: none). Runs
+// end at every multiple of block_len; ctx [T] (Score): a sample's prefix segment id (< 0: none), the run
+// of that id at its block's start; undefined: no prefix. Static shapes, no host sync.
+// kernels/attention.py::segment_key_ranges.
+at::Tensor segment_key_ranges(const at::Tensor& seg, int64_t block_len, const at::Tensor& ctx = at::Tensor());
+
 // FlashAttention varlen (CUDA): q [N, H, E]; k, v [M, G, E]; segment i: queries cu_q[i]..cu_q[i+1],
 // keys from cu_k[i] (seqused_k[i] of them when defined) -> out [N, H, E], lse [N, H] float32
 // (a row with no keys: out 0, lse not -inf: callers mask it). kernels/attention.py::varlen_attention.

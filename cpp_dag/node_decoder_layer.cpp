@@ -1,5 +1,5 @@
 // decoder_layer: one transformer block in one of three attention modes.
-//   score:   own-sample causal part + shared-prefix part, merged by LSE
+//   score:   own-sample causal part + shared-prefix part, merged by LSE (fused: one kernel over both)
 //   prefill: causal over the packed prompts; keeps the prompt K/V every beam shares
 //   decode:  one token per beam; prompt part + per-beam suffix part, merged by LSE
 // Mirrors service/runtime/nodes.py::decoder_layer.
@@ -33,10 +33,12 @@ class DecoderLayer final : public Node {
     const std::string k = "prompt_k." + i_, v = "prompt_v." + i_, sk = "suffix_k." + i_, sv = "suffix_v." + i_;
     switch (mode_) {  // the buffers run() touches by name, each mode (service/artifact/dag.py::_layers)
       case Mode::kScore:
-        require(0, 0, {"x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx"}, {"x"});
+        require(0, 0, {"x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx",
+                       "key_ranges"},
+                {"x"});
         break;
       case Mode::kPrefill:
-        require(0, 0, {"x", "positions", "mask_self", "cu_self"}, {"x", k, v});
+        require(0, 0, {"x", "positions", "mask_self", "cu_self", "key_ranges"}, {"x", k, v});
         break;
       case Mode::kDecode:
         require(0, 0, {"x", "beam_pos", "mask_beam", "kv_start", "kv_len", k, v, sk, sv}, {"x", sk, sv});
@@ -54,7 +56,9 @@ class DecoderLayer final : public Node {
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
       auto [q, k, v] = qkv_projection(cfg, w, h, read(env, "positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);
-      if (has(env, "cu_self")) {  // on CUDA in 16 bits: varlen flash attention over the packed segments
+      if (fused) {  // one kernel: each row's prefix and own-segment keys (the masks node's key_ranges)
+        attn = fused->segment_attention(q, k, v, read(env, "key_ranges"), ctx.scale);
+      } else if (has(env, "cu_self")) {  // on CUDA in 16 bits: varlen flash attention over the packed segments
         attn = varlen_layer_attention(q, k, v, env, ctx.scale);
       } else if (mode_ == Mode::kScore) {
         attn = two_part_attention(q, k, v, read(env, "mask_ctx"), k, v, read(env, "mask_self"), ctx.scale);

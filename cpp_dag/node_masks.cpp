@@ -24,11 +24,15 @@ bool uses_varlen(const Context& ctx, const at::Tensor& seg) {
 class ScoreMasks final : public Node {
  public:
   explicit ScoreMasks(const NodeSpec& spec) : Node(spec) {
-    require(5, 0, {}, {"mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx"});
+    require(5, 0, {}, {"mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges"});
   }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3),
                      &last = in(env, 4);
+    if (ctx.fused) {  // the fused segment attention (kernels/segment_attention.py): each row's key ranges
+      write(env, "key_ranges", segment_key_ranges(seg, seg.size(0) / blocks.size(0), prefix));
+      return;
+    }
     if (uses_varlen(ctx, seg)) {  // varlen attention: segment bounds, and each request block's prefix (the shared K/V)
       const int64_t r = blocks.size(0), t = seg.size(0), s = last.size(0), block = t / r;
       // runs: at most a prefix and a padding run per block besides the samples
@@ -47,12 +51,14 @@ class ScoreMasks final : public Node {
 class BeamMasks final : public Node {
  public:
   explicit BeamMasks(const NodeSpec& spec) : Node(spec) {
-    require(5, 0, {}, {"mask_self", "cu_self", "mask_beam", "kv_start", "kv_len"});
+    require(5, 0, {}, {"mask_self", "cu_self", "key_ranges", "mask_beam", "kv_start", "kv_len"});
   }
   void run(const Context& ctx, Env& env) const override {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &beam_req = in(env, 2), &plen = in(env, 3),
                      &last = in(env, 4);
-    if (uses_varlen(ctx, seg)) {  // varlen prefill attention: one causal segment per prompt (+ the padding run)
+    if (ctx.fused) {  // the fused segment attention: each row's key ranges, one causal segment per prompt
+      write(env, "key_ranges", segment_key_ranges(seg, seg.size(0)));
+    } else if (uses_varlen(ctx, seg)) {  // varlen prefill attention: one causal segment per prompt (+ the padding run)
       write(env, "cu_self", segment_bounds(seg, seg.size(0), last.size(0) + 1));
     } else {
       write(env, "mask_self", causal_within(pos, seg));  // causal within a prompt

@@ -267,6 +267,28 @@ at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
   return out;
 }
 
+at::Tensor TritonKernels::segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& key_ranges, double scale) const {
+  require(q.dim() == 3 && k.dim() == 3, "segment_attention: q [T, H, E], k and v [T, G, E] expected");
+  const int64_t t = q.size(0), h = q.size(1), e = q.size(2), g = k.size(1);
+  require(g > 0 && h % g == 0 && k.size(0) == t && k.size(2) == e && v.sizes() == k.sizes() &&
+              k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+          "segment_attention: shapes or dtypes do not agree");
+  require(key_ranges.scalar_type() == at::kInt && key_ranges.dim() == 2 && key_ranges.size(0) == 3 &&
+              key_ranges.size(1) == t,
+          "segment_attention: key_ranges must be int32 [3, " + std::to_string(t) + "]");
+  for (const at::Tensor* x : {&q, &k, &v, &key_ranges}) {
+    require(x->is_contiguous(), "segment_attention: every tensor must be contiguous");
+  }
+  // one program per (query head, tile of BLOCK_M rows): a tile's heads are consecutive programs
+  const std::string variant = variant_name("segment_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}});
+  const int64_t block_m = impl_->get(variant).constexprs.at("BLOCK_M");
+  at::Tensor out = at::empty_like(q);
+  launch(variant, {static_cast<uint32_t>(h), blocks(t, block_m), 1},
+         {q, k, v, key_ranges, out, static_cast<int32_t>(t), static_cast<float>(scale)});
+  return out;
+}
+
 at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor& prompt_k,
                                            const at::Tensor& prompt_v, const at::Tensor& kv_start,
                                            const at::Tensor& kv_len, const at::Tensor& suffix_k,
@@ -365,6 +387,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::qkv_rope(const at:
   no_cuda();
 }
 at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }
+at::Tensor TritonKernels::segment_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            double) const {
+  no_cuda();
+}
 at::Tensor TritonKernels::decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                            double) const {

@@ -1,7 +1,7 @@
 // Triton kernels compiled ahead of time (kernels/aot.py) into sm_90a cubins, loaded with the CUDA
 // driver API and launched on the current CUDA stream (so inside a graph capture too). Every module
 // is loaded when the object is made, before any capture; none is unloaded while the object lives.
-// The ops mirror the Python launchers of kernels/norm_act.py and kernels/decode_attention.py
+// The ops mirror the Python launchers of kernels/ (norm_act, qkv_rope, segment_attention, decode_attention, beam_topk)
 // (same variants, same grids); the Python runtime reaches these very launches through the
 // extension, which keeps both runtimes byte-identical.
 #pragma once
@@ -54,6 +54,11 @@ class TritonKernels {
                                                           const at::Tensor& v_out = at::Tensor()) const;
   // gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]
   at::Tensor silu_mul(const at::Tensor& gate_up) const;
+  // q [T, H, E]; k, v [T, G, E] (the same rows' keys); key_ranges [3, T] int32 (layer_ops.h
+  // segment_key_ranges: each row's prefix keys and own segment's first row) -> out [T, H, E]; a row
+  // with no key (padding) gets 0. Score and BeamSearch-prefill attention in one kernel.
+  at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& key_ranges, double scale) const;
   // q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64; suffix_k/v [N, S, G, E] with
   // num_suffix live slots -> out [N, H, E]
   at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& prompt_k, const at::Tensor& prompt_v,

@@ -30,7 +30,8 @@ from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 4  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node
+FORMAT_VERSION = 5  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+# 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention)
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

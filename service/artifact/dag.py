@@ -76,11 +76,13 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0) -> list[Nod
         attrs: dict[str, Any] = {"layer": i, "mode": mode, "precision": "model"}
         if step:
             attrs["step"] = step
-        if mode == "score":  # prefix part (shared K/V) + own-sample causal part, merged by LSE
-            ins = ("x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx")
+        if mode == "score":  # prefix part (shared K/V) + own-sample causal part, merged by LSE (or key_ranges: one kernel)
+            ins = ("x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx",
+                   "key_ranges")
             outs = ("x",)
         elif mode == "prefill":  # keeps the prompt K/V that every beam shares
-            ins, outs = ("x", "positions", "mask_self", "cu_self"), ("x", f"prompt_k.{i}", f"prompt_v.{i}")
+            ins = ("x", "positions", "mask_self", "cu_self", "key_ranges")
+            outs = ("x", f"prompt_k.{i}", f"prompt_v.{i}")
         else:  # decode: one token per beam; prompt part + per-beam suffix part, merged by LSE
             ins = ("x", "beam_pos", "mask_beam", "kv_start", "kv_len", f"prompt_k.{i}", f"prompt_v.{i}",
                    f"suffix_k.{i}", f"suffix_v.{i}")
@@ -107,9 +109,10 @@ def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]
 
 
 def score_dag(cfg: ModelConfig) -> list[Node]:
-    # on the CPU (and float32 on CUDA) the masks of the dense reference; on CUDA in 16 bits the varlen segment bounds
+    # on the CPU (and float32 on CUDA) the masks of the dense reference; on CUDA in 16 bits the varlen segment bounds;
+    # with the fused kernels each row's key ranges (kernels/segment_attention.py)
     nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "block_tokens", "last"),
-                  ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx")),
+                  ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges")),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "score")
     nodes += _head(cfg, "", "last")
@@ -127,7 +130,7 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
     # every layer's suffix_k/v.i a view of it; separate buffers on the ATen path
     suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
     nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req", "beam_pos", "last"),
-                  ("mask_self", "cu_self", "mask_beam", "kv_start", "kv_len")),
+                  ("mask_self", "cu_self", "key_ranges", "mask_beam", "kv_start", "kv_len")),
              Node("beam_state", "beam_state", ("beam_seqs",), suffix),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill")

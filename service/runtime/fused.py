@@ -1,6 +1,6 @@
 """Which kernels the decoder layers run: "aten" (plain torch / ATen ops, the default) or "triton"
 (the fused Triton kernels of kernels/: residual add + RMSNorm, the q/k/v split with q/k norm + RoPE,
-SiLU(gate)*up, one-kernel decode attention).
+SiLU(gate)*up, one-kernel Score / prefill attention, one-kernel decode attention).
 
 With "triton" on a GPU both runtimes launch the very same ahead-of-time compiled cubins
 (kernels/aot.py, compiled once per model shape into the cache) through the extension
@@ -38,9 +38,10 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        from kernels import beam_topk, decode_attention, norm_act, qkv_rope
+        from kernels import beam_topk, decode_attention, norm_act, qkv_rope, segment_attention
 
         self.silu_mul = norm_act.silu_mul
+        self.segment_attention = segment_attention.segment_attention
         self.decode_attention = decode_attention.decode_attention
         self.beam_candidates = beam_topk.beam_candidates
         self._rms_norm, self._qkv_rope = norm_act.rms_norm, qkv_rope.qkv_rope

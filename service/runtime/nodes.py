@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import masked_attention_ref, segment_bounds, varlen_attention
+from kernels.attention import masked_attention_ref, segment_bounds, segment_key_ranges, varlen_attention
 from kernels.beam_topk import merge_candidates
 
 from ..model.config import ModelConfig
@@ -52,6 +52,9 @@ def _uses_varlen(ctx: NodeContext, seg: torch.Tensor) -> bool:
 
 def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     pos, seg, prefix, blocks, last = (env[n] for n in node.inputs)
+    if ctx.fused is not None:  # the fused segment attention (kernels/segment_attention.py): each row's key ranges
+        env["key_ranges"] = segment_key_ranges(seg, seg.shape[0] // blocks.shape[0], prefix)
+        return
     if _uses_varlen(ctx, seg):  # varlen attention: segment bounds, and each request block's prefix (the shared K/V)
         r, t, s = blocks.shape[0], seg.shape[0], last.shape[0]
         block = t // r
@@ -68,7 +71,9 @@ def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
 
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     pos, seg, beam_req, plen, last = (env[n] for n in node.inputs)
-    if _uses_varlen(ctx, seg):  # varlen prefill attention: one causal segment per prompt (+ the padding run)
+    if ctx.fused is not None:  # the fused segment attention: each row's key ranges, one causal segment per prompt
+        env["key_ranges"] = segment_key_ranges(seg, seg.shape[0])
+    elif _uses_varlen(ctx, seg):  # varlen prefill attention: one causal segment per prompt (+ the padding run)
         env["cu_self"] = segment_bounds(seg, seg.shape[0], last.shape[0] + 1)
     else:
         env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
@@ -89,7 +94,9 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     x, h = residual_rms_norm(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused)
     if mode in ("score", "prefill"):
         q, k, v = qkv_projection(cfg, w, h, env["positions"], 0, ctx.rope_cos, ctx.rope_sin, ctx.fused)
-        if "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
+        if ctx.fused is not None:  # one kernel: each row's prefix and own-segment keys (the masks node's key_ranges)
+            attn = ctx.fused.segment_attention(q, k, v, env["key_ranges"], ctx.scale)
+        elif "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
             attn = varlen_layer_attention(q, k, v, env, mode, ctx.scale)
         elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)

@@ -127,3 +127,45 @@ def test_decode_attention_in_a_cuda_graph(kernels) -> None:
     few = kernels.decode_attention(q, pk, pv, start, length, sk[:, :2].contiguous(), sv[:, :2].contiguous(), 2, scale)
     ref2 = two_part_attention(q, pk, pv, mask, sk[:, :2], sv[:, :2], None, scale)
     assert (few.float() - ref2.float()).abs().max() <= 0.05
+
+
+def test_segment_attention_in_a_cuda_graph(kernels) -> None:
+    """The C++ launch of the segment-attention cubin: as accurate as the dense reference against
+    float64 on a Score batch with prefixes, padding and a block that is no multiple of the tile, the
+    same bytes as the Python launcher (the same kernel and tile, compiled JIT), and inside a CUDA
+    graph together with the key ranges."""
+    from kernels.attention import segment_key_ranges
+    from kernels.segment_attention import segment_attention, segment_attention_ref
+
+    g = torch.Generator().manual_seed(6)
+    block, t = 300, 900  # 3 blocks: a prefix of 40 + samples of 7..90 rows; block 2 padding only
+    seg, ctx = torch.full((t,), -1), torch.full((t,), -2)
+    lengths = [40, 7, 90, 33, 64, 1]
+    i = 0
+    for s, n in enumerate(lengths):
+        seg[i:i + n] = s
+        ctx[i:i + n] = 0 if s else -2
+        i += n
+    seg[block:block + 250] = len(lengths)  # block 1: one sample of 250 rows, no prefix
+    seg, ctx = seg.cuda(), ctx.cuda()
+    q = torch.randn(t, 14, 64, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(t, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    scale = 0.125
+    ranges = segment_key_ranges(seg, block, ctx)
+    eager = kernels.segment_attention(q, k, v, ranges, scale)
+    truth = segment_attention_ref(q.double(), k.double(), v.double(), ranges, scale)
+    ref = segment_attention_ref(q, k, v, ranges, scale)
+    assert (eager.double() - truth).abs().max() <= (ref.double() - truth).abs().max() + 1e-3
+    assert not eager[seg.lt(0)].any()
+    assert torch.equal(eager, segment_attention(q, k, v, ranges, scale))
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.segment_attention(q, k, v, ranges, scale)  # warm-up on the stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = kernels.segment_attention(q, k, v, segment_key_ranges(seg, block, ctx), scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    with pytest.raises(ValueError, match="key_ranges must be int32"):
+        kernels.segment_attention(q, k, v, ranges.long(), scale)

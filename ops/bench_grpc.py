@@ -125,12 +125,15 @@ class Proc:
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=log_path.open("w"), text=True)
         self.lines: queue.Queue[str] = queue.Queue()
+        self.metrics_url: str | None = None  # slmrank's /metrics, from its announcement
         threading.Thread(target=self._read, daemon=True).start()
         self.port = self._port(start_timeout_s)
         self.target = f"127.0.0.1:{self.port}"
 
     def _read(self) -> None:
         for line in self.proc.stdout:  # type: ignore[union-attr]
+            if m := re.search(r"metrics on (http://\S+/metrics)", line):
+                self.metrics_url = m.group(1).replace("0.0.0.0", "127.0.0.1")
             self.lines.put(line)
 
     def _port(self, timeout_s: float) -> int:
@@ -174,6 +177,40 @@ async def wait_serving(target: str, timeout_s: float) -> None:
             await asyncio.sleep(0.1)
 
 
+# ---- the server's own view: its /metrics over the measured window ---------------------------------
+
+_SAMPLE = re.compile(r'^(slmrank_request_stage_seconds_(?:sum|count)|slmrank_node_batches_total)\{([^}]*)\} (\S+)$')
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """(series, labels) -> value for the stage histograms' sums/counts and the batch counter."""
+    import urllib.request
+
+    out: dict[tuple[str, str], float] = {}
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if m := _SAMPLE.match(line):
+                out[(m.group(1), m.group(2))] = float(m.group(3))
+    return out
+
+
+def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                     requests: int) -> dict[str, Any]:
+    """Mean ms of each stage of the requests finished in the window (the server's histograms), and
+    the batches run: mean whole requests per batch = requests / batches."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    stages: dict[str, float] = {}
+    for (series, labels), total in d.items():
+        if series.endswith("_sum"):
+            count = d.get((series[:-4] + "_count", labels), 0.0)
+            stage = re.search(r'stage="([^"]+)"', labels)
+            if count and stage:
+                stages[stage.group(1)] = round(total / count * 1e3, 3)
+    batches = sum(v for (series, _), v in d.items() if series == "slmrank_node_batches_total")
+    return {"stage_mean_ms": stages, "batches": int(batches),
+            "requests_per_batch": round(requests / batches, 2) if batches else None}
+
+
 # ---- the closed loop --------------------------------------------------------------------------------
 
 def _pct(sorted_ms: list[float], q: float) -> float:
@@ -181,7 +218,7 @@ def _pct(sorted_ms: list[float], q: float) -> float:
 
 
 async def run_level(target: str, w: dict[str, Any], reqs: Requests, level: int, warmup_s: float,
-                    measure_s: float, rpc_timeout_s: float) -> dict[str, Any]:
+                    measure_s: float, rpc_timeout_s: float, metrics_url: str | None = None) -> dict[str, Any]:
     stubs = load_stubs()
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stub = stubs.pb2_grpc.RankerStub(ch)
@@ -209,10 +246,19 @@ async def run_level(target: str, w: dict[str, Any], reqs: Requests, level: int, 
                     else:
                         errors[code] += 1
 
-        await asyncio.gather(*(worker() for _ in range(level)))
+        async def scraper() -> tuple[dict, dict] | None:
+            if metrics_url is None:
+                return None
+            await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
+            before = await asyncio.to_thread(scrape, metrics_url)
+            await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
+            return before, await asyncio.to_thread(scrape, metrics_url)
+
+        *_, scraped = await asyncio.gather(*(worker() for _ in range(level)), scraper())
         tail_s = time.perf_counter() - t_end  # the last requests in flight finishing after the window
     lat_ms.sort()
-    return {"level": level, "completed": len(lat_ms), "qps": len(lat_ms) / measure_s,
+    server = server_breakdown(*scraped, len(lat_ms)) if scraped else None
+    return {"server": server, "level": level, "completed": len(lat_ms), "qps": len(lat_ms) / measure_s,
             "mean_ms": float(np.mean(lat_ms)) if lat_ms else float("nan"), "p50_ms": _pct(lat_ms, 50),
             "p99_ms": _pct(lat_ms, 99), "max_ms": lat_ms[-1] if lat_ms else float("nan"),
             "errors": dict(errors), "num_errors": sum(errors.values()), "sent": sent[0],
@@ -228,7 +274,7 @@ def capacity(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 async def bench_system(name: str, target: str, w: dict[str, Any], high: int, args: argparse.Namespace,
-                       flops: int) -> dict[str, Any]:
+                       flops: int, metrics_url: str | None = None) -> dict[str, Any]:
     reqs = Requests(w, high, seed=args.seed)
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -236,10 +282,14 @@ async def bench_system(name: str, target: str, w: dict[str, Any], high: int, arg
         if rows and rows[-1]["mean_ms"] > args.stop_above_ms:
             skipped.append(level)  # bounded in time: past this the loop only measures a queue
             continue
-        r = await run_level(target, w, reqs, level, args.warmup_s, args.measure_s, args.rpc_timeout_s)
+        r = await run_level(target, w, reqs, level, args.warmup_s, args.measure_s, args.rpc_timeout_s, metrics_url)
         rows.append(r)
         print(f"  {name:8s} level {level:4d}: {r['qps']:9.1f} req/s  mean {r['mean_ms']:8.2f} ms  "
               f"p50 {r['p50_ms']:8.2f}  p99 {r['p99_ms']:8.2f}  errors {r['errors'] or 0}", flush=True)
+        if r["server"]:
+            sv = r["server"]
+            print(f"  {'':8s} server: {sv['requests_per_batch']} requests/batch; stage means (ms) "
+                  + " ".join(f"{k} {v:.2f}" for k, v in sv["stage_mean_ms"].items()), flush=True)
     cap = capacity(rows)
     out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": skipped, "capacity": cap}
     out["eff_mfu_bf16"] = cap["qps"] * flops / PEAK_BF16 if cap else 0.0
@@ -333,7 +383,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high, args.check_requests)
         for name, p in procs.items():
             print(f"{name} on {p.target}:", flush=True)
-            result["systems"][name] = await bench_system(name, p.target, w, high, args, flops)
+            result["systems"][name] = await bench_system(name, p.target, w, high, args, flops,
+                                                         p.metrics_url if name == "slmrank" else None)
     finally:
         for name, p in procs.items():
             rc = p.stop()

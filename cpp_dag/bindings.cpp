@@ -255,7 +255,9 @@ PYBIND11_MODULE(_core, m) {
              py::function callback, int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
             slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
             PyCallback cb(std::move(callback));
-            py::gil_scoped_release nogil;
+            // no GIL release: a queue push under a mutex the worker holds only to pop (it never takes
+            // the GIL while holding it). Releasing would make the event loop wait up to the interpreter's
+            // switch interval (5 ms) to get the GIL back whenever another thread runs Python meanwhile.
             ex.submit(std::move(batch), cb);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("callback"), py::arg("num_requests") = 0,

@@ -347,6 +347,8 @@ class Tokenizer(ABC):
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         ids = list(ids)
         n = self.vocab_size
+        if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < n):
+            return ids  # plain ints in range, checked in C-level passes (a response decodes 100s of beams)
         for i in ids:
             if type(i) is not int and not hasattr(i, "__index__"):
                 raise TypeError(f"{self.name}: token ids must be ints, got {type(i).__name__}")

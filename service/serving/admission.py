@@ -253,8 +253,10 @@ class AdmissionController:
 
     # -- admission --
 
-    def admit(self, ticket: Ticket) -> None:
-        """Queues the ticket, or raises Overloaded / DeadlineUnmeetable."""
+    def admit(self, ticket: Ticket, dry_run: bool = False) -> None:
+        """Queues the ticket, or raises Overloaded / DeadlineUnmeetable. dry_run: every check and
+        every refusal as admit would make them now, but nothing is queued (the server's gate before
+        decoding a request: a refusal there costs the event loop no validation or tokenization)."""
         now = self.clock()
         cfg, lane = self.config, self._lanes[ticket.priority]
         if self.is_draining:
@@ -287,6 +289,8 @@ class AdmissionController:
                              f"predicted completion in {finish - now:.4f} s misses the deadline in "
                              f"{ticket.deadline - now:.4f} s")
             ticket.slack_s = ticket.deadline - finish
+        if dry_run:
+            return
         for t in lane.tickets[index:]:  # they now wait for this one's share too
             t.slack_s -= work_s * (1 + cfg.safety_margin)
         ticket.tag, ticket.enqueued, ticket.state = tag, now, "queued"

@@ -295,6 +295,18 @@ class Scheduler:
             if timer is not None:
                 timer.cancel()
 
+    def precheck(self, request: Request, priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                 client: str = "") -> None:
+        """Raises what submit() would raise now for a request of this shape (Overloaded,
+        DeadlineUnmeetable) without queueing anything; the request need not be validated (a shape
+        no bucket holds is not checked). A request no larger than the real one (fewer tokens) gives
+        a refusal the real one would get too."""
+        cost = self._cost(request)
+        if cost is None:
+            return
+        ticket = Ticket(request, request_kind(request), Priority(priority), deadline, client=client, cost=cost)
+        self.admission.admit(ticket, dry_run=True)
+
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Refuses new work ("draining") and finishes every queued and in-flight request.
 

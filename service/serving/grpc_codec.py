@@ -108,6 +108,38 @@ class Codec:
         _engine_check(validate_beam, req, self)
         return req, priority
 
+    def shape_of(self, kind: str, msg: Any) -> tuple[ScoreRequest | BeamRequest, Priority] | None:
+        """A request of the message's shape (placeholder ids) no larger than the one score_request /
+        beam_request would make: ids segments at their length, text at the fewest tokens it can
+        become (len / max_token_bytes); and its priority. For admission's gate before decoding;
+        None when the message is outside the limits (decoding will name the field)."""
+        priority = PRIORITIES.get(msg.priority)
+        request = self._shape(kind, msg) if priority is not None else None
+        return None if request is None else (request, priority)
+
+    def _shape(self, kind: str, msg: Any) -> ScoreRequest | BeamRequest | None:
+        lim = self.limits
+        if kind == "beam":
+            if not msg.HasField("prompt") or not (1 <= msg.beam_width <= lim.max_beam_width) \
+                    or not (1 <= msg.new_tokens <= lim.max_new_tokens):
+                return None
+            n = self._fewest_tokens(msg.prompt)
+            if not 1 <= n <= lim.max_prompt_tokens:
+                return None
+            return BeamRequest(prompt_ids=(0,) * n, beam_width=msg.beam_width, new_tokens=msg.new_tokens)
+        if not 1 <= len(msg.samples) <= lim.max_samples:
+            return None
+        samples = tuple((0,) * max(self._fewest_tokens(s), 1) for s in msg.samples)
+        prefix = (0,) * self._fewest_tokens(msg.prefix) if msg.HasField("prefix") else ()
+        if len(prefix) + sum(map(len, samples)) > lim.max_score_tokens:
+            return None
+        return ScoreRequest(samples=samples, prefix_ids=prefix)
+
+    def _fewest_tokens(self, seg: Any) -> int:
+        if seg.text:
+            return -(-len(seg.text) // self.tokenizer.max_token_bytes)
+        return len(seg.ids)
+
     # -- responses ------------------------------------------------------------------------------
     def score_response(self, result: ScoreResult) -> Any:
         pb2 = self.pb2
@@ -121,7 +153,7 @@ class Codec:
     def text(self, ids: Sequence[int]) -> str:
         """The tokenizer's decoding; an id it does not know (a model's padded embedding rows) is U+FFFD."""
         known = self.tokenizer.vocab_size
-        if all(t < known for t in ids):
+        if not ids or max(ids) < known:
             return self.tokenizer.decode(ids)
         parts: list[str] = []
         run: list[int] = []
@@ -136,10 +168,11 @@ class Codec:
     # -- fields ---------------------------------------------------------------------------------
     def _ids(self, field: str, ids: Sequence[int]) -> tuple[int, ...]:
         vocab = self.model.vocab_size
+        ids = tuple(ids)  # one pass over the protobuf container; min/max then run over the tuple
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise RequestError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
-        return tuple(ids)
+        return ids
 
     @staticmethod
     def _check_segment(field: str, seg: Any) -> None:

@@ -251,11 +251,17 @@ class RankerServicer:
         """decode (validate + tokenize) -> schedule -> encode; kind: "score" or "beam"."""
         codec, scheduler = self._serving()
         trace = current_trace()
+        deadline, client = _deadline(context), client_of(context, self.admission.client_id_metadata)
+        # admission's gate first, on the message's shape alone: under overload most requests are
+        # refused, and a refusal must cost the event loop little (no validation, no tokenization),
+        # or refusing alone saturates it and every request waits in gRPC's queue
+        shape = codec.shape_of(kind, request)
+        if shape is not None:
+            scheduler.precheck(*shape, deadline, client)
         with trace.stage("decode"):
             req, priority = getattr(codec, f"{kind}_request")(request)
         trace.set_request(req, priority)
-        done = await scheduler.submit(req, priority, _deadline(context),
-                                      client_of(context, self.admission.client_id_metadata))
+        done = await scheduler.submit(req, priority, deadline, client)
         trace.completed(done)
         with trace.stage("encode"):
             return getattr(codec, f"{kind}_response")(done.result)

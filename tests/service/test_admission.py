@@ -438,3 +438,49 @@ def test_predictions_learn_from_their_own_errors():
     assert ctl.model.calibration_at(clock.t) == pytest.approx(1.0)
     ctl.model.observe_lag(0.03)  # a busy event loop answers late: every prediction carries it
     assert ctl.response_margin_s() == pytest.approx(0.03) and ctl.predict_latency_s(t) == pytest.approx(0.13)
+
+
+def test_admission_gate_shape_is_never_larger_than_the_decoded_request(model):
+    """The server's gate admits on Codec.shape_of before decoding; refusing on it is right only if
+    it is no larger than what decoding makes (ids exact, text at its fewest possible tokens), with
+    the same samples, beam width, new tokens and priority."""
+    import random
+
+    from service.serving.grpc_codec import Codec
+    from service.serving.proto_gen import load as load_stubs
+
+    pb2 = load_stubs().pb2
+    codec = Codec(model.artifact, model.tokenizer)
+    rng = random.Random(5)
+    words = ["running", "shoes", " trail", "é", "数据", "🙂", "a", " ", "xyz", "\n"]
+
+    def segment() -> object:
+        if rng.random() < 0.5:
+            return pb2.Segment(ids=[rng.randrange(1000) for _ in range(rng.randint(1, 40))])
+        return pb2.Segment(text="".join(rng.choice(words) for _ in range(rng.randint(1, 30))))
+
+    for _ in range(200):
+        prio = rng.choice([0, 1, 2, 3])
+        if rng.random() < 0.5:
+            msg = pb2.ScoreRequest(samples=[segment() for _ in range(rng.randint(1, 6))], label_ids=[3], priority=prio)
+            if rng.random() < 0.5:
+                msg.prefix.CopyFrom(segment())
+            shape, priority = codec.shape_of("score", msg)
+            real, real_priority = codec.score_request(msg)
+            assert shape.num_samples == real.num_samples and shape.num_tokens <= real.num_tokens
+            assert all(len(a) <= len(b) for a, b in zip(shape.samples, real.samples))
+            assert len(shape.prefix_ids) <= len(real.prefix_ids)
+        else:
+            msg = pb2.BeamSearchRequest(prompt=segment(), beam_width=rng.randint(1, 8), new_tokens=rng.randint(1, 3),
+                                        priority=prio)
+            shape, priority = codec.shape_of("beam", msg)
+            real, real_priority = codec.beam_request(msg)
+            assert len(shape.prompt_ids) <= len(real.prompt_ids)
+            assert (shape.beam_width, shape.new_tokens) == (real.beam_width, real.new_tokens)
+        assert priority == real_priority
+    # outside the limits, or an unknown priority: no shape (decoding names the field)
+    lim = model.artifact.limits
+    assert codec.shape_of("beam", pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1]), beam_width=lim.max_beam_width + 1,
+                                                        new_tokens=1)) is None
+    assert codec.shape_of("score", pb2.ScoreRequest(samples=[pb2.Segment(ids=[1])], priority=9)) is None
+    assert codec.shape_of("score", pb2.ScoreRequest()) is None

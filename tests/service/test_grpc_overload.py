@@ -325,3 +325,41 @@ def test_cancelled_request_frees_its_slot_and_is_never_executed(gated):
     text = gated.metrics()
     assert metric_value(text, 'slmrank_dropped_total{reason="cancelled"}') == 1
     assert metric_value(text, 'slmrank_requests_total{kind="Score",code="OK"}') == 2
+
+
+def _stage_count(text: str, stage: str) -> float:
+    """Finished Score requests that went through `stage` (0 before the first one)."""
+    try:
+        return metric_value(text, f'slmrank_request_stage_seconds_count{{kind="Score",stage="{stage}"}}')
+    except ValueError:  # no such series yet
+        return 0.0
+
+
+def test_a_refusal_is_decided_before_decoding(gated):
+    """Under overload most requests are refused; the refusal comes from admission's gate on the
+    message's shape, before validation and tokenization (the costly part of a request on the event
+    loop): a text request refused for a full lane is never tokenized, a request with an invalid id
+    refused the same way never reaches the check that would name it."""
+    codec_stats = lambda: gated.on_loop(lambda: gated.server.servicer.codec.tokenize_stats.num_segments)  # noqa: E731
+    with RankerClient(gated.target) as c:
+        blocker = _hold_the_executor(gated, c)
+        queued = c.stub.Score.future(_score_msg(300, NORMAL), timeout=30)
+        gated.wait_for(lambda s: s["queue_depth"]["NORMAL"] == 1)
+        decoded, tokenized = _stage_count(gated.metrics(), "decode"), codec_stats()
+        text_msg = pb2.ScoreRequest(samples=[pb2.Segment(text="a sample of text " * 20)] * 3, label_ids=[11],
+                                    priority=NORMAL)
+        bad_msg = pb2.ScoreRequest(samples=[pb2.Segment(ids=[10**6, 5])], label_ids=[11], priority=NORMAL)
+        for msg in (text_msg, bad_msg):
+            with pytest.raises(grpc.RpcError) as err:
+                c.stub.Score(msg, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "queue_full" in err.value.details()
+        assert codec_stats() == tokenized, "a refused request was tokenized"
+        assert _stage_count(gated.metrics(), "decode") == decoded, "a refused request was decoded"
+        gated.runtime.gate.set()
+        assert blocker.result(timeout=30).samples and queued.result(timeout=30).samples
+        # with room again, the same text request is decoded, tokenized and served
+        assert c.stub.Score(text_msg, timeout=30).samples
+        assert codec_stats() > tokenized
+        with pytest.raises(grpc.RpcError) as err:  # and the invalid one named
+            c.stub.Score(bad_msg, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "samples[0].ids[0]" in err.value.details()

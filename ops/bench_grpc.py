@@ -179,7 +179,8 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 
 # ---- the server's own view: its /metrics over the measured window ---------------------------------
 
-_SAMPLE = re.compile(r'^(slmrank_request_stage_seconds_(?:sum|count)|slmrank_node_batches_total)\{([^}]*)\} (\S+)$')
+_SAMPLE = re.compile(r'^(slmrank_request_stage_seconds_(?:sum|count)|slmrank_node_batches_total|'
+                     r'slmrank_event_loop_cpu_seconds_total)(?:\{([^}]*)\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
@@ -190,14 +191,15 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(url, timeout=5) as r:
         for line in r.read().decode().splitlines():
             if m := _SAMPLE.match(line):
-                out[(m.group(1), m.group(2))] = float(m.group(3))
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
     return out
 
 
 def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
-                     requests: int) -> dict[str, Any]:
-    """Mean ms of each stage of the requests finished in the window (the server's histograms), and
-    the batches run: mean whole requests per batch = requests / batches."""
+                     requests: int, window_s: float) -> dict[str, Any]:
+    """Mean ms of each stage of the requests finished in the window (the server's histograms), the
+    batches run (mean whole requests per batch = requests / batches), and the event loop's CPU:
+    ms per request and its busy share of the window (near 1: the loop, not the GPU, is the limit)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     stages: dict[str, float] = {}
     for (series, labels), total in d.items():
@@ -207,8 +209,11 @@ def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str
             if count and stage:
                 stages[stage.group(1)] = round(total / count * 1e3, 3)
     batches = sum(v for (series, _), v in d.items() if series == "slmrank_node_batches_total")
+    loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
     return {"stage_mean_ms": stages, "batches": int(batches),
-            "requests_per_batch": round(requests / batches, 2) if batches else None}
+            "requests_per_batch": round(requests / batches, 2) if batches else None,
+            "loop_cpu_ms_per_request": round(loop_s / requests * 1e3, 3) if loop_s is not None and requests else None,
+            "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
 
 
 # ---- the closed loop --------------------------------------------------------------------------------
@@ -257,7 +262,7 @@ async def run_level(target: str, w: dict[str, Any], reqs: Requests, level: int, 
         *_, scraped = await asyncio.gather(*(worker() for _ in range(level)), scraper())
         tail_s = time.perf_counter() - t_end  # the last requests in flight finishing after the window
     lat_ms.sort()
-    server = server_breakdown(*scraped, len(lat_ms)) if scraped else None
+    server = server_breakdown(*scraped, len(lat_ms), measure_s) if scraped else None
     return {"server": server, "level": level, "completed": len(lat_ms), "qps": len(lat_ms) / measure_s,
             "mean_ms": float(np.mean(lat_ms)) if lat_ms else float("nan"), "p50_ms": _pct(lat_ms, 50),
             "p99_ms": _pct(lat_ms, 99), "max_ms": lat_ms[-1] if lat_ms else float("nan"),
@@ -288,7 +293,8 @@ async def bench_system(name: str, target: str, w: dict[str, Any], high: int, arg
               f"p50 {r['p50_ms']:8.2f}  p99 {r['p99_ms']:8.2f}  errors {r['errors'] or 0}", flush=True)
         if r["server"]:
             sv = r["server"]
-            print(f"  {'':8s} server: {sv['requests_per_batch']} requests/batch; stage means (ms) "
+            print(f"  {'':8s} server: {sv['requests_per_batch']} requests/batch; event loop "
+                  f"{sv['loop_cpu_ms_per_request']} CPU ms/request, busy {sv['loop_busy']}; stage means (ms) "
                   + " ".join(f"{k} {v:.2f}" for k, v in sv["stage_mean_ms"].items()), flush=True)
     cap = capacity(rows)
     out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": skipped, "capacity": cap}

@@ -24,6 +24,7 @@ import bisect
 import http.server
 import importlib
 import logging
+import os
 import platform
 import sys
 import threading
@@ -80,6 +81,7 @@ class ServerMetrics:
         self.node_batches = Counter("slmrank_node_batches", "Batches whose node times are in "
                                     "slmrank_node_seconds_total, by graph replay or eager.", ("mode",), registry=r)
         ProcessCollector(namespace="", registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.loop_thread_id: int | None = None  # the event loop's OS thread (Linux: its CPU time is exported)
         self._model_labels: dict[str, str] | None = None
         self._last_stats: dict[str, Any] | None = None
         r.register(_Callback(self._scheduler_families))
@@ -146,7 +148,36 @@ class ServerMetrics:
                                      labels=list(self._model_labels))
             info.add_metric(list(self._model_labels.values()), 1)
             out.append(info)
-        return out + gpu_memory_families()
+        return out + self._loop_families() + gpu_memory_families()
+
+    def _loop_families(self) -> list[Metric]:
+        """The serving event loop's CPU time and delay. Every request passes through that one
+        thread (gRPC, parsing, admission, packing, the response): when its CPU seconds grow by ~1 a
+        second it is saturated, requests wait in gRPC's queue before any handler runs, and the
+        server's capacity is the loop's, not the GPU's."""
+        out: list[Metric] = []
+        seconds = thread_cpu_seconds(self.loop_thread_id) if self.loop_thread_id is not None else None
+        if seconds is not None:
+            c = CounterMetricFamily("slmrank_event_loop_cpu_seconds", "CPU time of the serving event loop's thread.")
+            c.add_metric([], seconds)
+            out.append(c)
+        model = (self._last_stats or {}).get("model")
+        if model and "loop_lag_s" in model:
+            g = GaugeMetricFamily("slmrank_event_loop_lag_seconds", "Delay between a batch's results and its "
+                                  "handlers resuming on the event loop (quantile over recent batches).")
+            g.add_metric([], model["loop_lag_s"])
+            out.append(g)
+        return out
+
+
+def thread_cpu_seconds(native_id: int) -> float | None:
+    """user + system CPU seconds of a thread of this process (Linux /proc), None elsewhere."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -284,6 +315,7 @@ class MetricsServer:
         """Binds and starts the thread; raises BindError for a taken port or a bad address."""
         try:
             self.metrics.loop = asyncio.get_running_loop()
+            self.metrics.loop_thread_id = threading.get_native_id()  # the serving loop's own thread
         except RuntimeError:
             pass  # no loop here: stats are read on the HTTP thread
         handler = type("Handler", (_Handler,), {"route": self._route, "timeout": self.timeout_s})

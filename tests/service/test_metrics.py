@@ -355,3 +355,40 @@ def test_a_client_that_leaves_before_the_answer_leaves_no_traceback(capfd) -> No
         server.close()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err, err
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="per-thread CPU time is read from /proc")
+def test_event_loop_cpu_seconds_count_the_loop_thread_only() -> None:
+    """slmrank_event_loop_cpu_seconds_total is the serving loop's thread: work on the loop moves
+    it, the same work on another thread does not."""
+    import threading
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def run() -> None:
+        m = ServerMetrics()
+        server = MetricsServer(m, "127.0.0.1", 0)
+        port = server.start()
+
+        async def loop_seconds() -> float:
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+            return value_of(parse(body.decode()), "slmrank_event_loop_cpu_seconds_total")
+
+        try:
+            assert m.loop_thread_id == threading.get_native_id()
+            a = await loop_seconds()
+            spin(0.3)  # on the loop
+            b = await loop_seconds()
+            worker = threading.Thread(target=spin, args=(0.3,))
+            worker.start()
+            await asyncio.to_thread(worker.join)
+            c = await loop_seconds()
+            assert b - a >= 0.25, (a, b)
+            assert c - b < 0.15, (b, c)
+        finally:
+            server.close()
+
+    asyncio.run(run())

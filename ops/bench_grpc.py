@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -348,7 +349,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "git": _git_commit(),
         "workload": w, "model": model, "device": args.device, "runtime": runtime, "dtype": dtype,
-        "levels": args.levels, "warmup_s": args.warmup_s, "measure_s": args.measure_s,
+        "levels": args.levels, "serve_args": args.serve_args, "warmup_s": args.warmup_s, "measure_s": args.measure_s,
         "slo": {"mean_ms": SLO_MEAN_MS, "p99_ms": SLO_P99_MS}, "logical_flops_per_request": flops,
         "peak_flops": PEAK_BF16, "id_range": [0, high], "systems": {}}
 
@@ -376,7 +377,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sys.executable, "-m", "service.cli", "serve", "--model", served_model, "--host", "127.0.0.1",
             "--port", "0", "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype,
             "--grace-s", "5",
-            "--capture-graphs", args.capture_graphs, "--kernels", args.kernels],
+            "--capture-graphs", args.capture_graphs, "--kernels", args.kernels, *shlex.split(args.serve_args)],
             out / "slmrank_server.log", args.start_timeout_s)
         for name, extra in peers.items():
             procs[name] = Proc(name, [
@@ -447,6 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="slmrank serve --capture-graphs (lazy: each bucket's graph on its first batch, in warm-up)")
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"], help="slmrank serve --kernels")
+    p.add_argument("--serve-args", default="",
+                   help="more `slmrank serve` flags, one string (e.g. '--lanes 1 --batcher-max-inflight 1')")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--check-requests", type=int, default=2, help="requests sent to both systems to compare answers")
     p.add_argument("--stop-above-ms", type=float, default=2000.0,

@@ -460,6 +460,7 @@ class TiktokenTokenizer(Tokenizer):
         self.name = name
         self.vocab_size = self._enc.n_vocab
         self._encode_ordinary = self._enc.encode_ordinary
+        self._token_bytes: list[bytes | None] | None = None  # id -> its bytes, built at the first decode
 
     def _encode_uncached(self, text: str) -> list[int]:
         # normalize() returns its argument unchanged (after a quick check) for NFC text.
@@ -473,7 +474,24 @@ class TiktokenTokenizer(Tokenizer):
         return [enc(norm("NFC", t)) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._enc.decode(self._check_ids(ids), errors="replace")
+        # what tiktoken's decode does (the tokens' bytes joined, then UTF-8 with U+FFFD for bad
+        # bytes), from a table: a BeamSearch response decodes hundreds of short beams, where the
+        # call into tiktoken costs more than the join
+        ids = self._check_ids(ids)
+        table = self._token_bytes or self._build_token_bytes()
+        try:
+            return b"".join([table[i] for i in ids]).decode("utf-8", errors="replace")
+        except TypeError:  # an id inside the vocabulary size that is no token: tiktoken's own answer
+            return self._enc.decode(ids, errors="replace")
+
+    def _build_token_bytes(self) -> list[bytes | None]:
+        table: list[bytes | None] = [None] * self.vocab_size
+        for token, rank in self._enc._mergeable_ranks.items():
+            table[rank] = token
+        for text, rank in self._enc._special_tokens.items():
+            table[rank] = text.encode("utf-8")
+        self._token_bytes = table
+        return table
 
     def _longest_token_bytes(self) -> int:
         return max(len(b) for b in self._enc.token_byte_values())  # special tokens are never matched in text

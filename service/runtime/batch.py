@@ -161,5 +161,5 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
 def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
     """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first."""
     seq_rows, score_rows = seqs.tolist(), scores.tolist()
-    return [BeamResult([Beam(seq_rows[r][j], score_rows[r][j]) for j in range(req.beam_width)])
+    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
             for r, req in enumerate(batch.requests)]

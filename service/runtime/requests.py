@@ -7,7 +7,7 @@ field and the limit, and nothing else is disturbed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..model.config import ModelConfig, ServingLimits
 
@@ -53,8 +53,10 @@ class ScoreResult:
     scores: list[list[float]]  # per sample: one log-prob per label id (or the head's outputs)
 
 
-@dataclass(frozen=True)
-class Beam:
+class Beam(NamedTuple):
+    """One beam: a NamedTuple, not a dataclass: a batch unpacks thousands of them on the event loop
+    (8 W2 requests: 800), and a tuple is built ~10x faster than a frozen dataclass."""
+
     ids: list[int]
     logprob: float
 

@@ -66,6 +66,7 @@ class Codec:
         self.limits = artifact.limits
         self.tokenizer = tokenizer
         self.tokenize_stats = TokenizeStats()
+        tokenizer.decode([])  # builds the tokenizer's decode table now, not at the first response
 
     # -- requests -------------------------------------------------------------------------------
     def score_request(self, msg: Any) -> tuple[ScoreRequest, Priority]:

@@ -150,6 +150,27 @@ def test_encode_batch_equals_encode(qwen):
     assert qwen.encode_batch([]) == []
 
 
+def test_decode_equals_tiktokens_own_decode(qwen):
+    """decode joins each id's bytes from a table; tiktoken's decode is the reference: random id
+    runs (short beams and long texts, special tokens among them, multi-byte characters cut
+    between tokens so that U+FFFD appears), and numpy-free plain lists and tuples."""
+    rng = random.Random(11)
+    specials = sorted(qwen.special_tokens.values())
+    enc = qwen._enc
+    cut = qwen.encode("数据 🙂 é") + qwen.encode("naïve café")
+    for n in [0, 1, 2, 5, 5, 5, 50, 400]:
+        for _ in range(25):
+            ids = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(qwen.num_bpe_ranks) for _ in range(n)]
+            if n and rng.random() < 0.3:  # a multi-byte character split between tokens, in part
+                ids[rng.randrange(n)] = rng.choice(cut)
+            assert qwen.decode(ids) == enc.decode(ids, errors="replace"), ids
+            assert qwen.decode(tuple(ids)) == enc.decode(ids, errors="replace")
+    bytes_of_cut = [enc.decode_single_token_bytes(t) for t in cut]
+    partial = [t for t, b in zip(cut, bytes_of_cut) if not all(c < 0x80 for c in b)]
+    if partial:  # a lone piece of a character: U+FFFD as tiktoken gives it
+        assert qwen.decode(partial[:1]) == enc.decode(partial[:1], errors="replace")
+
+
 def test_type_and_range_errors(qwen):
     with pytest.raises(TypeError):
         qwen.encode(b"bytes")

@@ -1,0 +1,114 @@
+"""CPU time of `slmrank serve`'s event-loop thread per request: the serial part of the server.
+
+  python ops/loop_cost.py --kind score --requests 200 [--samples 15 --len 64] [--deadline-s 0.004]
+  python ops/loop_cost.py --kind beam --requests 40 --beam 100
+
+Every request passes through the one event loop (gRPC, parsing, admission, packing, the response),
+so its CPU per request bounds the requests per second the process can take at all, whatever the
+GPU does. The server runs as a subprocess (`--model`, default embedded:tiny, on the CPU unless
+--device cuda); 8 client threads send --requests requests after a warm-up of 16; the loop thread's
+CPU is read from /proc/PID/task/PID/stat (Linux) before and after. With --deadline-s shorter than
+any request's run, every request is refused at admission: the cost of a refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.serving.client import RankerClient  # noqa: E402
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    return sum(thread_cpu_s(pid, int(t)) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", choices=["score", "beam"], default="score")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--len", type=int, default=64, help="tokens per sample (score) or prompt (beam)")
+    p.add_argument("--beam", type=int, default=100)
+    p.add_argument("--new-tokens", type=int, default=5)
+    p.add_argument("--deadline-s", type=float, default=0.0, help="per-request deadline (0: none)")
+    p.add_argument("--model", default="embedded:tiny")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--runtime", default="cpp", choices=["cpp", "python"])
+    args = p.parse_args()
+    if not Path("/proc/self/task").is_dir():
+        raise SystemExit("loop_cost: needs Linux /proc for per-thread CPU time")
+
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--port", "0",
+                             "--metrics-port", "0", "--runtime", args.runtime, "--device", args.device,
+                             "--grace-s", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        port = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if m := re.search(r"listening on [^\s]*:(\d+)", line):
+                port = int(m.group(1))
+                break
+        if port is None:
+            raise SystemExit(f"loop_cost: the server exited ({proc.wait()}) before listening")
+        client = RankerClient(f"127.0.0.1:{port}", timeout_s=300)
+        end = time.monotonic() + 600
+        while True:
+            try:
+                client.model_info(timeout_s=1)
+                break
+            except Exception:  # noqa: BLE001 -- still loading
+                if time.monotonic() > end or proc.poll() is not None:
+                    raise SystemExit("loop_cost: the server did not become ready")
+                time.sleep(0.2)
+        rng = np.random.default_rng(0)
+        deadline = args.deadline_s or None
+        codes: dict[str, int] = {}
+
+        def one(_: int) -> None:
+            try:
+                if args.kind == "beam":
+                    client.beam(rng.integers(0, 1000, args.len).tolist(), beam_width=args.beam,
+                                new_tokens=args.new_tokens, timeout_s=deadline)
+                else:
+                    client.score([rng.integers(0, 1000, args.len).tolist() for _ in range(args.samples)],
+                                 label_ids=[3, 9], timeout_s=deadline)
+                code = "OK"
+            except Exception as e:  # noqa: BLE001 -- a refusal is what --deadline-s measures
+                code = getattr(e, "code", lambda: type(e).__name__)()
+                code = getattr(code, "name", str(code))
+            codes[code] = codes.get(code, 0) + 1
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(16)))  # warm-up: first batches, lazily built tables
+            codes.clear()
+            loop0, all0, t0 = thread_cpu_s(proc.pid, proc.pid), process_cpu_s(proc.pid), time.monotonic()
+            list(pool.map(one, range(args.requests)))
+            loop1, all1, t1 = thread_cpu_s(proc.pid, proc.pid), process_cpu_s(proc.pid), time.monotonic()
+        client.close()
+        n = args.requests
+        print(f"{args.kind}: {n} requests in {t1 - t0:.2f} s {codes}; event-loop thread CPU "
+              f"{1e3 * (loop1 - loop0) / n:.3f} ms/request; whole process {1e3 * (all1 - all0) / n:.2f} ms/request")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

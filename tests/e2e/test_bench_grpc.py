@@ -52,6 +52,16 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
             assert r["mean_ms"] > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0, (name, r)
             assert r["num_errors"] == 0 and r["errors"] == {}, (name, r)
         assert system["exit_code"] == 0, name
+        for r in system["levels"]:  # the server's own view over the window: slmrank's /metrics only
+            sv = r["server"]
+            if name != "slmrank":
+                assert sv is None
+                continue
+            assert sv["batches"] >= 1 and 0 < sv["requests_per_batch"] <= r["level"] + 1, sv
+            assert {"decode", "queue", "execute", "encode"} <= set(sv["stage_mean_ms"]), sv
+            assert sv["stage_mean_ms"]["execute"] > 0
+            if Path("/proc/self/task").is_dir():  # the loop thread's CPU, from /proc
+                assert sv["loop_cpu_ms_per_request"] > 0 and 0 < sv["loop_busy"] < 1.5, sv
         cap = system["capacity"]
         if cap is not None:
             assert cap["mean_ms"] < 20 and cap["p99_ms"] < 80
@@ -85,3 +95,23 @@ def test_strong_peer_batches_agree_with_one_at_a_time(tiny_checkpoint: Path) -> 
     for (want_seqs, got_seqs) in zip((model.beam(p, 4, 3) for p in prompts), model.beam_many(prompts, 4, 3)):
         assert [s for s, _ in got_seqs] == [s for s, _ in want_seqs]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got_seqs, want_seqs)) < 1e-4
+
+
+def test_server_breakdown_is_the_window_delta() -> None:
+    """Stage means, requests per batch and the loop's share come from the difference of two
+    scrapes, not from the totals since start."""
+    import bench_grpc
+
+    stage = 'kind="Score",stage="execute"'
+    before = {("slmrank_request_stage_seconds_sum", stage): 10.0, ("slmrank_request_stage_seconds_count", stage): 1000,
+              ("slmrank_node_batches_total", 'mode="graph"'): 300, ("slmrank_event_loop_cpu_seconds_total", ""): 50.0}
+    after = {("slmrank_request_stage_seconds_sum", stage): 10.6, ("slmrank_request_stage_seconds_count", stage): 1040,
+             ("slmrank_node_batches_total", 'mode="graph"'): 310, ("slmrank_event_loop_cpu_seconds_total", ""): 52.0}
+    sv = bench_grpc.server_breakdown(before, after, requests=40, window_s=4.0)
+    assert sv["stage_mean_ms"] == {"execute": pytest.approx(15.0)}
+    assert sv["batches"] == 10 and sv["requests_per_batch"] == 4.0
+    assert sv["loop_cpu_ms_per_request"] == pytest.approx(50.0) and sv["loop_busy"] == pytest.approx(0.5)
+    text = "\n".join(["# HELP x", 'slmrank_request_stage_seconds_sum{kind="Score",stage="execute"} 1.5',
+                      "slmrank_event_loop_cpu_seconds_total 3.25", 'slmrank_requests_total{kind="Score"} 9'])
+    assert bench_grpc._SAMPLE.match(text.splitlines()[1]) and bench_grpc._SAMPLE.match(text.splitlines()[2])
+    assert bench_grpc._SAMPLE.match(text.splitlines()[3]) is None

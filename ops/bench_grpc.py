@@ -181,7 +181,7 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 # ---- the server's own view: its /metrics over the measured window ---------------------------------
 
 _SAMPLE = re.compile(r'^(slmrank_request_stage_seconds_(?:sum|count)|slmrank_node_batches_total|'
-                     r'slmrank_event_loop_cpu_seconds_total)(?:\{([^}]*)\})? (\S+)$')
+                     r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total)(?:\{([^}]*)\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:

@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops"))
 
 from bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,  # noqa: E402
-                        wait_serving)
+                        scrape, wait_serving)
 from service.serving.proto_gen import load as load_stubs  # noqa: E402
 
 ONLINE, NORMAL = 1, 2
@@ -256,7 +257,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["capacity"] = {"qps": args.capacity, "given": True}
         else:
             args.seed, args.stop_above_ms, args.rpc_timeout_s = 7, 2000.0, 60.0
-            system = await bench_system("slmrank", server.target, w, high, args, 0)
+            system = await bench_system("slmrank", server.target, w, high, args, 0, server.metrics_url)
             cap = system["capacity"] or {"qps": system["max_qps"], "within_slo": False}
             result["capacity"] = cap
             result["capacity_levels"] = system["levels"]
@@ -264,6 +265,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"capacity {result['capacity']['qps']:.1f} req/s; offering {rate:.1f} req/s for {args.duration_s:.0f} s "
               f"from {args.client_procs} processes", flush=True)
         sampler = Sampler(server.proc.pid, args.device == "cuda")
+        scraped = await asyncio.to_thread(scrape, server.metrics_url) if server.metrics_url else None
+        t_clients = time.perf_counter()
         ctx = mp.get_context("spawn")
         pipes, procs = [], []
         for k in range(args.client_procs):
@@ -277,6 +280,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         outcomes = [Outcome(**o) for parent in pipes for o in parent.recv()]
         for p in procs:
             p.join(30)
+        if scraped is not None:
+            result["server"] = server_view(scraped, await asyncio.to_thread(scrape, server.metrics_url),
+                                           time.perf_counter() - t_clients, len(outcomes))
         result["memory"] = {"samples": sampler.stop()}
         result["memory"]["rss"] = flatness(result["memory"]["samples"], "rss_mb")
         result["memory"]["gpu"] = flatness(result["memory"]["samples"], "gpu_mb")
@@ -288,6 +294,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["server_exit_code"] = server.stop()
     (out / "overload.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[str, Any]:
+    """What the server saw of the overload window (its /metrics before and after): the RPCs it
+    finished by status code, how many of those sent it never finished (they waited in gRPC's queue
+    past their deadline, or were cut off by the client first), and its event loop's busy share."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    codes: dict[str, int] = {}
+    for (series, labels), v in d.items():
+        if series == "slmrank_requests_total" and v and (m := re.search(r'code="([^"]+)"', labels)):
+            codes[m.group(1)] = codes.get(m.group(1), 0) + int(v)
+    loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
+    return {"codes": codes, "finished": sum(codes.values()), "never_finished": sent - sum(codes.values()),
+            "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -302,6 +322,10 @@ def print_report(result: dict[str, Any]) -> None:
           f"(target < 1 ms); largest retry hint {s['max_retry_after_ms']} ms")
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
           f"deadlines no request could meet: {s['impossible']}")
+    if sv := result.get("server"):
+        print(f"server: finished {sv['finished']} of the {s['sent']} sent {sv['codes']}, never finished "
+              f"{sv['never_finished']} (they waited in gRPC's queue); event loop busy {sv['loop_busy']} "
+              f"(CPU seconds a second; near 1: the loop is the limit)")
     for key in ("rss", "gpu"):
         f = result["memory"][key]
         if f:

@@ -14,6 +14,11 @@ from kernels.decode_attention import Tile, decode_attention, decode_attention_re
 from service.model.layers import two_part_attention
 
 LAYOUTS = {"qwen2.5-0.5b": (14, 2, 64), "qwen3": (16, 8, 128), "mha": (4, 4, 16)}
+# These run the kernel on CPU tensors through Triton's interpreter, which tests/conftest.py turns on
+# only where there is no GPU (it is read when a kernel is defined, for the whole process). On a GPU
+# machine the kernels compile for CUDA and take CUDA tensors: the gpu-marked tests below cover them.
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's CPU interpreter is off on a GPU "
+                                 "machine; the gpu-marked tests run the compiled kernel")
 
 
 def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: int,
@@ -43,6 +48,7 @@ def _case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int,
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tile", [None, Tile(64, 32, 4, 3)], ids=["default", "m64"])
+@interpreted
 def test_decode_attention_matches_reference_cpu_float32(seed: int, t: int, layout: str, tile: Tile | None) -> None:
     heads, kv_heads, dim = LAYOUTS[layout]
     # 5 beams a request: tiles of 2 (float32's 16 rows, 7 heads a group) or 9 beams straddle the requests
@@ -58,6 +64,7 @@ def test_decode_attention_matches_reference_cpu_float32(seed: int, t: int, layou
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@interpreted
 def test_decode_attention_matches_reference_cpu_bfloat16(layout: str) -> None:
     heads, kv_heads, dim = LAYOUTS[layout]
     q, pk, pv, start, length, sk, sv, _ = _case(3, torch.bfloat16, "cpu", heads, kv_heads, dim,
@@ -72,6 +79,7 @@ def test_decode_attention_matches_reference_cpu_bfloat16(layout: str) -> None:
 
 
 @pytest.mark.parametrize("seed", range(2))
+@interpreted
 def test_any_row_layout_is_correct(seed: int) -> None:
     """Rows need not be grouped by request: each row keys only its own range (any ranges, overlapping,
     empty, a row's range spanning the tile's others); grouping only makes it fast."""

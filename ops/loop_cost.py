@@ -8,7 +8,9 @@ so its CPU per request bounds the requests per second the process can take at al
 GPU does. The server runs as a subprocess (`--model`, default embedded:tiny, on the CPU unless
 --device cuda); 8 client threads send --requests requests after a warm-up of 16; the loop thread's
 CPU is read from /proc/PID/task/PID/stat (Linux) before and after. With --deadline-s shorter than
-any request's run, every request is refused at admission: the cost of a refusal.
+any request's run, every request is refused at admission: the cost of a refusal. With --bare the
+server is a bare grpc.aio Ranker on uvloop that answers Score at once (no model, no admission, no
+tracing): the floor that gRPC alone puts under every request on this host.
 """
 
 from __future__ import annotations
@@ -51,14 +53,21 @@ def main() -> None:
     p.add_argument("--model", default="embedded:tiny")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--runtime", default="cpp", choices=["cpp", "python"])
+    p.add_argument("--bare", action="store_true", help="a bare grpc.aio server instead of slmrank (the floor)")
+    p.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)  # the --bare server itself
     args = p.parse_args()
+    if args.serve_bare:
+        serve_bare()
+        return
+    if args.bare and args.kind != "score":
+        raise SystemExit("loop_cost: --bare answers Score only")
     if not Path("/proc/self/task").is_dir():
         raise SystemExit("loop_cost: needs Linux /proc for per-thread CPU time")
 
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--port", "0",
-                             "--metrics-port", "0", "--runtime", args.runtime, "--device", args.device,
-                             "--grace-s", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+    argv = [sys.executable, __file__, "--serve-bare"] if args.bare else [
+        sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--port", "0", "--metrics-port", "0",
+        "--runtime", args.runtime, "--device", args.device, "--grace-s", "2"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         port = None
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -69,7 +78,7 @@ def main() -> None:
             raise SystemExit(f"loop_cost: the server exited ({proc.wait()}) before listening")
         client = RankerClient(f"127.0.0.1:{port}", timeout_s=300)
         end = time.monotonic() + 600
-        while True:
+        while not args.bare:
             try:
                 client.model_info(timeout_s=1)
                 break
@@ -108,6 +117,33 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def serve_bare() -> None:
+    """A Ranker with nothing behind it: Score answers a log-prob pair per sample at once."""
+    import asyncio
+
+    import grpc
+    import uvloop
+
+    from service.serving.proto_gen import load as load_stubs
+
+    stubs = load_stubs()
+    pb2 = stubs.pb2
+
+    class Bare(stubs.pb2_grpc.RankerServicer):
+        async def Score(self, request, context):  # noqa: N802 -- the proto's name
+            return pb2.ScoreResponse(samples=[pb2.SampleScore(logprobs=[-1.0, -2.0]) for _ in request.samples])
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        stubs.pb2_grpc.add_RankerServicer_to_server(Bare(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"listening on 127.0.0.1:{port}", flush=True)
+        await server.wait_for_termination()
+
+    uvloop.run(run())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import threading
@@ -149,6 +150,9 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str]
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", ()
 
 
+DRAIN_LULL_S = 0.2  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace)
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps every exception a Ranker handler raises to a status code, and counts the codes. Also
     the bound on Ranker RPCs being handled at once: one more is refused before its bytes are even
@@ -158,6 +162,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code name)
         self.max_inflight, self.busy_hint_s = max_inflight, busy_hint_s
         self.inflight = 0
+        self.last_arrival_s = -math.inf  # time.monotonic() of the latest Ranker RPC (shutdown waits for a lull)
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -169,6 +174,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             self.inflight += 1
+            self.last_arrival_s = time.monotonic()
             try:  # parsed here, not by grpc: corrupt bytes are the client's error, INVALID_ARGUMENT
                 if self.inflight > self.max_inflight:
                     raise Overloaded("rpc_limit", self.busy_hint_s(), f"{self.max_inflight} requests are being "
@@ -394,6 +400,12 @@ class RankerServer:
                 is_drained = await self.servicer.scheduler.drain(max(end - margin_s - time.monotonic(), 0.0))
                 log.info("drain %s after %.2f s", "complete" if is_drained else "cut short by the grace",
                          grace_s - (end - time.monotonic()))
+            # requests still arriving get "draining" (UNAVAILABLE, a hint: another replica) until they
+            # stop coming or the grace runs out: one that reached gRPC at the instant its listener
+            # closes would be CANCELLED by gRPC itself, with nothing a client can act on
+            while (time.monotonic() - self.interceptor.last_arrival_s < DRAIN_LULL_S
+                   and time.monotonic() < end - margin_s):
+                await asyncio.sleep(DRAIN_LULL_S / 4)
         finally:
             if self._server is not None:  # answers sent, then the listener closes
                 await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))

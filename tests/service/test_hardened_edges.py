@@ -298,11 +298,12 @@ def test_requests_arriving_while_the_server_stops_are_never_cancelled(small_mode
 
     errors = asyncio.run(stream())
     codes = Counter("OK" if e is None else e.code().name for e in errors)
-    assert set(codes) <= {"OK", "UNAVAILABLE"} and codes["OK"] >= 50, codes
-    for e in errors:  # "draining" with a hint, or the listener closed: the client goes to another replica
-        if e is not None and "draining" not in e.details():
-            assert "connect" in e.details() or "Socket closed" in e.details(), e.details()
-        elif e is not None:
+    assert set(codes) <= {"OK", "UNAVAILABLE"} and codes["OK"] >= 50 and codes["UNAVAILABLE"] >= 50, codes
+    # the listener stays open while requests keep arriving (within the grace): every one that came
+    # after the stop began is answered "draining", with a hint, by the server itself
+    for e in errors:
+        if e is not None:
+            assert "draining" in e.details(), e.details()
             assert int(_trailers(e)["retry-after-ms"]) > 0
 
 

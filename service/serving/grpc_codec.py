@@ -66,7 +66,10 @@ class Codec:
         self.limits = artifact.limits
         self.tokenizer = tokenizer
         self.tokenize_stats = TokenizeStats()
-        tokenizer.decode([])  # builds the tokenizer's decode table now, not at the first response
+        # tables the first request would otherwise build on the event loop (~40 ms each for a 150k
+        # vocabulary): the decode table, and the longest token's bytes (the text-length bound)
+        tokenizer.decode([])
+        self.max_token_bytes = tokenizer.max_token_bytes
 
     # -- requests -------------------------------------------------------------------------------
     def score_request(self, msg: Any) -> tuple[ScoreRequest, Priority]:
@@ -112,7 +115,7 @@ class Codec:
     def shape_of(self, kind: str, msg: Any) -> tuple[ScoreRequest | BeamRequest, Priority] | None:
         """A request of the message's shape (placeholder ids) no larger than the one score_request /
         beam_request would make: ids segments at their length, text at the fewest tokens it can
-        become (len / max_token_bytes); and its priority. For admission's gate before decoding;
+        become (len / (TEXT_SLACK x max_token_bytes)); and its priority. For admission's gate before decoding;
         None when the message is outside the limits (decoding will name the field)."""
         priority = PRIORITIES.get(msg.priority)
         request = self._shape(kind, msg) if priority is not None else None
@@ -138,7 +141,7 @@ class Codec:
 
     def _fewest_tokens(self, seg: Any) -> int:
         if seg.text:
-            return -(-len(seg.text) // self.tokenizer.max_token_bytes)
+            return -(-len(seg.text) // (TEXT_SLACK * self.max_token_bytes))  # the bound _check_text_length uses
         return len(seg.ids)
 
     # -- responses ------------------------------------------------------------------------------

@@ -452,7 +452,9 @@ def test_admission_gate_shape_is_never_larger_than_the_decoded_request(model):
     pb2 = load_stubs().pb2
     codec = Codec(model.artifact, model.tokenizer)
     rng = random.Random(5)
-    words = ["running", "shoes", " trail", "é", "数据", "🙂", "a", " ", "xyz", "\n"]
+    # decomposed sequences that NFC composes into fewer characters (e + two marks, Hangul jamo)
+    words = ["running", "shoes", " trail", "é", "数据", "🙂", "a", " ", "xyz", "\n", "e\u0301\u0302",
+             "\u1100\u1161\u11a8", "\u1100\u1161\u11a8" * 4, "a\u0308\u0301"]
 
     def segment() -> object:
         if rng.random() < 0.5:

@@ -196,12 +196,17 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def window_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """Each scraped series' growth between two scrapes (a series new in `after` grew from 0)."""
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
                      requests: int, window_s: float) -> dict[str, Any]:
     """Mean ms of each stage of the requests finished in the window (the server's histograms), the
     batches run (mean whole requests per batch = requests / batches), and the event loop's CPU:
     ms per request and its busy share of the window (near 1: the loop, not the GPU, is the limit)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d = window_delta(before, after)
     stages: dict[str, float] = {}
     for (series, labels), total in d.items():
         if series.endswith("_sum"):

@@ -29,12 +29,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from service.observe.metrics import thread_cpu_seconds  # noqa: E402
 from service.serving.client import RankerClient  # noqa: E402
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return thread_cpu_seconds(tid, pid) or 0.0
 
 
 def process_cpu_s(pid: int) -> float:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops"))
 
 from bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,  # noqa: E402
-                        scrape, wait_serving)
+                        scrape, wait_serving, window_delta)
 from service.serving.proto_gen import load as load_stubs  # noqa: E402
 
 ONLINE, NORMAL = 1, 2
@@ -300,7 +300,7 @@ def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[s
     """What the server saw of the overload window (its /metrics before and after): the RPCs it
     finished by status code, how many of those sent it never finished (they waited in gRPC's queue
     past their deadline, or were cut off by the client first), and its event loop's busy share."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d = window_delta(before, after)
     codes: dict[str, int] = {}
     for (series, labels), v in d.items():
         if series == "slmrank_requests_total" and v and (m := re.search(r'code="([^"]+)"', labels)):

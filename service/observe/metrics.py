@@ -170,10 +170,11 @@ class ServerMetrics:
         return out
 
 
-def thread_cpu_seconds(native_id: int) -> float | None:
-    """user + system CPU seconds of a thread of this process (Linux /proc), None elsewhere."""
+def thread_cpu_seconds(native_id: int, pid: int | str = "self") -> float | None:
+    """user + system CPU seconds of a thread (of this process by default; Linux /proc), None
+    elsewhere or when it is gone."""
     try:
-        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+        with open(f"/proc/{pid}/task/{native_id}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
     except OSError:
         return None

@@ -150,7 +150,8 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str]
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", ()
 
 
-DRAIN_LULL_S = 0.2  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace)
+DRAIN_LULL_S = 1.0  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace);
+# an idle server (nothing for this long already) stops at once; longer than a loaded client's pauses
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):

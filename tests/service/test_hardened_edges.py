@@ -272,7 +272,7 @@ def test_loading_and_draining_carry_a_retry_hint(small_model):
 
 
 def test_requests_arriving_while_the_server_stops_are_never_cancelled(small_model):
-    srv = _serve(small_model, grace_s=3)
+    srv = _serve(small_model, grace_s=6)  # room for the 1 s lull after the last request, on a loaded box
 
     async def stream() -> list[grpc.aio.AioRpcError | None]:
         async with grpc.aio.insecure_channel(srv.target) as ch:

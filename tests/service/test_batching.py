@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,6 +256,48 @@ def test_pack_score_puts_request_i_in_block_i() -> None:
     assert all(x["seg"][i] == -1 and x["tokens"][i] == 0 for i in pad)
     assert x["last"] == [4, 5, 19, 0, 0, 0, 0, 0]
     assert x["labels"][:3] == [[1, 0], [1, 0], [2, 3]]
+
+
+def _pack_score_by_rows(reqs: list[ScoreRequest], bucket: ScoreBucket, num_labels: int) -> dict[str, list]:
+    """pack_score's contract written out a row at a time (the reference for its run-based packing)."""
+    block, pad_row = bucket.request_tokens, (0, 0, -1, -2)
+    rows, last, labels, block_tokens, seg = [], [], [], [], 0
+    for req in reqs:
+        start, prefix_seg = len(rows), -2
+        if req.prefix_ids:
+            prefix_seg, seg = seg, seg + 1
+            rows += [(t, p, prefix_seg, -2) for p, t in enumerate(req.prefix_ids)]
+        for sample in req.samples:
+            rows += [(t, len(req.prefix_ids) + p, seg, prefix_seg) for p, t in enumerate(sample)]
+            seg += 1
+            last.append(len(rows) - 1)
+            labels.append(list(req.label_ids) + [0] * (num_labels - len(req.label_ids)))
+        block_tokens.append(len(rows) - start)
+        rows += [pad_row] * (start + block - len(rows))
+    rows += [pad_row] * (bucket.max_tokens - len(rows))
+    pad_s = bucket.max_samples - len(last)
+    cols = list(zip(*rows))
+    return {"tokens": list(cols[0]), "positions": list(cols[1]), "seg": list(cols[2]), "ctx": list(cols[3]),
+            "block_tokens": block_tokens + [0] * (bucket.max_requests - len(reqs)), "last": last + [0] * pad_s,
+            "labels": labels + [[0] * num_labels] * pad_s}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 4))
+def test_pack_score_equals_its_row_by_row_contract(seed: int, num_requests: int) -> None:
+    rng = random.Random(seed)
+    reqs = _score_reqs(rng, num_requests, 1000, 4)
+    for i, r in enumerate(reqs):  # empty samples too: a sample's last row is then the row before it
+        if rng.random() < 0.2:
+            reqs[i] = ScoreRequest(samples=r.samples + ((),), label_ids=r.label_ids, prefix_ids=r.prefix_ids)
+    longest = max((r.num_tokens for r in reqs), default=1)
+    block = longest + rng.randint(0, 5)
+    r_max = num_requests + rng.randint(0 if num_requests else 1, 2)
+    bucket = ScoreBucket(max_tokens=r_max * block, max_samples=sum(r.num_samples for r in reqs) + rng.randint(0, 3) or 1,
+                         max_requests=r_max)
+    got = {k: v.tolist() for k, v in pack_score(reqs, bucket, 4).inputs.items()}
+    assert got == _pack_score_by_rows(reqs, bucket, 4)
+    assert all(v.dtype == torch.int64 for v in pack_score(reqs, bucket, 4).inputs.values())
 
 
 def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:

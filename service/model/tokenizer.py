@@ -253,6 +253,10 @@ class Tokenizer(ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text (special tokens rendered as their text; bad UTF-8 as U+FFFD)."""
 
+    def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        """decode() of each sequence (a BeamSearch response decodes hundreds of short beams)."""
+        return [self.decode(ids) for ids in seqs]
+
     @abstractmethod
     def files(self) -> dict[str, bytes]:
         """Files to copy into a deployment artifact directory (name -> content), such that
@@ -483,6 +487,23 @@ class TiktokenTokenizer(Tokenizer):
             return b"".join([table[i] for i in ids]).decode("utf-8", errors="replace")
         except TypeError:  # an id inside the vocabulary size that is no token: tiktoken's own answer
             return self._enc.decode(ids, errors="replace")
+
+    def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        # decode()'s join with the table and the range check hoisted out of the loop: the same text,
+        # ~3x faster a beam; anything the join cannot take (an id out of range or not a token, not
+        # an int, an empty sequence) goes through decode() and gets its answer or its error
+        table = self._token_bytes or self._build_token_bytes()
+        n = self.vocab_size
+        out: list[str] = []
+        for ids in seqs:
+            try:
+                if min(ids) >= 0 and max(ids) < n:
+                    out.append(b"".join([table[i] for i in ids]).decode("utf-8", errors="replace"))
+                    continue
+            except (TypeError, ValueError):
+                pass
+            out.append(self.decode(ids))
+        return out
 
     def _build_token_bytes(self) -> list[bytes | None]:
         table: list[bytes | None] = [None] * self.vocab_size

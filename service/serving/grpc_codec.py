@@ -151,8 +151,15 @@ class Codec:
 
     def beam_response(self, result: BeamResult) -> Any:
         pb2 = self.pb2
-        return pb2.BeamSearchResponse(beams=[pb2.Beam(ids=b.ids, logprob=b.logprob, text=self.text(b.ids))
-                                             for b in result.beams])
+        beams = result.beams
+        seqs = [b.ids for b in beams]
+        known = self.tokenizer.vocab_size
+        # the usual case in one call: every id a token the tokenizer knows
+        texts = (self.tokenizer.decode_many(seqs) if all(seqs) and max(map(max, seqs)) < known
+                 else [self.text(ids) for ids in seqs])
+        Beam = pb2.Beam
+        return pb2.BeamSearchResponse(beams=[Beam(ids=b.ids, logprob=b.logprob, text=text)
+                                             for b, text in zip(beams, texts)])
 
     def text(self, ids: Sequence[int]) -> str:
         """The tokenizer's decoding; an id it does not know (a model's padded embedding rows) is U+FFFD."""
@@ -227,7 +234,7 @@ def _check_count(field: str, n: int, hi: int) -> None:
 
 def _engine_check(validate: Callable[..., None], req: ScoreRequest | BeamRequest, codec: Codec) -> None:
     try:
-        validate(req, codec.model, codec.limits)
+        validate(req, codec.model, codec.limits, ids_checked=True)  # _ids and the tokenizer: ids in range
     except RequestError as e:
         field = e.field
         for pattern, repl in _ENGINE_TO_PROTO:

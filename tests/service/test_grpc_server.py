@@ -351,3 +351,26 @@ def test_serve_on_a_taken_port_exits_with_a_clear_error(tmp_path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"slmrank serve: error: cannot listen on 127.0.0.1:{port}: the port is in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_beam_response_texts_are_the_tokenizers_and_unknown_ids_are_u_fffd(embedded_tiny):
+    """The response decodes every beam in one call; an id the model has but the tokenizer does not
+    (a padded embedding row) is U+FFFD in that beam's text, and only there."""
+    from service.model.tokenizer import load_tokenizer
+    from service.runtime.requests import Beam, BeamResult
+    from service.serving.grpc_codec import Codec
+
+    art = embedded_tiny[1]
+    tok = load_tokenizer(art.tokenizer_dir)
+    codec = Codec(art, tok)
+    assert art.config.vocab_size > tok.vocab_size, "the check needs ids the tokenizer does not know"
+    rng = random.Random(5)
+    beams = [Beam([rng.randrange(tok.vocab_size) for _ in range(5)], -rng.random()) for _ in range(50)]
+    got = codec.beam_response(BeamResult(beams))
+    assert [list(b.ids) for b in got.beams] == [b.ids for b in beams]
+    assert [b.text for b in got.beams] == [tok.decode(b.ids) for b in beams]
+    unknown = tok.vocab_size + 3
+    odd = beams[:3] + [Beam([beams[0].ids[0], unknown, beams[0].ids[1]], -1.0)]
+    texts = [b.text for b in codec.beam_response(BeamResult(odd)).beams]
+    assert texts[:3] == [tok.decode(b.ids) for b in beams[:3]]
+    assert texts[3] == tok.decode(beams[0].ids[:1]) + "\ufffd" + tok.decode(beams[0].ids[1:2])

@@ -7,6 +7,7 @@ field and the limit, and nothing else is disturbed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Sequence
 
 from ..model.config import ModelConfig, ServingLimits
@@ -31,9 +32,9 @@ class ScoreRequest:
     prefix_ids: tuple[int, ...] = ()
     id: str | None = None
 
-    @property
+    @cached_property  # asked for a request many times on the event loop (admission, batching, packing)
     def num_tokens(self) -> int:
-        return len(self.prefix_ids) + sum(len(s) for s in self.samples)
+        return len(self.prefix_ids) + sum(map(len, self.samples))
 
     @property
     def num_samples(self) -> int:
@@ -78,6 +79,10 @@ def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise RequestError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
+def _no_check(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    pass
+
+
 def _check_int(field: str, value: object, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(field, f"must be an integer, got {value!r}")
@@ -86,16 +91,19 @@ def _check_int(field: str, value: object, lo: int, hi: int) -> int:
     return value
 
 
-def validate_score(req: ScoreRequest, model: ModelConfig, limits: ServingLimits) -> None:
+def validate_score(req: ScoreRequest, model: ModelConfig, limits: ServingLimits, ids_checked: bool = False) -> None:
+    """ids_checked: every id is already known to be an int in the vocabulary (the gRPC codec checks
+    them as it reads them), so the range checks are not done twice on the event loop."""
+    check_ids = _no_check if ids_checked else _check_ids
     if not req.samples:
         raise RequestError("samples", "at least one sample is required")
     if len(req.samples) > limits.max_samples:
         raise RequestError("samples", f"{len(req.samples)} samples exceed the maximum of {limits.max_samples}")
-    _check_ids("prefix_ids", req.prefix_ids, model.vocab_size)
+    check_ids("prefix_ids", req.prefix_ids, model.vocab_size)
     for i, s in enumerate(req.samples):
         if not s:
             raise RequestError(f"samples[{i}]", "empty sample (each sample needs at least 1 token)")
-        _check_ids(f"samples[{i}]", s, model.vocab_size)
+        check_ids(f"samples[{i}]", s, model.vocab_size)
     if req.num_tokens > limits.max_score_tokens:
         raise RequestError("samples", f"{req.num_tokens} tokens (prefix + samples) exceed the maximum "
                                       f"of {limits.max_score_tokens}")
@@ -108,10 +116,10 @@ def validate_score(req: ScoreRequest, model: ModelConfig, limits: ServingLimits)
         raise RequestError("label_ids", "at least one label id is required")
     if len(req.label_ids) > limits.max_labels:
         raise RequestError("label_ids", f"{len(req.label_ids)} label ids exceed the maximum of {limits.max_labels}")
-    _check_ids("label_ids", req.label_ids, model.vocab_size)
+    check_ids("label_ids", req.label_ids, model.vocab_size)
 
 
-def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits) -> None:
+def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, ids_checked: bool = False) -> None:
     if model.has_cls_head:
         raise RequestError("kind", "this model has a classification head: only Score is served")
     if not req.prompt_ids:
@@ -119,7 +127,8 @@ def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits) -
     if len(req.prompt_ids) > limits.max_prompt_tokens:
         raise RequestError("prompt_ids", f"{len(req.prompt_ids)} tokens exceed the maximum prompt "
                                          f"length of {limits.max_prompt_tokens}")
-    _check_ids("prompt_ids", req.prompt_ids, model.vocab_size)
+    if not ids_checked:
+        _check_ids("prompt_ids", req.prompt_ids, model.vocab_size)
     _check_int("beam_width", req.beam_width, 1, limits.max_beam_width)
     _check_int("new_tokens", req.new_tokens, 1, limits.max_new_tokens)
 

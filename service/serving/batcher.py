@@ -46,6 +46,11 @@ from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 from ..observe.records import Completed, RequestTimings
 
+# forming a batch, the requests of its kind that did not join it (no bucket holds them beside it, or
+# the larger bucket would be slower per request or late) looked at before it is closed: one further
+# back may still join, but the search is bounded (the queue is not)
+MAX_MISSES = 32
+
 Request = ScoreRequest | BeamRequest
 Batch = ScoreBatch | BeamBatch
 
@@ -92,6 +97,7 @@ class _Fill:
         self.longest = 0  # Score: the most tokens of one request so far
         self.count = 0
         self.bucket: Any = None
+        self.most = max((b.max_requests for b in buckets), default=0)  # no bucket holds more requests
 
     def fit(self, req: Request) -> Any:
         """The bucket the batch would run in with req added; None if no bucket holds it."""
@@ -423,15 +429,19 @@ class Scheduler:
         fill.add(head.payload, bucket)
         tickets, is_full = [head], False
         deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
+        misses = 0
         for t in self.admission.waiting():
             if t is head or t.kind != head.kind:
                 continue
-            if len(tickets) >= self.config.max_batch_requests:
-                is_full = True
+            if len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most:
+                is_full = True  # the cap, or as many requests as the largest bucket holds
+                break
+            if misses >= MAX_MISSES:  # planning stays O(batch), not O(queue), under overload
                 break
             bucket = fill.fit(t.payload)
             if bucket is None:
                 is_full = True  # first fit: a smaller one further back may still join
+                misses += 1
                 continue
             tighter = deadline if t.deadline is None else min(deadline, t.deadline)
             if bucket is not fill.bucket:  # a larger bucket: no slower per request, in time for all, light if need be
@@ -440,6 +450,7 @@ class Scheduler:
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
                         or now + self._finish_s(batch_s) > tighter):
                     is_full = True
+                    misses += 1
                     continue
             fill.add(t.payload, bucket)
             tickets.append(t)
@@ -473,11 +484,12 @@ class Scheduler:
         self._heavy_inflight += is_heavy
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
-        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy))
+        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
-    async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool) -> None:
+    async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool,
+                       bucket: Any = None) -> None:
         reqs = [t.payload for t in tickets]
         levels = dict(Counter(int(t.priority) for t in tickets))
         run: tuple[float, float] | None = None
@@ -486,7 +498,7 @@ class Scheduler:
         try:
             packed_from = self.clock()
             # a heavy batch's host work (thousands of beam rows) off the event loop, where light requests wait
-            batch = await asyncio.to_thread(self._pack, reqs) if is_heavy else self._pack(reqs)
+            batch = await asyncio.to_thread(self._pack, reqs, bucket) if is_heavy else self._pack(reqs, bucket)
             self._record_batch(batch)
             start_s = self.clock()
             outputs, timings = await self._executor.run(batch, is_heavy)
@@ -523,13 +535,15 @@ class Scheduler:
             self.model.batch_finished(batch_id, None if batch is None else self.costs.info(batch.bucket), run,
                                       levels, service_s)
 
-    def _pack(self, reqs: list[Any]) -> Batch:
+    def _pack(self, reqs: list[Any], bucket: Any = None) -> Batch:
+        """bucket: the one the plan formed the batch in (the runtime's own pick: buckets_by_kind), or
+        None to pick it here; packing checks that the requests fit it."""
         if isinstance(reqs[0], ScoreRequest):
-            bucket = pick_score_bucket(self.artifact.buckets, reqs)
+            bucket = bucket or pick_score_bucket(self.artifact.buckets, reqs)
             if bucket is None:
                 raise ExecutionError(f"{len(reqs)} score request(s) fit no bucket")
             return pack_score(reqs, bucket, self._label_columns)
-        beam_bucket = pick_beam_bucket(self.artifact.buckets, reqs)
+        beam_bucket = bucket or pick_beam_bucket(self.artifact.buckets, reqs)
         if beam_bucket is None:
             raise ExecutionError(f"{len(reqs)} beam request(s) fit no bucket")
         return pack_beam(reqs, beam_bucket)

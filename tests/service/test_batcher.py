@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.serving.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded, Priority
+from service.serving.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded, Priority, Ticket
 from service.runtime.batch import BeamBatch, ScoreBatch
 from service.observe.records import Completed
 from service.serving.batcher import BatcherConfig, DeadlineExpired, Scheduler
@@ -498,3 +498,76 @@ def test_a_drain_that_times_out_answers_the_queued_requests(art):
         await s.close()
 
     asyncio.run(main())
+
+
+# ---- planning cost ------------------------------------------------------------------------------
+
+def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypatch):
+    """Under overload hundreds wait; forming a batch must not try each of them (it runs on the event
+    loop for every batch): it stops once the batch holds as many requests as the kind's largest
+    bucket, and it looks at MAX_MISSES requests that do not join at most for one further back that
+    would."""
+    from service.serving import batcher as bm
+    from service.serving.cost import request_kind
+
+    calls = [0]
+    fit = bm._Fill.fit
+
+    def counting_fit(self, req):
+        calls[0] += 1
+        return fit(self, req)
+
+    monkeypatch.setattr(bm._Fill, "fit", counting_fit)
+
+    async def plan(reqs: list) -> list:
+        s = Scheduler(art, FakeRuntime(), None, BatcherConfig())
+        loop = asyncio.get_running_loop()
+        for r in reqs:
+            s.admission.admit(Ticket(r, request_kind(r), N, None, future=loop.create_future(), client="c",
+                                     cost=s._cost(r)))
+        calls[0] = 0
+        p = s._plan(time.monotonic())
+        return [t.payload.id for t in p.tickets]
+
+    most = max(b.max_requests for b in art.buckets.score)
+    got = asyncio.run(plan([score(f"s{i}") for i in range(250)]))
+    assert got == [f"s{i}" for i in range(most)] and calls[0] <= most + 1
+
+    # batch times where beam rows are what costs: a wide request beside a narrow head would make the
+    # batch slower per request, so it never joins; a second narrow one does
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.max_requests * b.beam_width)
+
+    def big(name: str) -> BeamRequest:
+        return BeamRequest(prompt_ids=(5, 6, 7), beam_width=art.limits.max_beam_width, new_tokens=1, id=name)
+
+    near = [beam("head")] + [big(f"w{i}") for i in range(bm.MAX_MISSES - 1)] + [beam("small")]
+    assert asyncio.run(plan(near)) == ["head", "small"]  # found behind MAX_MISSES - 1 that do not join
+    far = [beam("head")] + [big(f"w{i}") for i in range(200)] + [beam("small")]
+    assert asyncio.run(plan(far)) == ["head"] and calls[0] <= bm.MAX_MISSES + 1
+
+
+def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
+    """The batcher packs a batch into the bucket it formed it in (no second search over ~400 buckets
+    on the event loop): that bucket must be the one pick_score_bucket / pick_beam_bucket choose."""
+    from service.runtime.batch import pick_beam_bucket, pick_score_bucket
+    from service.serving.batcher import _Fill, buckets_by_kind
+
+    by_kind, rng, lim = buckets_by_kind(art), random.Random(3), art.limits
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        if rng.random() < 0.5:
+            reqs = [ScoreRequest(samples=tuple((7,) * rng.randint(1, 40) for _ in range(rng.randint(1, 16))),
+                                 label_ids=(1,), prefix_ids=(5,) * rng.randint(0, 30)) for _ in range(n)]
+            kind, want = "score", pick_score_bucket(art.buckets, reqs)
+        else:
+            t = rng.randint(1, lim.max_new_tokens)
+            reqs = [BeamRequest(prompt_ids=(5,) * rng.randint(1, 300), beam_width=rng.randint(1, lim.max_beam_width),
+                                new_tokens=t) for _ in range(n)]
+            kind, want = f"beam.n{t}", pick_beam_bucket(art.buckets, reqs)
+        fill = _Fill(by_kind[kind])
+        for r in reqs:
+            got = fill.fit(r)
+            if got is None:
+                break
+            fill.add(r, got)
+        assert (got and fill.bucket) == want, reqs

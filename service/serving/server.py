@@ -196,7 +196,17 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             self.counts[method, "OK"] += 1
             return response
 
-        return grpc.unary_unary_rpc_method_handler(call, response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(call, response_serializer=_passing_bytes(handler.response_serializer))
+
+
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
+    """The method's serializer, except for a response the handler already wrote as wire bytes
+    (Codec.beam_response)."""
+    def send(response: Any) -> bytes:
+        if type(response) is bytes or serialize is None:
+            return response
+        return serialize(response)
+    return send
 
 
 def _parse(deserialize: Callable[[bytes], Any], raw: bytes, method: str) -> Any:

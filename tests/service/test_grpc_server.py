@@ -353,9 +353,13 @@ def test_serve_on_a_taken_port_exits_with_a_clear_error(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_beam_response_texts_are_the_tokenizers_and_unknown_ids_are_u_fffd(embedded_tiny):
-    """The response decodes every beam in one call; an id the model has but the tokenizer does not
-    (a padded embedding row) is U+FFFD in that beam's text, and only there."""
+def test_beam_response_bytes_are_protobufs_own_and_texts_the_tokenizers(embedded_tiny):
+    """The codec writes a BeamSearchResponse's wire bytes itself: byte for byte what protobuf
+    serializes for the same message, with the tokenizer's texts, over random beams and the edges
+    (ids needing 1, 2 and 3 varint bytes, logprob +0.0 / -0.0 / tiny / NaN, a character cut between
+    tokens, an id the model has but the tokenizer does not: U+FFFD there only, no beams at all)."""
+    import math
+
     from service.model.tokenizer import load_tokenizer
     from service.runtime.requests import Beam, BeamResult
     from service.serving.grpc_codec import Codec
@@ -363,14 +367,30 @@ def test_beam_response_texts_are_the_tokenizers_and_unknown_ids_are_u_fffd(embed
     art = embedded_tiny[1]
     tok = load_tokenizer(art.tokenizer_dir)
     codec = Codec(art, tok)
+    pb2 = codec.pb2
     assert art.config.vocab_size > tok.vocab_size, "the check needs ids the tokenizer does not know"
+
+    def reference(beams: list[Beam]) -> Any:
+        return pb2.BeamSearchResponse(beams=[pb2.Beam(ids=b.ids, logprob=b.logprob, text=codec.text(b.ids))
+                                             for b in beams])
+
     rng = random.Random(5)
-    beams = [Beam([rng.randrange(tok.vocab_size) for _ in range(5)], -rng.random()) for _ in range(50)]
-    got = codec.beam_response(BeamResult(beams))
-    assert [list(b.ids) for b in got.beams] == [b.ids for b in beams]
-    assert [b.text for b in got.beams] == [tok.decode(b.ids) for b in beams]
-    unknown = tok.vocab_size + 3
-    odd = beams[:3] + [Beam([beams[0].ids[0], unknown, beams[0].ids[1]], -1.0)]
-    texts = [b.text for b in codec.beam_response(BeamResult(odd)).beams]
-    assert texts[:3] == [tok.decode(b.ids) for b in beams[:3]]
-    assert texts[3] == tok.decode(beams[0].ids[:1]) + "\ufffd" + tok.decode(beams[0].ids[1:2])
+    cut = tok.encode("数据 🙂 é")
+    cases = [[Beam([rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 6))], -rng.random() * 30)
+              for _ in range(rng.randint(1, 60))] for _ in range(40)]
+    cases += [[Beam([0, 127, 128, 16383, 16384, tok.vocab_size - 1], 0.0), Beam([5], -0.0), Beam([6], -1e-42),
+               Beam(cut[:1], math.nan), Beam([cut[0], tok.vocab_size + 3, cut[1]], -1.0),
+               Beam([art.config.vocab_size - 1], -2.5)], []]
+    for beams in cases:
+        want = reference(beams)
+        got = codec.beam_response(BeamResult(beams))
+        assert isinstance(got, bytes)
+        parsed = pb2.BeamSearchResponse.FromString(got)
+        assert [b.text for b in parsed.beams] == [b.text for b in want.beams]
+        if not any(math.isnan(b.logprob) for b in beams):
+            assert parsed == want
+        assert got == want.SerializeToString(), beams
+    odd = pb2.BeamSearchResponse.FromString(codec.beam_response(BeamResult(cases[-2]))).beams[4]
+    assert odd.text == tok.decode(cut[:1]) + "\ufffd" + tok.decode(cut[1:2])
+    with pytest.raises(ValueError, match="vocabulary"):
+        codec.beam_response(BeamResult([Beam([art.config.vocab_size], -1.0)]))

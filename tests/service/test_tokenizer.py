@@ -171,8 +171,8 @@ def test_decode_equals_tiktokens_own_decode(qwen):
         assert qwen.decode(partial[:1]) == enc.decode(partial[:1], errors="replace")
 
 
-def test_decode_many_equals_decode_of_each(qwen):
-    """decode_many (a BeamSearch response's texts) is decode() of each sequence, whatever it holds:
+def test_decode_utf8_many_equals_decode_of_each(qwen):
+    """decode_utf8_many (a BeamSearch response's texts) is decode() of each sequence, UTF-8, whatever it holds:
     beams of tokens and special tokens, a character cut between tokens, an empty sequence, numpy
     ints; an id outside the vocabulary raises decode()'s error."""
     import numpy as np
@@ -183,12 +183,12 @@ def test_decode_many_equals_decode_of_each(qwen):
     seqs = [[rng.choice(specials) if rng.random() < 0.1 else rng.randrange(qwen.num_bpe_ranks) for _ in range(5)]
             for _ in range(300)]
     seqs += [cut[:1], cut[1:], [], list(np.array(cut, dtype=np.int64)), tuple(cut)]
-    assert qwen.decode_many(seqs) == [qwen.decode(s) for s in seqs]
-    assert qwen.decode_many([]) == []
+    assert qwen.decode_utf8_many(seqs) == [qwen.decode(s).encode() for s in seqs]
+    assert qwen.decode_utf8_many([]) == []
     with pytest.raises(ValueError, match="151665"):
-        qwen.decode_many([[1, 2], [151665]])
+        qwen.decode_utf8_many([[1, 2], [151665]])
     with pytest.raises(TypeError):
-        qwen.decode_many([[1.0, 2]])
+        qwen.decode_utf8_many([[1.0, 2]])
 
 
 def test_type_and_range_errors(qwen):

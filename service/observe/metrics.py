@@ -83,6 +83,7 @@ class ServerMetrics:
         ProcessCollector(namespace="", registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.loop_thread_id: int | None = None  # the event loop's OS thread (Linux: its CPU time is exported)
         self._model_labels: dict[str, str] | None = None
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # (metric, label values) -> its child
         self._last_stats: dict[str, Any] | None = None
         r.register(_Callback(self._scheduler_families))
         r.register(_Callback(self._process_families))
@@ -95,22 +96,31 @@ class ServerMetrics:
 
     def observe(self, trace: RequestTrace) -> None:
         kind = trace.kind
-        self.requests.labels(kind, trace.status).inc()
-        self.latency.labels(kind).observe(trace.latency_ns / 1e9)
+        self._child(self.requests, kind, trace.status).inc()
+        self._child(self.latency, kind).observe(trace.latency_ns / 1e9)
         for name, start, end in trace.stages:
-            self.stage.labels(kind, name).observe((end - start) / 1e9)
+            self._child(self.stage, kind, name).observe((end - start) / 1e9)
         t = trace.timings
         if t is None:
             return
         for name, seconds in (("queue", t.dequeued_s - t.enqueued_s), ("batch", t.batch_start_s - t.dequeued_s),
                               ("execute", t.batch_end_s - t.batch_start_s)):
-            self.stage.labels(kind, name).observe(seconds)
+            self._child(self.stage, kind, name).observe(seconds)
         if t.batch_index == 0:  # a batch's node times once, with its first request
             ex = t.executor
             self.node_batches.labels("graph" if ex.get("graph") else "eager").inc()
             for node, host_ms, device_ms in ex.get("nodes", ()):
                 clock, ms = ("device", device_ms) if device_ms >= 0 else ("host", host_ms)
                 self.node_seconds.labels(node_category(node), clock).inc(ms / 1e3)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), kept: prometheus_client's lookup takes a lock and builds its key
+        on every call, and observe() makes ~a dozen of them per request on the event loop."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> str:
         return prometheus_client.generate_latest(self.registry).decode()

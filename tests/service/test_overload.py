@@ -211,7 +211,9 @@ def test_deadlines_keep_goodput_and_admitted_work_is_never_late(small_model, cli
 def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small_model):
     """A light client (one small Score at a time) against a heavy one (4 maximal BeamSearch in
     flight), by x-client-id: its p99 stays within 2x of its p99 alone. Windows alternate, 1 s each,
-    six of each (~600 light requests a side: a p99 that one noise spike cannot make)."""
+    ten of each (~1,000 light requests a side: a p99 that a few noise spikes of this shared 2-core
+    machine cannot make; with six, its p99 alone moved from 6 to 14 ms between runs)."""
+    windows = 10
     srv = _serve(small_model, heavy_batch_s=0.02)
     light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
 
@@ -221,7 +223,7 @@ def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small
         await ob.closed_loop(stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.0,
                              metadata=heavy_md)
         alone, loaded, heavy = [], [], []
-        for k in range(6):
+        for k in range(windows):
             alone += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=1000 * k)
             heavy_task = asyncio.ensure_future(ob.closed_loop(
                 stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.2, metadata=heavy_md,
@@ -235,7 +237,7 @@ def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small
         alone, loaded, heavy = asyncio.run(_with_stub(srv.target, run))
     finally:
         srv.stop()
-    a, b, h = ob.summarize(alone, 6.0), ob.summarize(loaded, 6.0), ob.summarize(heavy, 7.2)
+    a, b, h = ob.summarize(alone, windows), ob.summarize(loaded, windows), ob.summarize(heavy, 1.2 * windows)
     report = (f"light alone p50 {a['ok_p50_ms']:.1f} p99 {a['ok_p99_ms']:.1f} ms ({a['sent']}); beside maximal "
               f"requests p50 {b['ok_p50_ms']:.1f} p99 {b['ok_p99_ms']:.1f} ms ({b['sent']}); heavy served "
               f"{h['codes'].get('OK', 0)}")

@@ -64,9 +64,10 @@ class BatcherConfig:
     # a batch predicted to take longer holds at most max_inflight - 1 of the in-flight slots (one
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
+    overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s"):
+        for name in ("max_wait_s", "heavy_batch_s", "overlap_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
@@ -279,6 +280,7 @@ class Scheduler:
         self._batch_tasks: set[asyncio.Task] = set()
         self._inflight = 0
         self._heavy_inflight = 0
+        self._inflight_end: dict[int, float] = {}  # batch id -> when the executor is predicted to be done with it
         self._num_batches = 0
         self._num_failed_batches = 0
         self._num_executed = 0
@@ -397,7 +399,7 @@ class Scheduler:
                 if plan is None:
                     await self._wake.wait()
                     continue
-                release_s = plan.oldest_s + self.config.max_wait_s
+                release_s = max(plan.oldest_s + self.config.max_wait_s, self._hold_until(plan, now))
                 if plan.is_full or now >= release_s or self.admission.is_draining:
                     self._launch(plan, now)
                     continue
@@ -458,6 +460,20 @@ class Scheduler:
             deadline = tighter
         return _Plan(tickets, is_full, fill.bucket)
 
+    def _hold_until(self, plan: _Plan, now: float) -> float:
+        """With overlap_s, when a batch not yet full should go while others are in flight: once the
+        executor is predicted to be free within overlap_s (it gathers what arrives meanwhile into
+        one larger batch instead of a second small one sharing the GPU), but never so late that a
+        member would miss its deadline. -inf: at once."""
+        if plan.is_full or not self._inflight_end or math.isinf(self.config.overlap_s) or plan.bucket is None:
+            return -math.inf
+        hold = min(self._inflight_end.values()) - self.config.overlap_s
+        deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
+        if deadlines:  # before the last moment (by a tenth of the batch, 1 ms at least): re-formed late, it still holds them
+            finish_s = self._finish_s(self._bucket_s(plan.bucket, now))
+            hold = min(hold, min(deadlines) - finish_s - max(0.1 * finish_s, 1e-3))
+        return hold
+
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
 
@@ -485,6 +501,9 @@ class Scheduler:
         self._heavy_inflight += is_heavy
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
+            # when the executor is predicted to be done with it: after what is in flight already
+            batch_s = self._bucket_s(plan.bucket, now) * self.model.calibration_at(now)
+            self._inflight_end[batch_id] = max([now, *self._inflight_end.values()]) + batch_s
         task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
@@ -530,6 +549,7 @@ class Scheduler:
         finally:
             self._heavy_inflight -= is_heavy
             self._inflight -= 1
+            self._inflight_end.pop(batch_id, None)
             self._wake.set()
             self._progress.set()
             self.admission.finished(tickets)

@@ -5,6 +5,7 @@ release rules, in-flight cap, priority order, cancellation, deadlines, failures 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -571,3 +572,43 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
                 break
             fill.add(r, got)
         assert (got and fill.bucket) == want, reqs
+
+
+def test_with_overlap_s_a_batch_gathers_behind_the_running_one_and_keeps_its_deadline(art, monkeypatch):
+    """overlap_s: a batch not yet full waits while another runs, until that one is predicted to end
+    within overlap_s; what arrives meanwhile joins it (one batch of 3 instead of 1 + 2 beside the
+    running one). A member's deadline caps the wait. Without it (the default) the second slot is
+    used at once, by what is there."""
+    from service.serving import batcher as bm
+
+    # every batch predicted to take 0.2 s: without a deadline the hold lasts until r1's predicted end
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.2)
+
+    async def run(overlap_s: float, deadline_s: float | None = None) -> tuple[list[list[str]], float]:
+        rt = FakeSubmitRuntime()
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, overlap_s=overlap_s, heavy_batch_s=10.0)
+        first = asyncio.create_task(s.submit(score("r1")))
+        await until(lambda: len(rt.pending) == 1)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        t0 = time.monotonic()
+        rest = [asyncio.create_task(s.submit(score(f"r{i}"), deadline=deadline)) for i in (2, 3)]
+        await asyncio.sleep(0.02)
+        rest.append(asyncio.create_task(s.submit(score("r4"), deadline=deadline)))
+        await until(lambda: len(rt.pending) == 2 or (not rt.pending and first.done()), timeout_s=5)
+        waited = time.monotonic() - t0
+        while rt.pending or not all(t.done() for t in [first, *rest]):
+            if len(rt.pending) == 2 or (rt.pending and time.monotonic() - t0 > 0.3):
+                rt.finish_oldest()
+            await asyncio.sleep(0.005)
+        await s.close()
+        return list(rt.started), waited
+
+    started_now, _ = asyncio.run(run(math.inf))
+    assert started_now[0] == ["r1"] and "r4" not in started_now[1], started_now  # the second slot at once
+    held, _ = asyncio.run(run(0.0))
+    assert held == [["r1"], ["r2", "r3", "r4"]], held  # held behind r1: r4 joined
+    _, waited_for_r1 = asyncio.run(run(0.0))
+    assert waited_for_r1 >= 0.15
+    # a deadline the hold would break: they go once waiting longer would make them late
+    capped, waited = asyncio.run(run(0.0, deadline_s=0.35))
+    assert capped[1][:2] == ["r2", "r3"] and waited < 0.15, (capped, waited)

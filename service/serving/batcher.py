@@ -467,6 +467,8 @@ class Scheduler:
         member would miss its deadline. -inf: at once."""
         if plan.is_full or not self._inflight_end or math.isinf(self.config.overlap_s) or plan.bucket is None:
             return -math.inf
+        if self._heavy_inflight and self._bucket_s(plan.bucket, now) <= self.config.heavy_batch_s:
+            return -math.inf  # light work never waits behind a heavy batch: that is what the last slot is for
         hold = min(self._inflight_end.values()) - self.config.overlap_s
         deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
         if deadlines:  # before the last moment (by a tenth of the batch, 1 ms at least): re-formed late, it still holds them

@@ -286,11 +286,13 @@ class KindRuntime(FakeRuntime):
         return super().run_beam(batch)
 
 
-def test_heavy_batches_leave_the_last_slot_to_light_work(art):
+@pytest.mark.parametrize("overlap_s", [math.inf, 0.0])
+def test_heavy_batches_leave_the_last_slot_to_light_work(art, overlap_s):
+    """Also with overlap_s: a light batch is never held behind a heavy one."""
     rt = KindRuntime(beam_s=0.4, score_s=0.01)
 
     async def main() -> None:
-        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1)
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, overlap_s=overlap_s)
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: 0.4 s, heavy
         await s.submit(score("warm-score"))  # 10 ms, light
         # three heavy batches (three kinds: never one batch), then a light request

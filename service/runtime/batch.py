@@ -198,6 +198,8 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
 
 def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
     """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first."""
-    seq_rows, score_rows = seqs.tolist(), scores.tolist()
+    # only the live part becomes Python objects (padding requests and beams are most of a wide bucket)
+    n, width = len(batch.requests), max((r.beam_width for r in batch.requests), default=0)
+    seq_rows, score_rows = seqs[:n, :width].tolist(), scores[:n, :width].tolist()
     return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
             for r, req in enumerate(batch.requests)]

@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--model", default="embedded:tiny")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--runtime", default="cpp", choices=["cpp", "python"])
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="also cProfile the server's event loop (SLMRANK_PROFILE_LOOP) into FILE and print "
+                        "its top functions; the profiler slows the loop, so the CPU figures are then higher")
     p.add_argument("--bare", action="store_true", help="a bare grpc.aio server instead of slmrank (the floor)")
     p.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)  # the --bare server itself
     args = p.parse_args()
@@ -67,7 +70,12 @@ def main() -> None:
     argv = [sys.executable, __file__, "--serve-bare"] if args.bare else [
         sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--port", "0", "--metrics-port", "0",
         "--runtime", args.runtime, "--device", args.device, "--grace-s", "2"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = dict(os.environ)
+    if args.profile:
+        if args.bare:
+            raise SystemExit("loop_cost: --profile profiles slmrank's server, not --bare")
+        env["SLMRANK_PROFILE_LOOP"] = str(Path(args.profile).resolve())
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         port = None
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -117,6 +125,13 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+    if args.profile:
+        import pstats
+
+        stats = pstats.Stats(args.profile)
+        for key in ("tottime", "cumulative"):
+            print(f"== the event loop's top functions by {key} (warm-up and measured requests together) ==")
+            stats.sort_stats(key).print_stats(25)
 
 
 def serve_bare() -> None:

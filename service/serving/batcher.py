@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import math
 import os
 import threading
@@ -433,9 +434,12 @@ class Scheduler:
         tickets, is_full = [head], False
         deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
         misses = 0
-        for t in self.admission.waiting():
-            if t is head or t.kind != head.kind:
-                continue
+        # the same kind's waiting requests this batch may look at (at most as many as can join, and
+        # the misses): a larger bucket is judged by what it will hold, not by one more request alone
+        most = min(self.config.max_batch_requests, fill.most)
+        pool = list(itertools.islice((t for t in self.admission.waiting() if t is not head and t.kind == head.kind),
+                                     most - 1 + MAX_MISSES))
+        for i, t in enumerate(pool):
             if len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most:
                 is_full = True  # the cap, or as many requests as the largest bucket holds
                 break
@@ -448,8 +452,12 @@ class Scheduler:
                 continue
             tighter = deadline if t.deadline is None else min(deadline, t.deadline)
             if bucket is not fill.bucket:  # a larger bucket: no slower per request, in time for all, light if need be
+                # per request as the queue would fill it: a bucket of 4 taken for a 3rd request is
+                # judged with the 4th that waits behind it (one request at a time, the step from 2
+                # to 4 slots looks 1.33x slower per request and a batch would never grow past 2)
+                holds = min(bucket.max_requests, self.config.max_batch_requests, fill.count + len(pool) - i)
                 batch_s = self._bucket_s(bucket, now)
-                if (batch_s / (fill.count + 1) > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
+                if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
                         or now + self._finish_s(batch_s) > tighter):
                     is_full = True

@@ -504,6 +504,32 @@ def serve(config: ServerConfig, loader: Callable[[], Model], announce: Callable[
         return runner.run(_serve_until_signal(config, loader, announce, on_ready))
 
 
+class _LoopProfile:
+    """SLMRANK_PROFILE_LOOP=FILE: cProfile of the event loop from SERVING until the stop signal,
+    written to FILE (pstats format; `python -m pstats FILE`). Every request passes through this one
+    thread, so where its CPU goes is where a serving overhead is (debugging; slows the loop)."""
+
+    def __init__(self, path: str) -> None:
+        import cProfile
+
+        self.path = path
+        self.profile = cProfile.Profile()
+        self.profile.enable()
+        log.warning("profiling the event loop into %s until the server stops", path)
+
+    @classmethod
+    def from_env(cls) -> "_LoopProfile | None":
+        path = os.environ.get("SLMRANK_PROFILE_LOOP")
+        return cls(path) if path else None
+
+    def dump(self) -> None:
+        self.profile.disable()
+        try:
+            self.profile.dump_stats(self.path)
+        except OSError as e:
+            log.error("cannot write the event-loop profile: %s", e)
+
+
 def _exit_after(grace_s: float) -> None:
     """The grace is a promise: should a batch outlast it, the process exits anyway (code 1)."""
     def force_exit() -> None:
@@ -555,8 +581,11 @@ async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model],
             code = 1
     elif ready.done() and on_ready is not None:
         on_ready(server)
+    profile = _LoopProfile.from_env() if code == 0 else None
     if code == 0:
         await stopped
+    if profile is not None:
+        profile.dump()
     stopped.cancel()
     shutting_down.append(asyncio.ensure_future(server.shutdown()))
     try:

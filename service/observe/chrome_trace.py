@@ -14,7 +14,7 @@ import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .records import WALL_OFFSET_NS, SpanRecord
 
@@ -42,32 +42,73 @@ class TraceSnapshot:
     num_added: int
 
     def to_json(self) -> dict[str, Any]:
-        groups = sorted(self.groups, key=lambda g: (g.start_ns, -g.end_ns))
-        origin = groups[0].start_ns if groups else 0
-        events: list[dict[str, Any]] = []
-        rows: dict[int, list[int]] = {pid: [] for pid in PROCESS_NAMES}  # pid -> end_ns of each row's last group
-        for g in groups:
+        events = list(self._events())
+        return {"traceEvents": self._meta() + events, **self._tail()}
+
+    def dumps(self, pause: Callable[[], None] | None = None, chunk: int = 256) -> str:
+        """The JSON of to_json(). With pause, rendered `chunk` events at a time and pause() called
+        between chunks: the metrics thread renders while the event loop serves, and one C call of
+        json.dumps over 20,000 events holds the GIL for tens of ms (the loop waits for it);
+        pause=lambda: time.sleep(0) hands the GIL over after each chunk instead."""
+        sep = (",", ":")
+        parts: list[str] = []
+        buf: list[dict[str, Any]] = []
+        for event in self._events():
+            buf.append(event)
+            if len(buf) >= chunk:
+                parts.append(json.dumps(buf, separators=sep)[1:-1])
+                buf.clear()
+                if pause is not None:
+                    pause()
+        if buf:
+            parts.append(json.dumps(buf, separators=sep)[1:-1])
+        head = json.dumps(self._meta(), separators=sep)[1:-1]
+        tail = json.dumps(self._tail(), separators=sep)[1:]
+        return '{"traceEvents":[' + ",".join(p for p in (head, *parts) if p) + "]," + tail
+
+    def _sorted(self) -> list[_Group]:
+        return sorted(self.groups, key=lambda g: (g.start_ns, -g.end_ns))
+
+    def _origin(self) -> int:
+        return min(((g.start_ns, -g.end_ns) for g in self.groups), default=(0, 0))[0]
+
+    def _rows(self) -> dict[int, list[int]]:
+        """pid -> the end_ns of each row's last group: the layout, in the order groups are drawn."""
+        rows: dict[int, list[int]] = {pid: [] for pid in PROCESS_NAMES}
+        for g in self._sorted():
+            ends = rows[g.pid]
+            row = next((i for i, e in enumerate(ends) if e <= g.start_ns), len(ends))
+            ends[row:row + 1] = [g.end_ns]
+        return rows
+
+    def _events(self) -> Iterator[dict[str, Any]]:
+        origin = self._origin()
+        rows: dict[int, list[int]] = {pid: [] for pid in PROCESS_NAMES}  # as _rows(), while drawing
+        for g in self._sorted():
             ends = rows[g.pid]
             row = next((i for i, e in enumerate(ends) if e <= g.start_ns), len(ends))
             ends[row:row + 1] = [g.end_ns]
             for name, cat, s, e, args in g.events:
                 # ends rounded like starts, so a child never pokes out of its parent
                 ts, end_us = round((s - origin) / 1e3, 3), round((e - origin) / 1e3, 3)
-                events.append({"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": round(end_us - ts, 3),
-                               "pid": g.pid, "tid": row + 1, "args": {k: v for k, v in args.items() if v is not None}})
+                yield {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": round(end_us - ts, 3),
+                       "pid": g.pid, "tid": row + 1, "args": {k: v for k, v in args.items() if v is not None}}
+
+    def _meta(self) -> list[dict[str, Any]]:
+        rows = self._rows()
         meta = []
         for pid, name in PROCESS_NAMES.items():
             meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
             meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
             meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": row + 1,
                       "args": {"name": f"{ROW_NAMES[pid]} row {row + 1}"}} for row in range(len(rows[pid]))]
-        num_requests = sum(g.pid == PIDS["request"] for g in groups)
-        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-                "otherData": {"clock": "monotonic", "origin_wall_ns": origin + WALL_OFFSET_NS, "requests": num_requests,
-                              "requests_dropped": self.num_added - num_requests}}
+        return meta
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), separators=(",", ":"))
+    def _tail(self) -> dict[str, Any]:
+        num_requests = sum(g.pid == PIDS["request"] for g in self.groups)
+        return {"displayTimeUnit": "ms",
+                "otherData": {"clock": "monotonic", "origin_wall_ns": self._origin() + WALL_OFFSET_NS,
+                              "requests": num_requests, "requests_dropped": self.num_added - num_requests}}
 
 
 class ChromeTraceWriter:

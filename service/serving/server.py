@@ -20,6 +20,7 @@ phases and DAG nodes, encode, send) and feeds ServerMetrics; with `metrics_port`
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -385,6 +386,7 @@ class RankerServer:
         if self.metrics is not None:
             self.metrics.set_model(self.servicer.info)
         self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler
+        _freeze_heap()
         await self._set_health(SERVING)
         log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
 
@@ -468,6 +470,18 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
         return server.add_secure_port(address, credentials)
     except RuntimeError as e:  # grpc: "Failed to bind to address ..."
         raise BindError(f"cannot listen on {address}: the port is in use or the address is not available") from e
+
+
+def _freeze_heap() -> None:
+    """Moves every object alive after loading (the model's Python side, torch, grpc, the tokenizer:
+    hundreds of thousands) out of the garbage collector's reach. Python's full collection walks
+    them all: on a 2-core machine one took up to 385 ms, stalling the event loop and every request
+    on it (a light client's p99 went from 29 to 323-493 ms beside maximal requests). Frozen, a full
+    collection walks only what serving allocates; what loading left behind is never freed, which
+    is what a long-lived server wants of it anyway."""
+    gc.collect()
+    gc.freeze()
+    log.debug("garbage collector: %d objects frozen after loading", gc.get_freeze_count())
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:

@@ -281,6 +281,25 @@ def test_chrome_trace_is_bounded() -> None:
     assert kept and max(kept) == 19  # the newest are kept
 
 
+def test_chrome_trace_rendered_in_chunks_is_the_same_json() -> None:
+    """/trace renders on the metrics thread in chunks, handing the GIL to the event loop between
+    them: the text must be the one-piece rendering's, whatever the chunk size."""
+    writer = ChromeTraceWriter(max_events=10_000)
+    base = time.monotonic_ns()
+    for i in range(12):  # overlapping requests: several rows per process
+        writer.add(build_records(synthetic(base + i * 3 * MS, batch_id=i // 2, batch_index=i % 2, scale=1 + i / 7)))
+    snap = writer.snapshot()
+    whole = json.dumps(snap.to_json(), separators=(",", ":"))
+    for chunk in (1, 7, 256, 100_000):
+        pauses = [0]
+        text = snap.dumps(pause=lambda: pauses.__setitem__(0, pauses[0] + 1), chunk=chunk)
+        assert text == whole, chunk
+        n_events = sum(e["ph"] == "X" for e in json.loads(text)["traceEvents"])
+        assert pauses[0] == n_events // chunk, (chunk, pauses[0], n_events)
+    empty = ChromeTraceWriter().snapshot()
+    assert empty.dumps(pause=lambda: None) == json.dumps(empty.to_json(), separators=(",", ":"))
+
+
 def test_trace_command_prints_where_the_time_went(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tracer = keep_all()
     base = time.monotonic_ns()

@@ -164,6 +164,18 @@ class SpanRecord:
 
 def node_category(node: str) -> str:
     """layer.3 -> layers, step2.lm_head -> decode lm_head (as ops/bench_executor.py groups them)."""
+    category = _CATEGORIES.get(node)
+    if category is None:
+        if len(_CATEGORIES) >= 4096:  # node names come from the artifact's DAGs: a few hundred
+            _CATEGORIES.clear()
+        category = _CATEGORIES[node] = _node_category(node)
+    return category
+
+
+_CATEGORIES: dict[str, str] = {}
+
+
+def _node_category(node: str) -> str:
     prefix = ""
     if node.startswith("step") and "." in node:
         node, prefix = node.split(".", 1)[1], "decode "
@@ -231,10 +243,12 @@ def _add_execution(records: list[SpanRecord], t: RequestTimings) -> None:
         lane = "gpu"
     else:  # eager: host time per node; a GPU's event times ride along as attributes
         at, lane = launch, "executor"
-    for name, host_ms, device_ms in nodes:
-        dur = round(max(device_ms if lane == "gpu" else host_ms, 0.0) * 1e6)
-        add(name, at, at + dur, lane, "node", node=name, category=node_category(name), host_ms=host_ms,
-            device_ms=device_ms)
+    on_gpu, batch_id = lane == "gpu", t.batch_id
+    for name, host_ms, device_ms in nodes:  # ~150 a batch for a real model: kept lean
+        dur = round(max(device_ms if on_gpu else host_ms, 0.0) * 1e6)
+        records.append(SpanRecord(name, at, at + dur, execute, lane, "node",
+                                  {"batch_id": batch_id, "node": name, "category": node_category(name),
+                                   "host_ms": host_ms, "device_ms": device_ms}))
         at += dur
     add("d2h", min(at, d2h_end), d2h_end)
     add("unpack", d2h_end, end, lane="request")  # results back on the event loop, split per request

@@ -506,6 +506,24 @@ def test_a_drain_that_times_out_answers_the_queued_requests(art):
     asyncio.run(main())
 
 
+def _first_batch(art: Any, reqs: list, before: Any = None) -> list:
+    """The ids of the batch a fresh Scheduler would form first from `reqs` queued in this order
+    (NORMAL priority, one client); before() runs just before the plan."""
+    from service.serving.cost import request_kind
+
+    async def plan() -> list:
+        s = Scheduler(art, FakeRuntime(), None, BatcherConfig())
+        loop = asyncio.get_running_loop()
+        for r in reqs:
+            s.admission.admit(Ticket(r, request_kind(r), N, None, future=loop.create_future(), client="c",
+                                     cost=s._cost(r)))
+        if before is not None:
+            before()
+        return [t.payload.id for t in s._plan(time.monotonic()).tickets]
+
+    return asyncio.run(plan())
+
+
 # ---- planning cost ------------------------------------------------------------------------------
 
 def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypatch):
@@ -514,7 +532,6 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
     bucket, and it looks at MAX_MISSES requests that do not join at most for one further back that
     would."""
     from service.serving import batcher as bm
-    from service.serving.cost import request_kind
 
     calls = [0]
     fit = bm._Fill.fit
@@ -525,18 +542,11 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
 
     monkeypatch.setattr(bm._Fill, "fit", counting_fit)
 
-    async def plan(reqs: list) -> list:
-        s = Scheduler(art, FakeRuntime(), None, BatcherConfig())
-        loop = asyncio.get_running_loop()
-        for r in reqs:
-            s.admission.admit(Ticket(r, request_kind(r), N, None, future=loop.create_future(), client="c",
-                                     cost=s._cost(r)))
-        calls[0] = 0
-        p = s._plan(time.monotonic())
-        return [t.payload.id for t in p.tickets]
+    def plan(reqs: list) -> list:
+        return _first_batch(art, reqs, before=lambda: calls.__setitem__(0, 0))
 
     most = max(b.max_requests for b in art.buckets.score)
-    got = asyncio.run(plan([score(f"s{i}") for i in range(250)]))
+    got = (plan([score(f"s{i}") for i in range(250)]))
     assert got == [f"s{i}" for i in range(most)] and calls[0] <= most + 1
 
     # batch times where beam rows are what costs: a wide request beside a narrow head would make the
@@ -547,9 +557,9 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
         return BeamRequest(prompt_ids=(5, 6, 7), beam_width=art.limits.max_beam_width, new_tokens=1, id=name)
 
     near = [beam("head")] + [big(f"w{i}") for i in range(bm.MAX_MISSES - 1)] + [beam("small")]
-    assert asyncio.run(plan(near)) == ["head", "small"]  # found behind MAX_MISSES - 1 that do not join
+    assert (plan(near)) == ["head", "small"]  # found behind MAX_MISSES - 1 that do not join
     far = [beam("head")] + [big(f"w{i}") for i in range(200)] + [beam("small")]
-    assert asyncio.run(plan(far)) == ["head"] and calls[0] <= bm.MAX_MISSES + 1
+    assert (plan(far)) == ["head"] and calls[0] <= bm.MAX_MISSES + 1
 
 
 def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(art, monkeypatch):
@@ -559,23 +569,17 @@ def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(
     the H200: W2 at 8 in flight ran in batches of exactly 2, two at a time sharing the GPU); with
     only 3 waiting, the batch stays at 2 (a bucket of 4 would be a third idle)."""
     from service.serving import batcher as bm
-    from service.serving.cost import request_kind
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.max_requests * b.beam_width)
 
-    async def plan(reqs: list) -> list:
-        s = Scheduler(art, FakeRuntime(), None, BatcherConfig())
-        loop = asyncio.get_running_loop()
-        for r in reqs:
-            s.admission.admit(Ticket(r, request_kind(r), N, None, future=loop.create_future(), client="c",
-                                     cost=s._cost(r)))
-        return [t.payload.id for t in s._plan(time.monotonic()).tickets]
+    def plan(reqs: list) -> list:
+        return _first_batch(art, reqs)
 
     sizes = sorted({b.max_requests for b in bm.buckets_by_kind(art)["beam.n1"] if b.beam_width >= 2})
     most = sizes[-1]
     assert most >= 4, sizes  # the embedded artifact has buckets of 1, 2, 4, ... requests for narrow beams
-    assert asyncio.run(plan([beam(f"b{i}") for i in range(most)])) == [f"b{i}" for i in range(most)]
-    assert asyncio.run(plan([beam(f"b{i}") for i in range(3)])) == ["b0", "b1"]
+    assert (plan([beam(f"b{i}") for i in range(most)])) == [f"b{i}" for i in range(most)]
+    assert (plan([beam(f"b{i}") for i in range(3)])) == ["b0", "b1"]
 
 
 def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):

@@ -258,6 +258,12 @@ class Tokenizer(ABC):
         short beams, written to the wire as bytes)."""
         return [self.decode(ids).encode() for ids in seqs]
 
+    def token_bytes(self) -> list[bytes | None] | None:
+        """Each id's bytes (None: an id that is no token), where decode() is the join of its ids'
+        bytes made valid UTF-8 with errors="replace" — what a response encoder outside Python may
+        use instead of decode(); None when decoding is more than that (normalizers, byte fallback)."""
+        return None
+
     @abstractmethod
     def files(self) -> dict[str, bytes]:
         """Files to copy into a deployment artifact directory (name -> content), such that
@@ -514,6 +520,9 @@ class TiktokenTokenizer(Tokenizer):
                     raw = raw.decode("utf-8", errors="replace").encode()
             out.append(raw)
         return out
+
+    def token_bytes(self) -> list[bytes | None] | None:
+        return self._token_bytes or self._build_token_bytes()
 
     def _build_token_bytes(self) -> list[bytes | None]:
         table: list[bytes | None] = [None] * self.vocab_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -200,6 +200,13 @@ def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> l
     """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first."""
     # only the live part becomes Python objects (padding requests and beams are most of a wide bucket)
     n, width = len(batch.requests), max((r.beam_width for r in batch.requests), default=0)
-    seq_rows, score_rows = seqs[:n, :width].tolist(), scores[:n, :width].tolist()
-    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
+    live_seqs, live_scores = seqs[:n, :width], scores[:n, :width]
+    seq_rows, score_rows = live_seqs.tolist(), live_scores.tolist()
+    rows: list[Any] = [None] * n
+    if live_seqs.device.type == "cpu" and live_scores.device.type == "cpu":
+        # each result's own copy of its rows (the runtime may reuse its output buffers)
+        live_seqs, live_scores = live_seqs.clone(), live_scores.clone()
+        rows = [(live_seqs[r, :req.beam_width], live_scores[r, :req.beam_width])
+                for r, req in enumerate(batch.requests)]
+    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])), rows[r])
             for r, req in enumerate(batch.requests)]

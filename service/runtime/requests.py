@@ -6,9 +6,9 @@ field and the limit, and nothing else is disturbed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ..model.config import ModelConfig, ServingLimits
 
@@ -65,6 +65,10 @@ class Beam(NamedTuple):
 @dataclass(frozen=True)
 class BeamResult:
     beams: list[Beam]  # best first
+    # the output rows the beams were read from (ids [w, n] int64, log-probs [w] float32, on the
+    # CPU, owned by this result), for an encoder that writes the response straight from them (the
+    # gRPC codec's BeamWire); not part of the value
+    rows: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
 
 
 def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:

@@ -74,6 +74,7 @@ class Codec:
         # the response encoder's varint of every model id (a response's ids and lengths; ~6 MB for a
         # 152k vocabulary)
         self._varint_table = [_varint(i) for i in range(max(self.model.vocab_size, 1 << 14))]
+        self._wire = _beam_wire(tokenizer, self.model.vocab_size)
 
     # -- requests -------------------------------------------------------------------------------
     def score_request(self, msg: Any) -> tuple[ScoreRequest, Priority]:
@@ -158,7 +159,13 @@ class Codec:
         (hundreds of beams a response: half the event-loop time of building the message and
         serializing it), byte for byte what BeamSearchResponse(...).SerializeToString() gives:
         each Beam is field 1 of the response, length-delimited; in it ids (field 1, packed varints),
-        logprob (field 2, float32; left out when +0.0, as proto3 does) and text (field 3, UTF-8)."""
+        logprob (field 2, float32; left out when +0.0, as proto3 does) and text (field 3, UTF-8).
+        From the result's output rows through the C++ BeamWire when it can (~1 us a beam instead of
+        ~4), else here."""
+        if self._wire is not None and result.rows is not None:
+            wire = self._wire.encode(*result.rows)
+            if wire is not None:  # None: an id that is no token or not the model's, handled below
+                return wire
         beams = result.beams
         seqs = [b.ids for b in beams]
         flat = [i for ids in seqs for i in ids]
@@ -281,3 +288,16 @@ def _engine_check(validate: Callable[..., None], req: ScoreRequest | BeamRequest
         for pattern, repl in _ENGINE_TO_PROTO:
             field = pattern.sub(repl, field)
         raise RequestError(field, str(e).removeprefix(f"{e.field}: ")) from None
+
+
+def _beam_wire(tokenizer: Tokenizer, model_vocab: int) -> Any:
+    """The C++ response encoder over the tokenizer's token bytes, or None (a tokenizer whose
+    decoding is more than joining bytes, or no extension built): Codec.beam_response's Python path."""
+    table = tokenizer.token_bytes()
+    if table is None:
+        return None
+    try:
+        from cpp_dag._core import BeamWire
+    except ImportError:
+        return None
+    return BeamWire(table, model_vocab)

@@ -394,3 +394,54 @@ def test_beam_response_bytes_are_protobufs_own_and_texts_the_tokenizers(embedded
     assert odd.text == tok.decode(cut[:1]) + "\ufffd" + tok.decode(cut[1:2])
     with pytest.raises(ValueError, match="vocabulary"):
         codec.beam_response(BeamResult([Beam([art.config.vocab_size], -1.0)]))
+
+
+def test_beam_response_from_output_rows_is_the_same_bytes(embedded_tiny):
+    """A result that carries its output rows (as unpack_beam's do) is written by the C++ BeamWire:
+    the same bytes as the Python path over random beams of every width and the edges (+0.0, -0.0,
+    NaN, ids of 1-3 varint bytes, characters cut between tokens and invalid UTF-8 joins, made valid
+    as Python's errors="replace"); an id the tokenizer lacks falls back to the Python path (its
+    U+FFFD), one outside the model's vocabulary is still an error."""
+    import math
+
+    import torch
+
+    from service.model.tokenizer import load_tokenizer
+    from service.runtime.requests import Beam, BeamResult
+    from service.serving.grpc_codec import Codec
+    from cpp_dag._core import utf8_replace
+
+    art = embedded_tiny[1]
+    tok = load_tokenizer(art.tokenizer_dir)
+    codec = Codec(art, tok)
+    assert codec._wire is not None, "the tiktoken tokenizer's token bytes feed the C++ encoder"
+    table = tok.token_bytes()
+    high = [i for i, b in enumerate(table) if b is not None and any(c >= 0x80 for c in b)]  # bytes of cut characters
+
+    def both(ids: list[list[int]], lps: list[float]) -> tuple[bytes, bytes]:
+        seqs, scores = torch.tensor(ids, dtype=torch.int64).reshape(len(ids), -1), torch.tensor(lps, dtype=torch.float32)
+        beams = [Beam(list(r), lp) for r, lp in zip(seqs.tolist(), scores.tolist())]
+        return codec.beam_response(BeamResult(beams, (seqs, scores))), codec.beam_response(BeamResult(beams))
+
+    rng = random.Random(11)
+    for case in range(60):
+        width, n = rng.randint(1, 400 if case % 10 == 0 else 40), rng.randint(1, 6)
+        pool = high if case % 2 else range(tok.vocab_size)
+        ids = [[rng.choice(pool) for _ in range(n)] for _ in range(width)]
+        lps = [-rng.random() * 40 for _ in range(width)]
+        fast, slow = both(ids, lps)
+        assert fast == slow, case
+    edges = [[0, 127, 128], [16383, 16384, tok.vocab_size - 1], [5, 6, 7], [high[0], high[1], high[2]]]
+    for lps in ([0.0, -0.0, math.nan, -1e-42], [-1.5, -2.5, -3.5, -4.5]):
+        fast, slow = both(edges, lps)
+        assert fast == slow
+    # the C++ replacement is CPython's, on the joins a response meets and on arbitrary bytes
+    for _ in range(3000):
+        raw = bytes(rng.choice([rng.randrange(256), rng.randrange(0x80, 0x100)]) for _ in range(rng.randint(0, 9)))
+        assert utf8_replace(raw) == raw.decode("utf-8", errors="replace").encode(), raw
+    # fallbacks: an id the model has but the tokenizer does not (U+FFFD, the Python path), and one
+    # outside the model's vocabulary (an error, never a response)
+    fast, slow = both([[5, tok.vocab_size + 3, 6]], [-1.0])
+    assert fast == slow and "\ufffd" in codec.pb2.BeamSearchResponse.FromString(fast).beams[0].text
+    with pytest.raises(ValueError, match="vocabulary"):
+        both([[art.config.vocab_size]], [-1.0])

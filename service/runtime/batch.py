@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -201,12 +201,12 @@ def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> l
     # only the live part becomes Python objects (padding requests and beams are most of a wide bucket)
     n, width = len(batch.requests), max((r.beam_width for r in batch.requests), default=0)
     live_seqs, live_scores = seqs[:n, :width], scores[:n, :width]
-    seq_rows, score_rows = live_seqs.tolist(), live_scores.tolist()
-    rows: list[Any] = [None] * n
     if live_seqs.device.type == "cpu" and live_scores.device.type == "cpu":
-        # each result's own copy of its rows (the runtime may reuse its output buffers)
+        # each result's own copy of its rows (the runtime may reuse its output buffers); its beams
+        # become Python objects only if asked for (the gRPC codec writes the response from the rows)
         live_seqs, live_scores = live_seqs.clone(), live_scores.clone()
-        rows = [(live_seqs[r, :req.beam_width], live_scores[r, :req.beam_width])
+        return [BeamResult(rows=(live_seqs[r, :req.beam_width], live_scores[r, :req.beam_width]))
                 for r, req in enumerate(batch.requests)]
-    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])), rows[r])
+    seq_rows, score_rows = live_seqs.tolist(), live_scores.tolist()
+    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
             for r, req in enumerate(batch.requests)]

@@ -6,7 +6,7 @@ field and the limit, and nothing else is disturbed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple, Sequence
 
@@ -62,13 +62,34 @@ class Beam(NamedTuple):
     logprob: float
 
 
-@dataclass(frozen=True)
 class BeamResult:
-    beams: list[Beam]  # best first
-    # the output rows the beams were read from (ids [w, n] int64, log-probs [w] float32, on the
-    # CPU, owned by this result), for an encoder that writes the response straight from them (the
-    # gRPC codec's BeamWire); not part of the value
-    rows: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
+    """A request's beams, best first. From a runtime, it holds the output rows they were read from
+    (ids [w, n] int64, log-probs [w] float32, on the CPU, owned by this result): an encoder can
+    write the response straight from them (the gRPC codec's BeamWire), and `beams` becomes Python
+    objects only when first asked for (a W5 request has 400 beams, unpacked on the event loop).
+    Equal when the beams are; the rows are no part of the value."""
+
+    __slots__ = ("_beams", "rows")
+
+    def __init__(self, beams: list[Beam] | None = None, rows: tuple[Any, Any] | None = None) -> None:
+        if beams is None and rows is None:
+            raise ValueError("BeamResult: needs its beams or its output rows")
+        self._beams, self.rows = beams, rows
+
+    @property
+    def beams(self) -> list[Beam]:
+        if self._beams is None:
+            seqs, scores = self.rows  # type: ignore[misc]
+            self._beams = list(map(Beam, seqs.tolist(), scores.tolist()))
+        return self._beams
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BeamResult) and self.beams == other.beams
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BeamResult(beams={self.beams!r})"
 
 
 def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:

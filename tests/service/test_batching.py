@@ -322,3 +322,28 @@ def test_default_score_buckets_are_request_blocks(plan_artifact) -> None:
     # the smallest padded bucket wins: 3 requests of 100 tokens go to 4 blocks of 128
     reqs = [ScoreRequest(samples=((1,) * 50, (2,) * 50), label_ids=(1,))] * 3
     assert pick_score_bucket(plan_artifact.buckets, reqs).key == f"score.r4.l128.s{4 * lim.max_samples}"
+
+
+def test_unpacked_beam_results_keep_their_own_rows_and_equal_the_eager_beams() -> None:
+    """unpack_beam hands each request its own copy of its output rows (the runtime may reuse its
+    buffers) and makes Python beams only when asked; they equal beams read eagerly."""
+    from service.runtime.batch import unpack_beam
+    from service.runtime.requests import Beam
+
+    bucket = BeamBucket(new_tokens=3, max_requests=4, max_prompt_tokens=64, beam_width=8)
+    reqs = [BeamRequest(prompt_ids=(1, 2), beam_width=w, new_tokens=3) for w in (8, 2, 5)]
+    batch = pack_beam(reqs, bucket)
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randint(0, 1000, (4, 8, 3), generator=g)
+    scores = -torch.rand(4, 8, generator=g) * 20
+    results = unpack_beam(batch, seqs, scores)
+    eager = [BeamResult([Beam(ids, lp) for ids, lp in zip(seqs[r, :q.beam_width].tolist(),
+                                                          scores[r, :q.beam_width].tolist())])
+             for r, q in enumerate(reqs)]
+    seqs.zero_()  # the runtime reuses its output buffer for the next batch
+    scores.zero_()
+    assert results == eager and [len(r.beams) for r in results] == [8, 2, 5]
+    assert all(r.rows is not None and r.rows[0].shape == (q.beam_width, 3) for r, q in zip(results, reqs))
+    assert results[0] != eager[1] and repr(results[1]).startswith("BeamResult(beams=[Beam(ids=")
+    with pytest.raises(ValueError, match="beams or its output rows"):
+        BeamResult()

@@ -466,6 +466,8 @@ class Scheduler:
             fill.add(t.payload, bucket)
             tickets.append(t)
             deadline = tighter
+        # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
+        is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
         return _Plan(tickets, is_full, fill.bucket)
 
     def _hold_until(self, plan: _Plan, now: float) -> float:

@@ -216,6 +216,13 @@ def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
                                         "score.r1.l2048.s64": {"batches": 1, "occupancy_mean": 1.0}}
         await s.close()
 
+        # exactly the cap waiting and nothing behind it: full, it goes without waiting max_wait
+        s = await started(art, rt, max_wait_s=60.0, max_batch_requests=3)
+        three = [asyncio.create_task(s.submit(score(f"e{i}"))) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*three), 10)
+        assert rt.started[-1] == ["e0", "e1", "e2"]
+        await s.close()
+
     asyncio.run(main())
 
 

@@ -281,21 +281,29 @@ def test_chrome_trace_is_bounded() -> None:
     assert kept and max(kept) == 19  # the newest are kept
 
 
-def test_chrome_trace_rendered_in_chunks_is_the_same_json() -> None:
-    """/trace renders on the metrics thread in chunks, handing the GIL to the event loop between
-    them: the text must be the one-piece rendering's, whatever the chunk size."""
+def test_chrome_trace_renders_each_group_once_and_the_same_json() -> None:
+    """/trace renders on the metrics thread, handing the GIL to the event loop between chunks; a
+    refresh renders only the requests kept since the last one (each group keeps its row and its
+    text), and the text is the one-piece rendering's whatever the chunk size."""
     writer = ChromeTraceWriter(max_events=10_000)
     base = time.monotonic_ns()
     for i in range(12):  # overlapping requests: several rows per process
         writer.add(build_records(synthetic(base + i * 3 * MS, batch_id=i // 2, batch_index=i % 2, scale=1 + i / 7)))
     snap = writer.snapshot()
-    whole = json.dumps(snap.to_json(), separators=(",", ":"))
-    for chunk in (1, 7, 256, 100_000):
-        pauses = [0]
-        text = snap.dumps(pause=lambda: pauses.__setitem__(0, pauses[0] + 1), chunk=chunk)
-        assert text == whole, chunk
-        n_events = sum(e["ph"] == "X" for e in json.loads(text)["traceEvents"])
-        assert pauses[0] == n_events // chunk, (chunk, pauses[0], n_events)
+    pauses = [0]
+    text = snap.dumps(pause=lambda: pauses.__setitem__(0, pauses[0] + 1), chunk=1)
+    data = json.loads(text)
+    n_groups = len(snap.groups)
+    assert pauses[0] == n_groups  # chunk=1: a pause after every group rendered
+    assert text == json.dumps(snap.to_json(), separators=(",", ":"))
+    assert max(e["tid"] for e in data["traceEvents"] if e["pid"] == 1) >= 2  # overlapping requests: rows
+    pauses[0] = 0
+    assert writer.snapshot().dumps(pause=lambda: pauses.__setitem__(0, pauses[0] + 1), chunk=1) == text
+    assert pauses[0] == 0  # nothing new: nothing rendered again
+    writer.add(build_records(synthetic(base + 40 * MS, batch_id=99)))
+    again = writer.snapshot().dumps(pause=lambda: pauses.__setitem__(0, pauses[0] + 1), chunk=1)
+    assert 1 <= pauses[0] <= 3 and len(again) > len(text)  # the new request's groups only
+    assert json.loads(again)["traceEvents"][-1]["ts"] >= 0
     empty = ChromeTraceWriter().snapshot()
     assert empty.dumps(pause=lambda: None) == json.dumps(empty.to_json(), separators=(",", ":"))
 

@@ -38,10 +38,12 @@ class _Group:
     tid: int = 0
     text: tuple[int, str] | None = None  # (origin_ns it was rendered against, its events' JSON)
 
+    def is_rendered(self, origin_ns: int) -> bool:
+        return self.text is not None and self.text[0] == origin_ns
+
     def render(self, origin_ns: int) -> str:
-        cached = self.text
-        if cached is not None and cached[0] == origin_ns:
-            return cached[1]
+        if self.is_rendered(origin_ns):
+            return self.text[1]  # type: ignore[index]
         events = []
         for name, cat, s, e, args in self.events:
             # ends rounded like starts, so a child never pokes out of its parent
@@ -73,7 +75,7 @@ class TraceSnapshot:
         parts: list[str] = []
         fresh = 0
         for g in sorted(self.groups, key=lambda g: (g.start_ns, -g.end_ns)):
-            if g.text is None or g.text[0] != self.origin_ns:
+            if not g.is_rendered(self.origin_ns):
                 fresh += len(g.events)
             parts.append(g.render(self.origin_ns))
             if pause is not None and fresh >= chunk:
@@ -138,7 +140,7 @@ class ChromeTraceWriter:
         # a row whose last group ended before this one starts: a row's groups never overlap
         ends = self._row_ends.setdefault(group.pid, [])
         row = next((i for i, e in enumerate(ends) if e <= group.start_ns), len(ends))
-        ends[row:row + 1] = [max(group.end_ns, ends[row] if row < len(ends) else group.end_ns)]
+        ends[row:row + 1] = [group.end_ns]
         group.tid = row + 1
         self._groups.append(group)
         self._keys.add(group.key)

@@ -113,8 +113,8 @@ class ServerMetrics:
             # real model's batch has ~150 nodes; this runs on the event loop)
             totals: dict[tuple[str, str], float] = {}
             for node, host_ms, device_ms in ex.get("nodes", ()):
-                key, ms = ((node_category(node), "device"), device_ms) if device_ms >= 0 \
-                    else ((node_category(node), "host"), host_ms)
+                clock, ms = ("device", device_ms) if device_ms >= 0 else ("host", host_ms)
+                key = (node_category(node), clock)
                 totals[key] = totals.get(key, 0.0) + ms
             for (category, clock), ms in totals.items():
                 self._child(self.node_seconds, category, clock).inc(ms / 1e3)

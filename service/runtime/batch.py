@@ -10,6 +10,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..artifact.buckets import BeamBucket, BucketTable, ScoreBucket
@@ -144,15 +145,26 @@ def _pad_run(tokens: list[int], n: int, run_len: list[int], run_pos0: list[int],
 def _expand_runs(run_len: list[int], run_pos0: list[int], run_seg: list[int], run_ctx: list[int],
                  total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row positions, seg, ctx [total] from the runs: seg and ctx repeat the run's value; a
-    segment's positions count up from its first (run_pos0), padding's stay 0."""
-    lens = _i64(run_len)
-    seg_of_run = _i64(run_seg)
-    seg = torch.repeat_interleave(seg_of_run, lens, output_size=total)
-    ctx = torch.repeat_interleave(_i64(run_ctx), lens, output_size=total)
+    segment's positions count up from its first (run_pos0), padding's stay 0.
+
+    numpy, not torch: torch.repeat_interleave on the CPU fans even an 8,192-row expansion out over
+    every intra-op thread, and on the 16-core H200 host each call took ~1.4 ms of the event loop
+    (3 a batch: half the loop's CPU at W1 in a cProfile of ops/loop_cost.py); numpy's repeat stays
+    on the calling thread."""
+    lens = np.array(run_len, dtype=np.int64)
+    seg = np.repeat(np.array(run_seg, dtype=np.int64), lens)
+    ctx = np.repeat(np.array(run_ctx, dtype=np.int64), lens)
+    if len(seg) != total:
+        raise ValueError(f"runs cover {len(seg)} rows, not {total}")
     # row - (first row of its run - run_pos0), times 0 in padding (seg -1)
-    shift = torch.repeat_interleave(torch.cumsum(lens, 0) - lens - _i64(run_pos0), lens, output_size=total)
-    positions = (torch.arange(total, dtype=torch.int64) - shift) * (seg >= 0)
-    return positions, seg, ctx
+    shift = np.repeat(np.cumsum(lens) - lens - np.array(run_pos0, dtype=np.int64), lens)
+    positions = (np.arange(total, dtype=np.int64) - shift) * (seg >= 0)
+    return torch.from_numpy(positions), torch.from_numpy(seg), torch.from_numpy(ctx)
+
+
+def _repeat_each(values: list[int] | range, times: int) -> torch.Tensor:
+    """[v0]*times + [v1]*times + ... as int64 (torch.repeat_interleave without its thread fan-out)."""
+    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), times))
 
 
 def unpack_score(batch: ScoreBatch, scores: torch.Tensor) -> list[ScoreResult]:
@@ -189,8 +201,8 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
         "seg": _i64(seg + [-1] * pad_n),
         "last": _i64(last + [0] * pad_r),
         "beam_width": _i64(widths),
-        "beam_req": torch.arange(r_max, dtype=torch.int64).repeat_interleave(b),
-        "beam_pos": _i64(prompt_len).repeat_interleave(b),
+        "beam_req": _repeat_each(range(r_max), b),
+        "beam_pos": _repeat_each(prompt_len, b),
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
     }
     return BeamBatch(requests, bucket, inputs)

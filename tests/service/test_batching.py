@@ -300,6 +300,46 @@ def test_pack_score_equals_its_row_by_row_contract(seed: int, num_requests: int)
     assert all(v.dtype == torch.int64 for v in pack_score(reqs, bucket, 4).inputs.values())
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 4))
+def test_pack_beam_equals_its_row_by_row_contract(seed: int, num_requests: int) -> None:
+    rng = random.Random(seed)
+    width, r_max = rng.randint(1, 6), num_requests + rng.randint(0 if num_requests else 1, 2)
+    reqs = [BeamRequest(prompt_ids=_ids(rng, rng.randint(1, 9), 1000), beam_width=rng.randint(1, width), new_tokens=3)
+            for _ in range(num_requests)]
+    n_max = sum(len(r.prompt_ids) for r in reqs) + rng.randint(0 if num_requests else 1, 4)
+    bucket = BeamBucket(max_requests=r_max, beam_width=width, max_prompt_tokens=n_max, new_tokens=3)
+    got = {k: v.tolist() for k, v in pack_beam(reqs, bucket).inputs.items()}
+    prompts = [list(r.prompt_ids) for r in reqs]
+    pad_n, pad_r = n_max - sum(map(len, prompts)), r_max - num_requests
+    assert got["tokens"] == [t for p in prompts for t in p] + [0] * pad_n
+    assert got["positions"] == [i for p in prompts for i in range(len(p))] + [0] * pad_n
+    assert got["seg"] == [r for r, p in enumerate(prompts) for _ in p] + [-1] * pad_n
+    assert got["beam_width"] == [r.beam_width for r in reqs] + [0] * pad_r
+    # decode rows: request r owns rows r*B .. r*B+B-1, each starting at its prompt's end
+    assert got["beam_req"] == [r for r in range(r_max) for _ in range(width)]
+    assert got["beam_pos"] == [len(p) for p in prompts for _ in range(width)] + [0] * (pad_r * width)
+    assert got["beam_seqs"] == [[[0] * 3] * width] * r_max
+
+
+def test_packing_runs_no_torch_op_that_fans_out_over_threads(monkeypatch) -> None:
+    """Packing runs on the event loop for every batch. torch.repeat_interleave on the CPU splits even
+    a few thousand rows over every intra-op thread: on the 16-core H200 host each call took ~1.4 ms
+    of the loop (3 a W1 batch, half the loop's CPU in a profile). Packing must not call it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.repeat_interleave on the packing path")
+
+    monkeypatch.setattr(torch, "repeat_interleave", refuse)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    rng = random.Random(3)
+    reqs = _score_reqs(rng, 3, 1000, 2)
+    bucket = ScoreBucket(max_tokens=4 * 128, max_samples=32, max_requests=4)
+    assert pack_score(reqs, bucket, 2).inputs["seg"].shape == (512,)
+    beams = [BeamRequest(prompt_ids=_ids(rng, 5, 1000), beam_width=4, new_tokens=2) for _ in range(2)]
+    assert pack_beam(beams, BeamBucket(max_requests=4, beam_width=4, max_prompt_tokens=16, new_tokens=2)
+                     ).inputs["beam_req"].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+
+
 def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:
     bucket = ScoreBucket(max_tokens=2 * 8, max_samples=4, max_requests=2)
     one = ScoreRequest(samples=((1,) * 5,), label_ids=(1,))

@@ -14,7 +14,8 @@ FLOPs per request (service/model/flops.py) x capacity / 989e12 (H200 dense BF16)
 
 With --peer and an embedded spec, the artifact's weights are written as an HF checkpoint
 (ops/bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
-A few fixed requests go to both first; their largest difference is reported ("agreement").
+slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
+every system (their largest difference is reported: "agreement"), and the peers are measured.
 
 Workloads: W1..W6 (BENCHMARKS.md), or custom: "score,prefix=0,samples=3,len=8,labels=2" /
 "beam,prompt=16,beam=4,new=3". Token ids are uniform in [0, min(150000, vocab)), fixed seed.
@@ -384,19 +385,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "--grace-s", "5",
             "--capture-graphs", args.capture_graphs, "--kernels", args.kernels, *shlex.split(args.serve_args)],
             out / "slmrank_server.log", args.start_timeout_s)
+        await wait_serving(procs["slmrank"].target, args.start_timeout_s)
+        result["startup_s"] = round(time.perf_counter() - t0, 2)
+        # slmrank is measured before any peer process exists: a peer beside it, even idle between
+        # its batches, shares the host's cores (its torch threads spin after each op, and a
+        # compiled peer compiles at its first batches), and slmrank's event loop is CPU-bound
+        print(f"slmrank on {procs['slmrank'].target}:", flush=True)
+        result["systems"]["slmrank"] = await bench_system("slmrank", procs["slmrank"].target, w, high, args, flops,
+                                                          procs["slmrank"].metrics_url)
         for name, extra in peers.items():
             procs[name] = Proc(name, [
                 sys.executable, str(Path(__file__).with_name("hf_peer.py")), "--checkpoint", ckpt, "--host", "127.0.0.1",
                 "--port", "0", "--device", args.device, *extra], out / f"{name}.log", args.start_timeout_s)
-        for p in procs.values():
-            await wait_serving(p.target, args.start_timeout_s)
-        result["startup_s"] = round(time.perf_counter() - t0, 2)
+            await wait_serving(procs[name].target, args.start_timeout_s)
         if peers:
             result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high, args.check_requests)
-        for name, p in procs.items():
-            print(f"{name} on {p.target}:", flush=True)
-            result["systems"][name] = await bench_system(name, p.target, w, high, args, flops,
-                                                         p.metrics_url if name == "slmrank" else None)
+        for name in peers:
+            print(f"{name} on {procs[name].target}:", flush=True)
+            result["systems"][name] = await bench_system(name, procs[name].target, w, high, args, flops, None)
     finally:
         for name, p in procs.items():
             rc = p.stop()

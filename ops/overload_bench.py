@@ -10,6 +10,8 @@
    --client-procs processes; --online-share of the requests are ONLINE with --online-deadline-ms,
    the others NORMAL with --deadline-ms. A refused request is not retried: it is the excess.
 4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
+5. Every 50 ms, from each client process: a grpc.health.v1 Check, the floor any answer has under
+   this load (gRPC and the event loop, no work of slmrank's), reported beside the refusal latency.
 
 Report (DIR/overload.json, and a table): served QPS as a share of capacity (issue 11: >= 0.9),
 ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms), status codes, admitted
@@ -124,6 +126,26 @@ async def open_loop(call: Any, make: MakeRequest, rate_per_s: float, duration_s:
     return list(await asyncio.gather(*tasks))
 
 
+async def health_probe(channel: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
+    """grpc.health.v1 Check every interval_s on the channel the load uses: the latency of an RPC the
+    server answers with no work of its own (gRPC and the event loop only), under the same load. A
+    refusal cannot be faster than this floor; the gap between them is what refusing costs."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    out: list[float] = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            out.append(time.perf_counter() - t)
+        except grpc.aio.AioRpcError:
+            pass  # a probe lost to the load is not a latency
+        await asyncio.sleep(interval_s)
+    return out
+
+
 def pct_ms(values_s: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values_s) * 1e3, q)) if len(values_s) else float("nan")
 
@@ -151,7 +173,7 @@ def summarize(outcomes: Sequence[Outcome], window_s: float) -> dict[str, Any]:
 def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: float, duration_s: float,
             online_share: float, online_deadline_s: float, deadline_s: float, conn: Any) -> None:
     """One client process: its share of the open loop; sends back its outcomes."""
-    async def main() -> list[Outcome]:
+    async def main() -> tuple[list[Outcome], list[float]]:
         stubs = load_stubs()
         reqs = Requests(w, high, seed=seed)
         pool = [reqs.next() for _ in range(256)]  # building a message costs more than sending it
@@ -168,9 +190,11 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
             stub = stubs.pb2_grpc.RankerStub(ch)
             await ch.channel_ready()
             call = stub.Score if w["kind"] == "score" else stub.BeamSearch
-            return await open_loop(call, make, rate_per_s, duration_s, seed=seed)
+            return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed),
+                                        health_probe(ch, duration_s))
 
-    conn.send([asdict(o) for o in asyncio.run(main())])
+    outcomes, probes = asyncio.run(main())
+    conn.send({"outcomes": [asdict(o) for o in outcomes], "probes": probes})
     conn.close()
 
 
@@ -277,7 +301,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
             pipes.append(parent)
             procs.append(p)
-        outcomes = [Outcome(**o) for parent in pipes for o in parent.recv()]
+        sent = [parent.recv() for parent in pipes]
+        outcomes = [Outcome(**o) for part in sent for o in part["outcomes"]]
+        probes = [t for part in sent for t in part["probes"]]
         for p in procs:
             p.join(30)
         if scraped is not None:
@@ -289,6 +315,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         s = summarize(outcomes, args.duration_s)
         s["offered_qps"] = len(outcomes) / args.duration_s
         s["served_share_of_capacity"] = s["served_qps"] / result["capacity"]["qps"]
+        s.update(health_probes=len(probes), probe_p50_ms=pct_ms(probes, 50), probe_p99_ms=pct_ms(probes, 99))
         result["overload"] = s
     finally:
         result["server_exit_code"] = server.stop()
@@ -320,6 +347,9 @@ def print_report(result: dict[str, Any]) -> None:
           f"(target < {SLO_ONLINE_P99_MS:.0f} ms)")
     print(f"refused {s['refused']}: p50 {s['refusal_p50_ms']:.3f} ms, p99 {s['refusal_p99_ms']:.3f} ms "
           f"(target < 1 ms); largest retry hint {s['max_retry_after_ms']} ms")
+    if s.get("health_probes"):
+        print(f"health checks beside the load (gRPC and the event loop alone) {s['health_probes']}: "
+              f"p50 {s['probe_p50_ms']:.3f} ms, p99 {s['probe_p99_ms']:.3f} ms")
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
           f"deadlines no request could meet: {s['impossible']}")
     if sv := result.get("server"):

@@ -1,6 +1,6 @@
 """Host work on the serving event loop, per request and stage, for a workload's shape.
 
-  python ops/bench_host.py [--workloads W1,W2,W3,W5] [--batch 8] [--queued 64] [--model embedded:tiny]
+  python ops/bench_host.py [--workloads W1,W2,W3,W5] [--batch 8] [--queued 64] [--model embedded:tiny] [--busy N]
 
 Every request `slmrank serve` answers passes through one event loop; this times, on this machine's
 CPU and without a GPU, the pieces of it that are slmrank's own (gRPC's share, and the loop's total,
@@ -18,7 +18,10 @@ and tokenizer, on requests of the workload's shape (bench_grpc.py's generator):
   trace      its span tree, for a request whose trace is kept (sampled or slow; not every request)
 
 Prints µs per request by stage, the sum without `trace`, and the requests per second that sum
-alone would allow one loop. Runs in seconds; the embedded models build their artifact (random
+alone would allow one loop. --busy N runs N processes that spin on the CPU meanwhile, as a
+serving host shares its cores with the rest of the pod and, in the benchmarks, the client
+processes: work that fans out over torch's intra-op threads stalls there and not on an idle host
+(torch.repeat_interleave in packing took ~1.4 ms a call on the H200 host under load). Runs in seconds; the embedded models build their artifact (random
 weights) on first use.
 """
 
@@ -26,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import multiprocessing as mp
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -165,22 +171,48 @@ def _wire(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
+def _spin(stop: Any) -> None:
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """n processes spinning on the CPU for the duration of the block."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(0.5 if n else 0.0)  # running before the first timing
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(5)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="W1,W2,W3,W5", help=f"comma list of {', '.join(WORKLOADS)} or custom")
     p.add_argument("--batch", type=int, default=8, help="requests per batch (the plan may form fewer: its bucket)")
     p.add_argument("--queued", type=int, default=64, help="requests waiting when a batch is formed")
     p.add_argument("--model", default=None, help="artifact spec for every workload (default: the workload's own)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N processes spinning on the CPU while it measures (a shared host)")
     args = p.parse_args()
     if args.queued < args.batch:
         raise SystemExit("--queued must be >= --batch")
     rows = []
     for name in args.workloads.split(","):
-        r = asyncio.run(measure(name.strip(), args.model, args.batch, args.queued))
+        with busy_processes(args.busy):
+            r = asyncio.run(measure(name.strip(), args.model, args.batch, args.queued))
         rows.append((name.strip(), r))
         print(f"[bench_host] {name}: batch of {r['batch']:.0f} in {r['bucket']}", flush=True)
     print(f"\nhost work on the event loop, µs per request (torch threads {torch.get_num_threads()}, "
-          f"{args.queued} queued)")
+          f"{args.queued} queued, {args.busy} busy processes beside it)")
     head = f"{'workload':10s}" + "".join(f"{s:>9s}" for s in STAGES) + f"{'sum':>9s}{'req/s':>9s}{'trace':>9s}"
     print(head)
     for name, r in rows:

@@ -21,8 +21,8 @@ Prints µs per request by stage, the sum without `trace`, and the requests per s
 alone would allow one loop. --busy N runs N processes that spin on the CPU meanwhile, as a
 serving host shares its cores with the rest of the pod and, in the benchmarks, the client
 processes: work that fans out over torch's intra-op threads stalls there and not on an idle host
-(torch.repeat_interleave in packing took ~1.4 ms a call on the H200 host under load). Runs in seconds; the embedded models build their artifact (random
-weights) on first use.
+(torch.repeat_interleave in packing took ~1.4 ms a call on the H200 host under load). Runs in
+seconds; the embedded models build their artifact (random weights) on first use.
 """
 
 from __future__ import annotations

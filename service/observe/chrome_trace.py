@@ -169,7 +169,7 @@ class ChromeTraceWriter:
         """Writes the file (atomically: a reader never sees half of it); returns the number of events."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        data = self.to_json()
-        tmp.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+        snapshot = self.snapshot()  # rendered once (cached group texts), not rendered, parsed and dumped again
+        tmp.write_text(snapshot.dumps(), encoding="utf-8")
         tmp.replace(path)
-        return sum(e["ph"] == "X" for e in data["traceEvents"])
+        return sum(len(g.events) for g in snapshot.groups)

@@ -68,7 +68,7 @@ class TraceSnapshot:
     def to_json(self) -> dict[str, Any]:
         return json.loads(self.dumps())
 
-    def dumps(self, pause: Callable[[], None] | None = None, chunk: int = 256) -> str:
+    def dumps(self, pause: Callable[[], None] | None = None, chunk: int = 64) -> str:
         """The trace's JSON text. Groups rendered before are reused; with pause, pause() is called
         after each `chunk` events newly rendered: the metrics thread renders while the event loop
         serves, and pause=lambda: time.sleep(0) hands the GIL over to it between chunks."""

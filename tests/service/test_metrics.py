@@ -357,6 +357,36 @@ def test_a_client_that_leaves_before_the_answer_leaves_no_traceback(capfd) -> No
     assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err, err
 
 
+def test_trace_renders_again_only_when_its_cost_fits_the_share_of_time_it_may_take() -> None:
+    """GET /trace renders at most every trace_refresh_s, and no more often than keeps its rendering
+    CPU under trace_max_share of the time; in between, polls get the cached body with its Age."""
+    def get(port: int) -> tuple[int, int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/trace", timeout=30) as r:
+            return json.loads(r.read())["otherData"]["requests"], int(r.headers["Age"])
+
+    for share, rerenders in ((1.0, True), (1e-6, False)):
+        chrome = ChromeTraceWriter(max_events=200_000)
+        for i in range(300):
+            chrome.add(build_records(executed(i, 0, graph=True)))
+        server = MetricsServer(ServerMetrics(), "127.0.0.1", 0, chrome=chrome, trace_refresh_s=0.0,
+                               trace_max_share=share)
+        port = server.start()
+        try:
+            assert get(port) == (300, 0)
+            for i in range(300, 600):
+                chrome.add(build_records(executed(i, 0, graph=True)))
+            t0 = time.monotonic()
+            time.sleep(1.0)  # more than rendering 300 requests costs (~0.1 s): with share 1.0 it renders again
+            requests, age = get(port)
+            # with share 1e-6 the next rendering waits (cost / 1e-6) s: more than a day for any cost
+            assert requests == (600 if rerenders else 300), (share, requests)
+            assert age == 0 if rerenders else 1 <= age <= time.monotonic() - t0 + 1, (share, age)
+        finally:
+            server.close()
+    with pytest.raises(ValueError, match="trace_max_share"):
+        MetricsServer(ServerMetrics(), "127.0.0.1", 0, trace_max_share=0.0)
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="per-thread CPU time is read from /proc")
 def test_event_loop_cpu_seconds_count_the_loop_thread_only() -> None:
     """slmrank_event_loop_cpu_seconds_total is the serving loop's thread: work on the loop moves

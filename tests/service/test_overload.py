@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -249,13 +250,19 @@ def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small
 # ---- the metrics endpoint and big texts ----------------------------------------------------------------
 
 _POLLER = """
-import os, sys, time, urllib.request
+import os, socket, sys, time
+from urllib.parse import urlsplit
 os.nice(19)  # the server's cost of answering is what is measured, not this process's CPU on a 2-core box
-url, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
+url, end = urlsplit(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+buf = bytearray(1 << 20)  # read into one buffer and drop: a dashboard elsewhere, not Python here, parses it
 first = True
 while time.monotonic() < end:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        r.read()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(f"GET {url.path} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+        n = s.recv_into(buf)
+        assert buf[:12] == b"HTTP/1.1 200", bytes(buf[:n])
+        while n:
+            n = s.recv_into(buf)
     if first:  # started (interpreter, imports): the load from here on is the polling alone
         print("polling", flush=True)
         first = False
@@ -273,50 +280,76 @@ def _started(procs: list[subprocess.Popen]) -> list[subprocess.Popen]:
 
 
 def _alternate(srv: ServerThread, start_load: Any, stop_load: Any, rounds: int = 4,
-               window_s: float = 1.5) -> tuple[list[ob.Outcome], list[ob.Outcome]]:
-    """Score latencies of 4 closed-loop clients, windows alternating without and with a load."""
+               window_s: float = 1.5) -> tuple[list[ob.Outcome], list[ob.Outcome], str]:
+    """Score latencies of 4 closed-loop clients, windows alternating without and with a load; and
+    each round's two p50s, for the report."""
     quiet: list[ob.Outcome] = []
     busy: list[ob.Outcome] = []
+    pairs: list[str] = []
 
     async def run(stub: Any) -> None:
         make = lambda i: (small(i), NORMAL, None)  # noqa: E731
         await ob.closed_loop(stub.Score, make, 4, 1.0)
         for k in range(rounds):
-            quiet.extend(await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k))
+            await asyncio.sleep(0.1)  # as before the loaded window: both windows start alike
+            q = await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k)
             handle = start_load()
             await asyncio.sleep(0.1)
-            busy.extend(await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k + 5000))
+            b = await ob.closed_loop(stub.Score, make, 4, window_s, first_index=10_000 * k + 5000)
             stop_load(handle)
+            quiet.extend(q)
+            busy.extend(b)
+            pairs.append(f"{_p50(q):.1f}/{_p50(b):.1f}")
 
     asyncio.run(_with_stub(srv.target, run))
-    return quiet, busy
+    return quiet, busy, "p50 quiet/loaded by round, ms: " + " ".join(pairs)
 
 
 def test_polling_trace_does_not_move_score_p50(small_model):
+    """4 clients poll /trace (each every 0.25 s) while requests are traced (all of them, within
+    the default budget of 50 a second) and the trace holds its maximum (20,000 events, ~3.6 MB):
+    the rendering of what is new (at most 2% of the time) and the sending happen on the metrics
+    thread; Score p50 moves by at most 10%.
+
+    The pollers start once and are paused (SIGSTOP) in the quiet windows: 16 rounds of 0.6 s,
+    where four rounds of 1.5 s, each starting 4 interpreters, let the drift of this shared 2-core
+    machine alone put the two p50s 11% apart once in CI."""
     config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_sample_rate=1.0,
                           batcher=BatcherConfig(validate_requests=False))
     srv = ServerThread(RankerServer(config, lambda: small_model))
     srv.wait_serving()
     url = f"http://127.0.0.1:{srv.server.metrics_server.port}/trace"
+    chrome = srv.server.metrics_server.chrome
+    pollers: list[subprocess.Popen] = []
 
-    def start() -> list[subprocess.Popen]:
-        return _started([subprocess.Popen([sys.executable, "-c", _POLLER, url, "30"], stdout=subprocess.PIPE, text=True)
-                         for _ in range(4)])
-
-    def stop(pollers: list[subprocess.Popen]) -> None:
+    def signal_all(sig: int) -> None:
         for p in pollers:
-            p.terminate()
-            p.wait(10)
+            assert p.poll() is None, f"a poller stopped: exit {p.returncode}"
+            p.send_signal(sig)
+
+    async def fill(stub: Any) -> None:  # the steady state: a full trace, the largest body
+        while chrome.num_events < chrome.max_events:
+            await ob.closed_loop(stub.Score, lambda i: (small(i), NORMAL, None), 4, 1.0, first_index=100_000)
 
     try:
+        asyncio.run(_with_stub(srv.target, fill))
         with urllib.request.urlopen(url, timeout=30) as r:
-            assert r.status == 200 and len(r.read()) > 0
-        quiet, busy = _alternate(srv, start, stop)
+            body = r.read()
+            assert r.status == 200 and len(body) > 1_000_000, len(body)
+        pollers += _started([subprocess.Popen([sys.executable, "-c", _POLLER, url, "600"], stdout=subprocess.PIPE,
+                                              text=True) for _ in range(4)])
+        signal_all(signal.SIGSTOP)
+        quiet, busy, rounds = _alternate(srv, lambda: signal_all(signal.SIGCONT),
+                                         lambda _: signal_all(signal.SIGSTOP), rounds=36, window_s=0.5)
     finally:
+        for p in pollers:
+            p.kill()
+            p.wait(10)
         srv.stop()
     p50_quiet, p50_busy = _p50(quiet), _p50(busy)
-    print(f"\nScore p50 {p50_quiet:.2f} ms; with 4 clients polling /trace {p50_busy:.2f} ms")
-    assert p50_busy <= 1.1 * p50_quiet, (p50_quiet, p50_busy)
+    report = f"Score p50 {p50_quiet:.2f} ms; with 4 clients polling /trace {p50_busy:.2f} ms ({rounds})"
+    print("\n" + report)
+    assert p50_busy <= 1.1 * p50_quiet, report
 
 
 def test_a_100kb_http_request_line_is_answered_without_a_traceback(small_model, caplog):
@@ -377,11 +410,12 @@ def test_megabyte_texts_do_not_slow_other_requests(small_model):
             p.wait(10)
 
     try:
-        quiet, busy = _alternate(srv, start, stop)
+        quiet, busy, rounds = _alternate(srv, start, stop)
         tokenized = srv.server.servicer.codec.tokenize_stats.num_segments
     finally:
         srv.stop()
     p50_quiet, p50_busy = _p50(quiet), _p50(busy)
-    print(f"\nScore p50 {p50_quiet:.2f} ms; with 4 clients sending 1 MB texts {p50_busy:.2f} ms")
+    report = f"Score p50 {p50_quiet:.2f} ms; with 4 clients sending 1 MB texts {p50_busy:.2f} ms ({rounds})"
+    print("\n" + report)
     assert tokenized == 0
-    assert p50_busy < 1.5 * p50_quiet, (p50_quiet, p50_busy)
+    assert p50_busy < 1.5 * p50_quiet, report

@@ -12,6 +12,9 @@
 4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
 5. Every 50 ms, from each client process: a grpc.health.v1 Check, the floor any answer has under
    this load (gRPC and the event loop, no work of slmrank's), reported beside the refusal latency.
+6. Every 10 s each client process prints what it sent and what came back; calls still unanswered
+   the longest deadline + 10 s after its last send are cancelled (CLIENT_CANCELLED), and a client
+   process that sends nothing back is counted as lost: the run ends and reports whatever happens.
 
 Report (DIR/overload.json, and a table): served QPS as a share of capacity (issue 11: >= 0.9),
 ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms), status codes, admitted
@@ -109,21 +112,46 @@ async def closed_loop(call: Any, make: MakeRequest, clients: int, duration_s: fl
 
 
 async def open_loop(call: Any, make: MakeRequest, rate_per_s: float, duration_s: float, seed: int = 1,
-                    metadata: Sequence[tuple[str, str]] = (), first_index: int = 0) -> list[Outcome]:
-    """Poisson arrivals at rate_per_s for duration_s, whatever the answers; refusals are not retried."""
+                    metadata: Sequence[tuple[str, str]] = (), first_index: int = 0, grace_s: float = 30.0,
+                    progress: Callable[[float, list[Outcome], int], None] | None = None,
+                    progress_every_s: float = 10.0) -> list[Outcome]:
+    """Poisson arrivals at rate_per_s for duration_s, whatever the answers; refusals are not retried.
+    Calls still unanswered grace_s after the last send are cancelled and count as CLIENT_CANCELLED
+    (a client that cannot keep up, or a server that never answers, ends the run rather than hanging
+    it); progress(t_s, outcomes so far, sent so far), when given, is called each progress_every_s of
+    the send schedule."""
     rng = random.Random(seed)
-    tasks: list[asyncio.Task] = []
+    out: list[Outcome] = []
+    pending: dict[asyncio.Task, tuple[float, int]] = {}  # the call -> when it was sent, its priority
     t0 = time.perf_counter()
-    next_s, i = 0.0, first_index
+    next_s, i, sent, next_report = 0.0, first_index, 0, progress_every_s
+
+    def finished(task: asyncio.Task) -> None:
+        pending.pop(task, None)
+        if not task.cancelled():
+            out.append(task.result())
+
     while next_s < duration_s:
         delay = t0 + next_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         msg, priority, deadline_s = make(i)
-        tasks.append(asyncio.ensure_future(call_once(call, msg, priority, deadline_s, t0, metadata)))
-        i += 1
+        task = asyncio.ensure_future(call_once(call, msg, priority, deadline_s, t0, metadata))
+        pending[task] = (time.perf_counter() - t0, priority)
+        task.add_done_callback(finished)
+        i, sent = i + 1, sent + 1
         next_s += rng.expovariate(rate_per_s)
-    return list(await asyncio.gather(*tasks))
+        if progress is not None and next_s >= next_report:
+            progress(next_s, out, sent)
+            next_report = (next_s // progress_every_s + 1) * progress_every_s
+    if pending:
+        await asyncio.wait(set(pending), timeout=grace_s)
+    waited_s = time.perf_counter() - t0
+    for task, (sent_s, priority) in list(pending.items()):  # never answered within the grace
+        task.cancel()
+        out.append(Outcome(sent_s, waited_s - sent_s, "CLIENT_CANCELLED", priority))
+    await asyncio.sleep(0)  # let the cancellations run
+    return out
 
 
 async def health_probe(channel: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
@@ -186,11 +214,17 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
             msg.priority = ONLINE if online else NORMAL
             return msg, msg.priority, online_deadline_s if online else deadline_s
 
+        def progress(t_s: float, outcomes: list[Outcome], sent: int) -> None:  # a run cut short still shows this
+            codes = Counter(o.code for o in outcomes)
+            print(f"  client {seed}: {t_s:.0f} s, sent {sent}, answered {len(outcomes)} {dict(codes)}", flush=True)
+
         async with grpc.aio.insecure_channel(target) as ch:
             stub = stubs.pb2_grpc.RankerStub(ch)
             await ch.channel_ready()
             call = stub.Score if w["kind"] == "score" else stub.BeamSearch
-            return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed),
+            grace_s = max(online_deadline_s, deadline_s) + 10.0
+            return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed, grace_s=grace_s,
+                                                  progress=progress),
                                         health_probe(ch, duration_s))
 
     outcomes, probes = asyncio.run(main())
@@ -268,7 +302,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "workload": w, "model": model,
         "device": args.device, "runtime": runtime, "dtype": dtype, "factor": args.factor,
-        "duration_s": args.duration_s, "online_share": args.online_share,
+        "duration_s": args.duration_s, "online_share": args.online_share, "client_procs": args.client_procs,
         "deadlines_ms": {"ONLINE": args.online_deadline_ms, "NORMAL": args.deadline_ms},
         "logical_flops_per_request": flops_per_request(artifact.config, w)}
     server = Proc("slmrank", [
@@ -301,11 +335,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
             pipes.append(parent)
             procs.append(p)
-        sent = [parent.recv() for parent in pipes]
+        # each worker ends by itself (its unanswered calls cancelled after a grace): this bounds a
+        # worker that died or hung without answering, so the rest of the run is still reported
+        end = time.monotonic() + args.duration_s + max(args.online_deadline_ms, args.deadline_ms) / 1e3 + 120.0
+        sent, lost = [], 0
+        for parent in pipes:
+            try:
+                if not await asyncio.to_thread(parent.poll, max(end - time.monotonic(), 0.0)):
+                    raise EOFError
+                sent.append(parent.recv())
+            except (EOFError, OSError):
+                lost += 1
         outcomes = [Outcome(**o) for part in sent for o in part["outcomes"]]
         probes = [t for part in sent for t in part["probes"]]
         for p in procs:
-            p.join(30)
+            p.join(10)
+            if p.is_alive():
+                p.kill()
         if scraped is not None:
             result["server"] = server_view(scraped, await asyncio.to_thread(scrape, server.metrics_url),
                                            time.perf_counter() - t_clients, len(outcomes))
@@ -315,7 +361,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         s = summarize(outcomes, args.duration_s)
         s["offered_qps"] = len(outcomes) / args.duration_s
         s["served_share_of_capacity"] = s["served_qps"] / result["capacity"]["qps"]
-        s.update(health_probes=len(probes), probe_p50_ms=pct_ms(probes, 50), probe_p99_ms=pct_ms(probes, 99))
+        s.update(health_probes=len(probes), probe_p50_ms=pct_ms(probes, 50), probe_p99_ms=pct_ms(probes, 99),
+                 client_procs_lost=lost)
         result["overload"] = s
     finally:
         result["server_exit_code"] = server.stop()
@@ -350,6 +397,8 @@ def print_report(result: dict[str, Any]) -> None:
     if s.get("health_probes"):
         print(f"health checks beside the load (gRPC and the event loop alone) {s['health_probes']}: "
               f"p50 {s['probe_p50_ms']:.3f} ms, p99 {s['probe_p99_ms']:.3f} ms")
+    if s.get("client_procs_lost"):
+        print(f"client processes lost (no outcomes back): {s['client_procs_lost']} of {result['client_procs']}")
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
           f"deadlines no request could meet: {s['impossible']}")
     if sv := result.get("server"):

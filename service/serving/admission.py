@@ -180,6 +180,8 @@ class Ticket:
     tag: float = 0.0  # start-time fair queuing: its virtual start in its lane
     answered_s: float = 0.0  # when its result (or error) was set
     predicted_s: float = 0.0  # admission's latency prediction before calibration
+    measured: bool = False  # its bucket's time came from measurements, not the assumed default: only
+    # then does its actual latency against the prediction teach the calibration anything
 
     def is_expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -262,6 +264,7 @@ class AdmissionController:
         if self.is_draining:
             self._refuse("draining", cfg.unavailable_retry_s, "the server is draining; send to another replica")
         ticket.own_s = own_s = self._bucket_s(ticket, 1, now)
+        ticket.measured = ticket.cost is not None and self.model.is_measured(ticket.cost.packings[0][1], now)
         if ticket.deadline is not None:
             self._check_meetable(ticket, own_s, now)
         ticket.work_s = work_s = self._share_s(ticket, now)

@@ -553,7 +553,7 @@ class Scheduler:
             for i, (t, result) in enumerate(zip(tickets, results)):
                 t.answered_s = answered_s
                 self._num_answered_late += t.deadline is not None and answered_s > t.deadline
-                if t.predicted_s:  # whether or not its caller is still there to hear it
+                if t.predicted_s and t.measured:  # whether or not its caller is still there to hear it
                     self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s)
                 _settle(t.future, Completed(result, RequestTimings(
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,

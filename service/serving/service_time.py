@@ -9,7 +9,7 @@ bucket_s(bucket)   how long a batch of this bucket holds the executor: a high qu
                    requests may all have been refused) is interpolated over the logical FLOPs of
                    the buckets measured lately (its family's; else scaled from the other family),
                    so the estimate keeps learning from whatever runs; failing that, its own old
-                   samples; failing that, `default_s`.
+                   samples; failing that, `default_s` (`is_measured` is then False).
 in flight          each batch handed over, with its predicted time: the first `num_lanes` are
                    running, the rest wait for a lane.
 parallelism        Σ batch run times / wall time the executor was busy (the union of the runs),
@@ -63,6 +63,7 @@ class ServiceTimeModel:
         self._last_seen: dict[str, float] = {}  # bucket key -> when its newest sample came
         self._infos: dict[str, BucketInfo] = {}
         self._interpolated: dict[str, float] = {}  # cleared whenever a sample arrives
+        self._assumed: set[str] = set()  # keys whose cached value is default_s (cleared with it)
         self._interpolated_at = -math.inf
         self._flights: dict[int, _Flight] = {}  # batch id -> flight, in hand-over order
         self._spans: deque[_BusySpan] = deque()  # within the window, oldest first
@@ -86,14 +87,25 @@ class ServiceTimeModel:
             return self._estimate[key]
         if now - self._interpolated_at > 1.0:  # freshness moves with time
             self._interpolated.clear()
+            self._assumed.clear()
             self._interpolated_at = now
         value = self._interpolated.get(key)
         if value is None:
             value = self._interpolate(info, now)
             if value is None:
-                value = self._estimate.get(key, self.default_s)
+                value = self._estimate.get(key)
+            if value is None:  # nothing measured says anything about it: the assumed default
+                value = self.default_s
+                self._assumed.add(key)
             self._interpolated[key] = value
         return value
+
+    def is_measured(self, info: BucketInfo, now: float) -> bool:
+        """Whether bucket_s(info) comes from measurements (its own, or its neighbours' by FLOPs)
+        rather than the assumed default_s: a prediction made on the default says nothing about
+        how well the model predicts, so it must not feed the calibration."""
+        self.bucket_s(info, now)
+        return info.key not in self._assumed
 
     def _interpolate(self, info: BucketInfo, now: float, exclude_self: bool = False,
                      across_families: bool = True) -> float | None:
@@ -138,6 +150,7 @@ class ServiceTimeModel:
         self._estimate[key] = _quantile(sorted(samples), self.quantile)
         self._last_seen[key] = now
         self._interpolated.clear()
+        self._assumed.clear()
         self.num_batches += 1
         self.last_run_s = seconds
 

@@ -293,6 +293,16 @@ def test_after_a_burst_of_maximal_requests_an_idle_server_admits_a_small_one():
     assert ctl.predict_latency_s(t) < 0.1
 
 
+def test_a_bucket_is_measured_once_it_or_a_neighbour_by_flops_has_run():
+    ctl, clock, _ = make()
+    cold = admit(ctl, "cold")
+    assert not cold.measured and not ctl.model.is_measured(S1, clock.t)  # the assumed default
+    measure(ctl.model, clock, S2, 0.02, 1)
+    assert admit(ctl, "warm").measured  # S1 from S2, by FLOPs
+    assert ctl.model.is_measured(S8, clock.t) and ctl.model.is_measured(BEAM, clock.t)  # and the other family
+    assert not admit(ctl, "unpriced", cost=None).measured  # priced by the default alone
+
+
 def test_one_outlier_batch_does_not_move_the_estimate():
     model, clock = ServiceTimeModel(), FakeClock(0.0)
     measure(model, clock, S1, 0.010, 20)

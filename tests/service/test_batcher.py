@@ -410,6 +410,28 @@ def test_a_too_short_deadline_is_refused_at_once_and_never_runs(art):
     asyncio.run(main())
 
 
+def test_a_cold_start_does_not_teach_the_calibration_the_assumed_default(art):
+    """Issue 11 on a cold CPU server: the first W1 request took 488 ms where 10 ms was assumed; that
+    49x "error" stretched every prediction by the calibration's cap (2x), and the idle server then
+    refused one request with a 1 s deadline ("predicted completion in 1.057 s"). A prediction made
+    on the assumed default teaches the calibration nothing; measured ones still do."""
+    rt = FakeRuntime(delay_s=0.2)
+
+    async def main() -> None:
+        s = await started(art, rt, AdmissionConfig(default_service_s=0.01), max_wait_s=0.0)
+        await s.submit(score("cold"), deadline=time.monotonic() + 5.0)  # 20x the assumed 10 ms
+        assert s.stats()["model"]["calibration"] == 1.0
+        # measured now (~0.2 s): its own time and margins fit 0.35 s on the idle server; stretched
+        # by a calibration of 2 they did not
+        await s.submit(score("warm"), deadline=time.monotonic() + 0.35)
+        assert rt.ran == ["cold", "warm"]
+        s.admission.model.observe_prediction(0.1, 0.15, s.clock())  # a measured miss still calibrates
+        assert s.stats()["model"]["calibration"] > 1.4
+        await s.close()
+
+    asyncio.run(main())
+
+
 def test_a_deadline_passing_in_the_queue_drops_the_request_unexecuted(art):
     rt = FakeRuntime()
 

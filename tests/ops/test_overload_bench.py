@@ -1,0 +1,52 @@
+"""ops/overload_bench.py's open loop ends on its own: an overload run on the H200 once ran past
+its time limit and its clients' outcomes were lost. Calls still unanswered a grace after the
+last send are cancelled and reported (CLIENT_CANCELLED); progress is reported while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+import overload_bench as ob  # noqa: E402
+
+
+def test_open_loop_cancels_what_is_never_answered_and_reports_the_rest() -> None:
+    answered = 0
+
+    async def call(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
+        nonlocal answered
+        if msg % 2:  # every other call is never answered
+            await asyncio.Event().wait()
+        answered += 1
+
+    reports: list[tuple[float, int, int]] = []
+
+    async def run() -> list[ob.Outcome]:
+        return await ob.open_loop(call, lambda i: (i, ob.NORMAL, None), rate_per_s=400.0, duration_s=0.5,
+                                  grace_s=0.3, progress=lambda t, out, sent: reports.append((t, len(out), sent)))
+
+    t0 = time.monotonic()
+    outcomes = asyncio.run(run())
+    took = time.monotonic() - t0
+    codes = [o.code for o in outcomes]
+    assert took < 0.5 + 0.3 + 1.0, took  # the send window, the grace, slack: not the calls' forever
+    assert codes.count("OK") == answered > 50
+    assert abs(codes.count("CLIENT_CANCELLED") - answered) <= 1  # the odd-numbered half, within one
+    assert reports == [], reports  # the first report is due at 10 s of the schedule
+
+
+def test_open_loop_reports_progress_on_its_schedule() -> None:
+    async def call(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
+        return None
+
+    reports: list[tuple[float, int, int]] = []
+    outcomes = asyncio.run(ob.open_loop(call, lambda i: (i, ob.NORMAL, None), rate_per_s=200.0, duration_s=1.05,
+                                        progress=lambda t, out, sent: reports.append((t, len(out), sent)),
+                                        progress_every_s=0.25))
+    assert [int(t / 0.25) for t, _, _ in reports] == [1, 2, 3, 4]
+    assert all(0 < answered <= sent < len(outcomes) for _, answered, sent in reports)

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,17 +101,35 @@ def time_runtime(rt, art, name, per_batch, seconds, g) -> dict:
         run_batch(rt, kind, b)
     torch.cuda.synchronize()
     n, t0 = 0, time.perf_counter()
-    times = []
+    times, phases = [], []
     while time.perf_counter() - t0 < seconds:
         kind, b = batches[n % len(batches)]
         s = time.perf_counter()
         run_batch(rt, kind, b)
         times.append((time.perf_counter() - s) * 1e3)
+        if (p := host_phases(getattr(rt, "last_timings", None), times[-1])) is not None:
+            phases.append(p)
         n += 1
     elapsed = time.perf_counter() - t0
     times.sort()
-    return {"batches": n, "req_per_s": n * per_batch / elapsed, "batch_ms_p50": times[len(times) // 2],
-            "batch_ms_max": times[-1], "requests_per_batch": per_batch, "bucket": batches[0][1].bucket.key}
+    out = {"batches": n, "req_per_s": n * per_batch / elapsed, "batch_ms_p50": times[len(times) // 2],
+           "batch_ms_max": times[-1], "requests_per_batch": per_batch, "bucket": batches[0][1].bucket.key}
+    if phases:  # medians, ms: where a batch's wall time goes besides the graph's own device time
+        out["phases_ms_p50"] = {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]}
+    return out
+
+
+def host_phases(timings: dict | None, wall_ms: float) -> dict[str, float] | None:
+    """A C++ runtime batch's wall time by phase (its executor's own clock, ns), in ms: staging the
+    inputs and enqueueing the copies (stage), the graph launch call (launch), waiting for the device
+    and the copies back (device_wait), what followed in the executor (finish: output clones, node
+    times), and the Python side around the call (python: wall - the executor's start to done)."""
+    if not timings or not timings.get("graph") or "d2h_end_ns" not in timings:
+        return None
+    ms = lambda a, b: (timings[b] - timings[a]) / 1e6  # noqa: E731
+    return {"stage": ms("start_ns", "h2d_end_ns"), "launch": ms("h2d_end_ns", "launch_ns"),
+            "device_wait": ms("launch_ns", "d2h_end_ns"), "finish": ms("d2h_end_ns", "done_ns"),
+            "python": wall_ms - ms("start_ns", "done_ns")}
 
 
 def time_submit(rt, art, name, per_batch, seconds, g, inflight: int) -> dict:
@@ -457,7 +476,8 @@ def main() -> None:
         print("identity (triton kernels):", result["identity_triton"]["equal_to_python"])
     for k, v in {**result.get("lanes", {}), **result.get("throughput", {})}.items():
         ms = f"batch p50 {v['batch_ms_p50']:7.2f} ms" if "batch_ms_p50" in v else ""
-        print(f"{k:28s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}  {ms}")
+        ph = "  " + " ".join(f"{p} {x:.3f}" for p, x in v["phases_ms_p50"].items()) if "phases_ms_p50" in v else ""
+        print(f"{k:28s} {v['req_per_s']:8.1f} req/s  MFU {v.get('eff_mfu_bf16', float('nan')):6.1%}  {ms}{ph}")
     if "nodes" in result:
         for k, v in result["nodes"].items():
             print(f"nodes {k}: wall p50 {v['wall_ms_p50']:.2f} ms, device sum {v['device_ms_sum']:.2f} ms")

@@ -62,8 +62,7 @@ class ServiceTimeModel:
         self._estimate: dict[str, float] = {}  # bucket key -> quantile of its samples
         self._last_seen: dict[str, float] = {}  # bucket key -> when its newest sample came
         self._infos: dict[str, BucketInfo] = {}
-        self._interpolated: dict[str, float] = {}  # cleared whenever a sample arrives
-        self._assumed: set[str] = set()  # keys whose cached value is default_s (cleared with it)
+        self._interpolated: dict[str, tuple[float, bool]] = {}  # (seconds, measured); cleared whenever a sample arrives
         self._interpolated_at = -math.inf
         self._flights: dict[int, _Flight] = {}  # batch id -> flight, in hand-over order
         self._spans: deque[_BusySpan] = deque()  # within the window, oldest first
@@ -82,30 +81,31 @@ class ServiceTimeModel:
     # -- the estimate of a bucket --
 
     def bucket_s(self, info: BucketInfo, now: float) -> float:
-        key = info.key
-        if key in self._estimate and self._last_seen[key] >= now - self.ttl_s:
-            return self._estimate[key]
-        if now - self._interpolated_at > 1.0:  # freshness moves with time
-            self._interpolated.clear()
-            self._assumed.clear()
-            self._interpolated_at = now
-        value = self._interpolated.get(key)
-        if value is None:
-            value = self._interpolate(info, now)
-            if value is None:
-                value = self._estimate.get(key)
-            if value is None:  # nothing measured says anything about it: the assumed default
-                value = self.default_s
-                self._assumed.add(key)
-            self._interpolated[key] = value
-        return value
+        return self._estimate_of(info, now)[0]
 
     def is_measured(self, info: BucketInfo, now: float) -> bool:
         """Whether bucket_s(info) comes from measurements (its own, or its neighbours' by FLOPs)
         rather than the assumed default_s: a prediction made on the default says nothing about
         how well the model predicts, so it must not feed the calibration."""
-        self.bucket_s(info, now)
-        return info.key not in self._assumed
+        return self._estimate_of(info, now)[1]
+
+    def _estimate_of(self, info: BucketInfo, now: float) -> tuple[float, bool]:
+        """(seconds, whether measurements gave them)."""
+        key = info.key
+        if key in self._estimate and self._last_seen[key] >= now - self.ttl_s:
+            return self._estimate[key], True
+        if now - self._interpolated_at > 1.0:  # freshness moves with time
+            self._interpolated.clear()
+            self._interpolated_at = now
+        cached = self._interpolated.get(key)
+        if cached is None:
+            value = self._interpolate(info, now)
+            if value is None:
+                value = self._estimate.get(key)
+            # nothing measured says anything about it: the assumed default
+            cached = (self.default_s, False) if value is None else (value, True)
+            self._interpolated[key] = cached
+        return cached
 
     def _interpolate(self, info: BucketInfo, now: float, exclude_self: bool = False,
                      across_families: bool = True) -> float | None:
@@ -150,7 +150,6 @@ class ServiceTimeModel:
         self._estimate[key] = _quantile(sorted(samples), self.quantile)
         self._last_seen[key] = now
         self._interpolated.clear()
-        self._assumed.clear()
         self.num_batches += 1
         self.last_run_s = seconds
 

@@ -7,7 +7,8 @@ the same kind ("score", or "beam.n<new_tokens>") joins it, in priority order, wh
 holds them all and, when that takes a larger bucket, the time per request is no worse and every
 member is still answered within its deadline. The batch is released at once when something of its
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
-has waited `max_wait_s`. Requests are never split.
+has waited `max_wait_s` (while another batch is in flight, up to `busy_wait_share` of its first
+request's time alone, at most `busy_wait_max_s`: see Scheduler._release_s). Requests are never split.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
@@ -66,9 +67,11 @@ class BatcherConfig:
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
     overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
+    busy_wait_share: float = 0.25  # while another batch is in flight, a batch not yet full waits up to this share of its first request's predicted time alone (what a second batch would cost), for more requests to join
+    busy_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s", "overlap_s"):
+        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "busy_wait_share", "busy_wait_max_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
@@ -400,7 +403,7 @@ class Scheduler:
                 if plan is None:
                     await self._wake.wait()
                     continue
-                release_s = max(plan.oldest_s + self.config.max_wait_s, self._hold_until(plan, now))
+                release_s = max(self._release_s(plan, now), self._hold_until(plan, now))
                 if plan.is_full or now >= release_s or self.admission.is_draining:
                     self._launch(plan, now)
                     continue
@@ -470,6 +473,28 @@ class Scheduler:
         is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
         return _Plan(tickets, is_full, fill.bucket)
 
+    def _release_s(self, plan: _Plan, now: float) -> float:
+        """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
+        member has waited max_wait_s; while other batches are in flight, up to busy_wait_share of
+        what its first request alone is predicted to take (capped at busy_wait_max_s). A second
+        batch beside a running one pays a batch's whole fixed cost (a BeamSearch batch of one costs
+        several times the step to two), so a short wait that lets what is arriving join it is worth
+        more than it costs; an idle executor starts at once. Never so late that a member would
+        miss its deadline."""
+        release = plan.oldest_s + self.config.max_wait_s
+        head = plan.tickets[0]
+        if not self._inflight or plan.bucket is None or head.cost is None:
+            return release
+        busy = min(self.config.busy_wait_max_s, self.config.busy_wait_share * self._solo_s(head, now))
+        if busy <= self.config.max_wait_s:
+            return release
+        release = plan.oldest_s + busy
+        deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
+        if deadlines:  # as _hold_until: a tenth of the batch (1 ms at least) before the last moment
+            finish_s = self._finish_s(self._bucket_s(plan.bucket, now))
+            release = min(release, min(deadlines) - finish_s - max(0.1 * finish_s, 1e-3))
+        return max(release, plan.oldest_s + self.config.max_wait_s)
+
     def _hold_until(self, plan: _Plan, now: float) -> float:
         """With overlap_s, when a batch not yet full should go while others are in flight: once the
         executor is predicted to be free within overlap_s (it gathers what arrives meanwhile into
@@ -489,14 +514,17 @@ class Scheduler:
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
 
+    def _solo_s(self, ticket: Ticket, now: float) -> float:
+        """A request's batch time alone (its smallest bucket)."""
+        return self.model.bucket_s(ticket.cost.solo, now)
+
     def _finish_s(self, batch_s: float) -> float:
         """From a batch's start to its answers, as admission predicts it."""
         return ((batch_s * (1 + self.admission.config.safety_margin) + self.admission.response_margin_s())
                 * self.model.calibration_at(self.clock()))
 
     def _is_heavy(self, ticket: Ticket, now: float) -> bool:
-        cost = ticket.cost
-        return cost is not None and self.model.bucket_s(cost.solo, now) > self.config.heavy_batch_s
+        return ticket.cost is not None and self._solo_s(ticket, now) > self.config.heavy_batch_s
 
     def _cost(self, request: Request) -> RequestCost | None:
         try:

@@ -88,10 +88,12 @@ class FakeSubmitRuntime(FakeRuntime):
     def __init__(self) -> None:
         super().__init__()
         self.pending: list[tuple[Any, asyncio.Future, int]] = []
+        self.submitted_s: list[float] = []  # time.monotonic() of each submit
 
     def submit(self, batch):
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((batch, fut, time.monotonic_ns()))
+        self.submitted_s.append(time.monotonic())
         return fut
 
     def finish_oldest(self) -> None:
@@ -676,3 +678,50 @@ def test_with_overlap_s_a_batch_gathers_behind_the_running_one_and_keeps_its_dea
     # a deadline the hold would break: they go once waiting longer would make them late
     capped, waited = asyncio.run(run(0.0, deadline_s=0.35))
     assert capped[1][:2] == ["r2", "r3"] and waited < 0.15, (capped, waited)
+
+
+def test_while_a_batch_runs_the_next_waits_a_share_of_its_cost_for_company(art, monkeypatch):
+    """busy_wait_share: beside a running batch, a batch not yet full waits up to that share of its
+    first request's time alone (a second batch's fixed cost), so what arrives meanwhile joins it:
+    one batch of 2 instead of 1 + 1 beside the running one. Without it the second slot is used at
+    once by what is there. The wait ends when the executor goes idle, and a deadline caps it."""
+    from service.serving import batcher as bm
+
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
+    monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
+
+    async def run(share: float, finish_r1_after_s: float | None = None,
+                  tight: bool = False) -> tuple[list[list[str]], float]:
+        rt = FakeSubmitRuntime()
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, busy_wait_share=share, busy_wait_max_s=0.1,
+                          heavy_batch_s=10.0)
+        first = asyncio.create_task(s.submit(score("r1")))
+        await until(lambda: len(rt.pending) == 1)
+        t0 = time.monotonic()
+        # tight: the batch's predicted finish (0.4 s stretched) and its 10% margin leave 10 ms to wait
+        deadline = t0 + 1.1 * s._finish_s(0.4) + 0.01 if tight else None
+        rest = [asyncio.create_task(s.submit(score("r2"), deadline=deadline))]
+        await asyncio.sleep(0.03)
+        rest.append(asyncio.create_task(s.submit(score("r3"), deadline=deadline)))
+        if finish_r1_after_s is not None:
+            await asyncio.sleep(max(0.0, finish_r1_after_s - (time.monotonic() - t0)))
+            rt.finish_oldest()
+        await until(lambda: len(rt.submitted_s) >= 2, timeout_s=5)
+        waited = rt.submitted_s[1] - t0  # r2's wait
+        while not all(t.done() for t in [first, *rest]):
+            if rt.pending:
+                rt.finish_oldest()
+            await asyncio.sleep(0.005)
+        await s.close()
+        return list(rt.started), waited
+
+    at_once, waited = asyncio.run(run(0.0))
+    assert at_once[:2] == [["r1"], ["r2"]] and waited < 0.03, (at_once, waited)
+    joined, waited = asyncio.run(run(0.25))  # waits up to min(0.1, 0.25 * 0.4 s) for r3
+    assert joined == [["r1"], ["r2", "r3"]] and 0.09 <= waited < 0.3, (joined, waited)
+    # the executor goes idle at 45 ms: the wait ends there, not at 100 ms
+    idle, waited = asyncio.run(run(0.25, finish_r1_after_s=0.045))
+    assert idle[1] == ["r2", "r3"] and waited < 0.09, (idle, waited)
+    # a deadline the wait would break: r2 goes alone, in time
+    capped, waited = asyncio.run(run(0.25, tight=True))
+    assert capped[1] == ["r2"] and waited < 0.03, (capped, waited)

@@ -7,8 +7,8 @@ the same kind ("score", or "beam.n<new_tokens>") joins it, in priority order, wh
 holds them all and, when that takes a larger bucket, the time per request is no worse and every
 member is still answered within its deadline. The batch is released at once when something of its
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
-has waited `max_wait_s` (while another batch is in flight, up to `busy_wait_share` of its first
-request's time alone, at most `busy_wait_max_s`: see Scheduler._release_s). Requests are never split.
+has waited `max_wait_s` (under load, up to `load_wait_share` of its first request's time alone, at
+most `load_wait_max_s`: see Scheduler._release_s). Requests are never split.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
@@ -67,11 +67,11 @@ class BatcherConfig:
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
     overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
-    busy_wait_share: float = 0.25  # while another batch is in flight, a batch not yet full waits up to this share of its first request's predicted time alone (what a second batch would cost), for more requests to join
-    busy_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
+    load_wait_share: float = 0.25  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
+    load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "busy_wait_share", "busy_wait_max_s"):
+        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "load_wait_share", "load_wait_max_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
@@ -122,6 +122,22 @@ class _Fill:
         self.tokens += req.num_tokens if isinstance(req, ScoreRequest) else len(req.prompt_ids)
         self.count += 1
         self.bucket = bucket
+
+
+class ArrivalRates:
+    """Requests a second per kind, exponentially weighted (time constant tau_s): each arrival adds
+    1 / tau_s, the sum decays as exp(-dt / tau_s); a steady rate r reads r."""
+
+    def __init__(self, tau_s: float = 0.5) -> None:
+        self.tau_s = tau_s
+        self._state: dict[str, tuple[float, float]] = {}  # kind -> (rate, at)
+
+    def add(self, kind: str, now: float) -> None:
+        self._state[kind] = (self.rate(kind, now) + 1.0 / self.tau_s, now)
+
+    def rate(self, kind: str, now: float) -> float:
+        rate, at = self._state.get(kind, (0.0, now))
+        return rate * math.exp(-max(now - at, 0.0) / self.tau_s)
 
 
 @dataclass
@@ -291,6 +307,7 @@ class Scheduler:
         self._num_answered_late = 0  # admitted, run, and answered after the deadline
         self._batch_sizes: Counter[int] = Counter()
         self._occupancy: dict[str, list[float]] = {}  # bucket key -> [batches, sum of occupancy]
+        self._arrivals = ArrivalRates()
 
     async def start(self) -> None:
         """Starts the batching loop on the running event loop."""
@@ -320,6 +337,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         ticket = Ticket(request, request_kind(request), priority, deadline, future=loop.create_future(),
                         client=client, cost=self._cost(request))
+        self._arrivals.add(ticket.kind, self.clock())
         self.admission.admit(ticket)
         timer = None
         if deadline is not None:
@@ -475,20 +493,23 @@ class Scheduler:
 
     def _release_s(self, plan: _Plan, now: float) -> float:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
-        member has waited max_wait_s; while other batches are in flight, up to busy_wait_share of
-        what its first request alone is predicted to take (capped at busy_wait_max_s). A second
-        batch beside a running one pays a batch's whole fixed cost (a BeamSearch batch of one costs
-        several times the step to two), so a short wait that lets what is arriving join it is worth
-        more than it costs; an idle executor starts at once. Never so late that a member would
-        miss its deadline."""
+        member has waited max_wait_s; when requests of its kind arrive at least one per time its
+        first request takes alone (a batch of one), up to load_wait_share of that time (capped at
+        load_wait_max_s). A second batch pays a batch's whole fixed cost again (a BeamSearch batch
+        of one costs several times the step to two), so under such load a short wait that lets
+        the next arrival join is worth more than it costs; at lighter load it would be waited in
+        vain. Never so late that a member would miss its deadline."""
         release = plan.oldest_s + self.config.max_wait_s
         head = plan.tickets[0]
-        if not self._inflight or plan.bucket is None or head.cost is None:
+        if plan.bucket is None or head.cost is None or self.config.load_wait_share <= 0:
             return release
-        busy = min(self.config.busy_wait_max_s, self.config.busy_wait_share * self._solo_s(head, now))
-        if busy <= self.config.max_wait_s:
+        solo_s = self._solo_s(head, now)
+        if self._arrivals.rate(head.kind, now) * solo_s < 1.0:
             return release
-        release = plan.oldest_s + busy
+        wait = min(self.config.load_wait_max_s, self.config.load_wait_share * solo_s)
+        if wait <= self.config.max_wait_s:
+            return release
+        release = plan.oldest_s + wait
         deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
         if deadlines:  # as _hold_until: a tenth of the batch (1 ms at least) before the last moment
             finish_s = self._finish_s(self._bucket_s(plan.bucket, now))

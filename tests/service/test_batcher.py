@@ -680,20 +680,19 @@ def test_with_overlap_s_a_batch_gathers_behind_the_running_one_and_keeps_its_dea
     assert capped[1][:2] == ["r2", "r3"] and waited < 0.15, (capped, waited)
 
 
-def test_while_a_batch_runs_the_next_waits_a_share_of_its_cost_for_company(art, monkeypatch):
-    """busy_wait_share: beside a running batch, a batch not yet full waits up to that share of its
-    first request's time alone (a second batch's fixed cost), so what arrives meanwhile joins it:
-    one batch of 2 instead of 1 + 1 beside the running one. Without it the second slot is used at
-    once by what is there. The wait ends when the executor goes idle, and a deadline caps it."""
+def test_under_load_a_batch_waits_a_share_of_its_cost_for_company(art, monkeypatch):
+    """load_wait_share: when requests of a kind arrive at least one per time a batch of one takes,
+    a batch not yet full waits up to that share of that time, so the next arrival joins it (one
+    batch of 2 instead of 1 + 1). At a lighter load, or with the share 0, it goes at once. A
+    deadline caps the wait."""
     from service.serving import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
-    monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
 
-    async def run(share: float, finish_r1_after_s: float | None = None,
-                  tight: bool = False) -> tuple[list[list[str]], float]:
+    async def run(share: float, solo_s: float, tight: bool = False) -> tuple[list[list[str]], float]:
+        monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: solo_s)
         rt = FakeSubmitRuntime()
-        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, busy_wait_share=share, busy_wait_max_s=0.1,
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, load_wait_share=share, load_wait_max_s=0.1,
                           heavy_batch_s=10.0)
         first = asyncio.create_task(s.submit(score("r1")))
         await until(lambda: len(rt.pending) == 1)
@@ -703,9 +702,6 @@ def test_while_a_batch_runs_the_next_waits_a_share_of_its_cost_for_company(art, 
         rest = [asyncio.create_task(s.submit(score("r2"), deadline=deadline))]
         await asyncio.sleep(0.03)
         rest.append(asyncio.create_task(s.submit(score("r3"), deadline=deadline)))
-        if finish_r1_after_s is not None:
-            await asyncio.sleep(max(0.0, finish_r1_after_s - (time.monotonic() - t0)))
-            rt.finish_oldest()
         await until(lambda: len(rt.submitted_s) >= 2, timeout_s=5)
         waited = rt.submitted_s[1] - t0  # r2's wait
         while not all(t.done() for t in [first, *rest]):
@@ -715,13 +711,26 @@ def test_while_a_batch_runs_the_next_waits_a_share_of_its_cost_for_company(art, 
         await s.close()
         return list(rt.started), waited
 
-    at_once, waited = asyncio.run(run(0.0))
-    assert at_once[:2] == [["r1"], ["r2"]] and waited < 0.03, (at_once, waited)
-    joined, waited = asyncio.run(run(0.25))  # waits up to min(0.1, 0.25 * 0.4 s) for r3
+    # two arrivals within ms: ~4 a second (ArrivalRates, tau 0.5 s)
+    joined, waited = asyncio.run(run(0.25, solo_s=0.4))  # 4/s x 0.4 s >= 1: waits min(0.1, 0.25 x 0.4 s)
     assert joined == [["r1"], ["r2", "r3"]] and 0.09 <= waited < 0.3, (joined, waited)
-    # the executor goes idle at 45 ms: the wait ends there, not at 100 ms
-    idle, waited = asyncio.run(run(0.25, finish_r1_after_s=0.045))
-    assert idle[1] == ["r2", "r3"] and waited < 0.09, (idle, waited)
+    light, waited = asyncio.run(run(0.25, solo_s=0.2))  # 4/s x 0.2 s < 1: at once
+    assert light[:2] == [["r1"], ["r2"]] and waited < 0.03, (light, waited)
+    off, waited = asyncio.run(run(0.0, solo_s=0.4))
+    assert off[:2] == [["r1"], ["r2"]] and waited < 0.03, (off, waited)
     # a deadline the wait would break: r2 goes alone, in time
-    capped, waited = asyncio.run(run(0.25, tight=True))
+    capped, waited = asyncio.run(run(0.25, solo_s=0.4, tight=True))
     assert capped[1] == ["r2"] and waited < 0.03, (capped, waited)
+
+
+def test_arrival_rates_read_a_steady_rate_and_decay():
+    from service.serving.batcher import ArrivalRates
+
+    rates = ArrivalRates(tau_s=0.5)
+    t = 0.0
+    for _ in range(2000):  # 200 a second for 10 s
+        rates.add("beam.n5", t)
+        t += 0.005
+    assert rates.rate("beam.n5", t) == pytest.approx(200, rel=0.02)
+    assert rates.rate("score", t) == 0.0
+    assert rates.rate("beam.n5", t + 0.5) == pytest.approx(200 / math.e, rel=0.02)

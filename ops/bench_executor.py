@@ -340,6 +340,55 @@ def breakdown(arts, g, wanted: list[str], kernels: str) -> dict:
     return out
 
 
+def kernel_profile(arts, g, wanted: list[tuple[str, int]], kernels: str, device: str = "cuda") -> dict:
+    """One batch's kernels: the batch run eagerly by the C++ runtime under torch.profiler (CUPTI sees
+    ATen's launches and the AOT Triton cubins' alike), beside the same batch replayed from its
+    graph. kernel_ms is the sum of the kernels' own device time; graph_ms the graph's device time
+    (its nodes' spans, gaps included); the difference is launch and dependency latency between
+    kernels, which only fewer kernels remove; each kernel's share says which are worth fusing.
+    On the CPU (CI) the rows are ATen ops and their self CPU time, and there is no graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    out = {}
+    for name, per_batch in wanted:
+        art = arts[WORKLOAD_MODELS[name][0]]
+        kind, batch = make_batch(art, [workload(name, g) for _ in range(per_batch)])
+        rt = CppRuntime(art, device=device, use_graphs=on_gpu, kernels=kernels)
+        walls = []
+        for i in range(23 if on_gpu else 4):
+            s = time.perf_counter()
+            run_batch(rt, kind, batch)
+            if i >= 3:  # after capture and warm-up
+                walls.append((time.perf_counter() - s) * 1e3)
+        graph_ms = sum(n[2 if on_gpu else 1] for n in rt.last_timings["nodes"])  # device ms; host ms on the CPU
+        phases = host_phases(rt.last_timings, walls[-1])
+        rt.shutdown()
+        rt = CppRuntime(art, device=device, use_graphs=False, kernels=kernels)
+        for _ in range(2):
+            run_batch(rt, kind, batch)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            run_batch(rt, kind, batch)
+            sync()
+        rt.shutdown()
+        rows = []
+        for ev in prof.key_averages():
+            us = (getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0) if on_gpu
+                  else ev.self_cpu_time_total)
+            if us > 0 and (on_gpu or ev.key.startswith("aten::")):
+                rows.append((ev.key[:70], ev.count, us / 1e3))
+        rows.sort(key=lambda r: -r[2])
+        kernel_ms = sum(r[2] for r in rows)
+        out[f"{name}/x{per_batch}/{kernels}"] = {
+            "bucket": batch.bucket.key, "launches": sum(r[1] for r in rows), "kernel_ms": round(kernel_ms, 3),
+            "graph_ms": round(graph_ms, 3), "wall_ms_p50": round(statistics.median(walls), 3),
+            "phases_ms": {k: round(v, 3) for k, v in (phases or {}).items()},
+            "top": [[k, n, round(ms, 3), round(ms / kernel_ms, 3)] for k, n, ms in rows[:16]]}
+    return out
+
+
 def soak(art, num_requests: int, g) -> dict:
     """num_requests consecutive mixed requests (small Score, short and wide BeamSearch), 8 to a
     batch; host RSS and GPU memory sampled after warm-up and then every 1,000 requests."""
@@ -380,6 +429,8 @@ def main() -> None:
     p.add_argument("--runtimes", default="cpp_graph,cpp_graph_triton,cpp_eager,python",
                    help="throughput: comma list of cpp_graph, cpp_graph_triton, cpp_eager, python")
     p.add_argument("--breakdown-kernels", default="aten,triton", help="node breakdown: comma list of aten,triton")
+    p.add_argument("--profile-batches", default="",
+                   help="kernel profile of one batch each, e.g. W2:1,W2:8,W3:1 (W:requests; fused kernels)")
     p.add_argument("--skip", default="",
                    help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf,strong")
     args = p.parse_args()
@@ -391,7 +442,8 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name(0)}
     arts = {}
     wanted = args.workloads.split(",")
-    specs = {"qwen2.5-0.5b", "qwen3-0.6b"} | {WORKLOAD_MODELS[w][0] for w in wanted}
+    profiled = [(w, int(n)) for w, n in (item.split(":") for item in filter(None, args.profile_batches.split(",")))]
+    specs = {"qwen2.5-0.5b", "qwen3-0.6b"} | {WORKLOAD_MODELS[w][0] for w in wanted + [w for w, _ in profiled]}
     for spec in sorted(specs):
         t = time.perf_counter()
         arts[spec] = load_artifact(build_artifact(f"embedded:{spec}", f"/tmp/art-{spec}", quiet=True))
@@ -423,6 +475,14 @@ def main() -> None:
             result["breakdown"].update(breakdown(arts, g, wanted, kernels))
         save(out, result)
         log(f"device ms by node category, one batch from its graph: {json.dumps(result['breakdown'])}")
+    if profiled:
+        result["kernel_profile"] = kernel_profile(arts, g, profiled, "triton")
+        save(out, result)
+        for key, r in result["kernel_profile"].items():
+            log(f"kernels {key} ({r['bucket']}): {r['launches']} launches, kernels {r['kernel_ms']} ms, "
+                f"graph {r['graph_ms']} ms, wall p50 {r['wall_ms_p50']} ms, phases {r['phases_ms']}")
+            for k, n, ms, share in r["top"]:
+                log(f"    {ms:8.3f} ms {share:6.1%} {n:5d}x  {k}")
     if "lanes" not in skip:
         result["lanes"] = lanes(arts, args.seconds, g)
         save(out, result)

@@ -507,14 +507,7 @@ class Scheduler:
         if self._arrivals.rate(head.kind, now) * solo_s < 1.0:
             return release
         wait = min(self.config.load_wait_max_s, self.config.load_wait_share * solo_s)
-        if wait <= self.config.max_wait_s:
-            return release
-        release = plan.oldest_s + wait
-        deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
-        if deadlines:  # as _hold_until: a tenth of the batch (1 ms at least) before the last moment
-            finish_s = self._finish_s(self._bucket_s(plan.bucket, now))
-            release = min(release, min(deadlines) - finish_s - max(0.1 * finish_s, 1e-3))
-        return max(release, plan.oldest_s + self.config.max_wait_s)
+        return max(min(plan.oldest_s + wait, self._latest_start_s(plan, now)), release)
 
     def _hold_until(self, plan: _Plan, now: float) -> float:
         """With overlap_s, when a batch not yet full should go while others are in flight: once the
@@ -525,12 +518,17 @@ class Scheduler:
             return -math.inf
         if self._heavy_inflight and self._bucket_s(plan.bucket, now) <= self.config.heavy_batch_s:
             return -math.inf  # light work never waits behind a heavy batch: that is what the last slot is for
-        hold = min(self._inflight_end.values()) - self.config.overlap_s
+        return min(min(self._inflight_end.values()) - self.config.overlap_s, self._latest_start_s(plan, now))
+
+    def _latest_start_s(self, plan: _Plan, now: float) -> float:
+        """The latest a batch that waits for more may start and still answer every member in time:
+        before the last moment by a tenth of the batch (1 ms at least), so that re-formed late it
+        still holds them. inf without deadlines."""
         deadlines = [t.deadline for t in plan.tickets if t.deadline is not None]
-        if deadlines:  # before the last moment (by a tenth of the batch, 1 ms at least): re-formed late, it still holds them
-            finish_s = self._finish_s(self._bucket_s(plan.bucket, now))
-            hold = min(hold, min(deadlines) - finish_s - max(0.1 * finish_s, 1e-3))
-        return hold
+        if not deadlines:
+            return math.inf
+        finish_s = self._finish_s(self._bucket_s(plan.bucket, now))
+        return min(deadlines) - finish_s - max(0.1 * finish_s, 1e-3)
 
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)

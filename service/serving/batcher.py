@@ -69,9 +69,14 @@ class BatcherConfig:
     overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
     load_wait_share: float = 0.25  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
     load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
+    # such a wait ends once the batch holds the requests of its kind expected in the server now
+    # (Little's law: arrival rate x (time in the server + this, a caller's time outside it between
+    # an answer and its next request: gRPC both ways, ~2 ms measured on the H200)), less those in flight
+    load_wait_outside_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "load_wait_share", "load_wait_max_s"):
+        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "load_wait_share", "load_wait_max_s",
+                     "load_wait_outside_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
@@ -138,6 +143,22 @@ class ArrivalRates:
     def rate(self, kind: str, now: float) -> float:
         rate, at = self._state.get(kind, (0.0, now))
         return rate * math.exp(-max(now - at, 0.0) / self.tau_s)
+
+
+class Residence:
+    """Seconds a request of a kind spends in the server (submit to answer), exponentially weighted
+    over answered requests (weight alpha each); None before the first answer."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self._mean: dict[str, float] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        mean = self._mean.get(kind)
+        self._mean[kind] = seconds if mean is None else mean + self.alpha * (seconds - mean)
+
+    def mean(self, kind: str) -> float | None:
+        return self._mean.get(kind)
 
 
 @dataclass
@@ -308,6 +329,8 @@ class Scheduler:
         self._batch_sizes: Counter[int] = Counter()
         self._occupancy: dict[str, list[float]] = {}  # bucket key -> [batches, sum of occupancy]
         self._arrivals = ArrivalRates()
+        self._residence = Residence()
+        self._inflight_by_kind: Counter[str] = Counter()  # requests in batches handed to the executor
 
     async def start(self) -> None:
         """Starts the batching loop on the running event loop."""
@@ -498,7 +521,9 @@ class Scheduler:
         load_wait_max_s). A second batch pays a batch's whole fixed cost again (a BeamSearch batch
         of one costs several times the step to two), so under such load a short wait that lets
         the next arrival join is worth more than it costs; at lighter load it would be waited in
-        vain. Never so late that a member would miss its deadline."""
+        vain. Nor once the batch already holds the requests expected in the server (Little's law:
+        those a closed loop of callers sends back together are all there, and the rest are in
+        flight), nor so late that a member would miss its deadline."""
         release = plan.oldest_s + self.config.max_wait_s
         head = plan.tickets[0]
         if plan.bucket is None or head.cost is None or self.config.load_wait_share <= 0:
@@ -506,8 +531,21 @@ class Scheduler:
         solo_s = self._solo_s(head, now)
         if self._arrivals.rate(head.kind, now) * solo_s < 1.0:
             return release
+        if self._expected_company(plan, now) < 0.5:
+            return release
         wait = min(self.config.load_wait_max_s, self.config.load_wait_share * solo_s)
         return max(min(plan.oldest_s + wait, self._latest_start_s(plan, now)), release)
+
+    def _expected_company(self, plan: _Plan, now: float) -> float:
+        """How many more requests of the plan's kind are expected to join it: those expected in
+        the server (arrival rate x (time in it + a caller's time outside it)) less those already in
+        the plan or in flight. inf before any of its kind was answered."""
+        kind = plan.tickets[0].kind
+        residence = self._residence.mean(kind)
+        if residence is None:
+            return math.inf
+        in_server = self._arrivals.rate(kind, now) * (residence + self.config.load_wait_outside_s)
+        return in_server - len(plan.tickets) - self._inflight_by_kind[kind]
 
     def _hold_until(self, plan: _Plan, now: float) -> float:
         """With overlap_s, when a batch not yet full should go while others are in flight: once the
@@ -558,6 +596,7 @@ class Scheduler:
         batch_id = self._num_batches
         is_heavy = plan.bucket is not None and self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s
         self._heavy_inflight += is_heavy
+        self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
             # when the executor is predicted to be done with it: after what is in flight already
@@ -599,6 +638,7 @@ class Scheduler:
             answered_s = self.clock()
             for i, (t, result) in enumerate(zip(tickets, results)):
                 t.answered_s = answered_s
+                self._residence.add(t.kind, answered_s - t.enqueued)
                 self._num_answered_late += t.deadline is not None and answered_s > t.deadline
                 if t.predicted_s and t.measured:  # whether or not its caller is still there to hear it
                     self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s)
@@ -607,6 +647,7 @@ class Scheduler:
                     batch.bucket.key, timings)))
         finally:
             self._heavy_inflight -= is_heavy
+            self._inflight_by_kind[tickets[0].kind] -= len(tickets)
             self._inflight -= 1
             self._inflight_end.pop(batch_id, None)
             self._wake.set()

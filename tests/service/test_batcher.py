@@ -723,6 +723,59 @@ def test_under_load_a_batch_waits_a_share_of_its_cost_for_company(art, monkeypat
     assert capped[1] == ["r2"] and waited < 0.03, (capped, waited)
 
 
+def test_a_load_wait_ends_once_the_batch_holds_the_requests_expected_in_the_server(art, monkeypatch):
+    """Little's law: with 10 requests a second staying 0.2 s in the server (outside time 0), 2 are
+    expected there. A batch of one waits for the second and goes the moment it joins, not at the end
+    of its wait; a batch that already holds them, or whose company is in flight, goes at once."""
+    from service.serving import batcher as bm
+
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
+    monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
+    monkeypatch.setattr(bm.ArrivalRates, "rate", lambda self, kind, now: 10.0)
+
+    async def run(residence_s: float, in_flight: bool = False) -> tuple[list[list[str]], float]:
+        rt = FakeSubmitRuntime()
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=3, load_wait_share=0.5, load_wait_max_s=0.2,
+                          load_wait_outside_s=0.0, heavy_batch_s=10.0)
+        monkeypatch.setattr(s._residence, "mean", lambda kind: residence_s)
+        tasks = []
+        if in_flight:  # r0 alone: a wait of 0.5 x 0.4 s (capped at 0.2 s) for company... that is in flight
+            monkeypatch.setattr(s, "_inflight_by_kind", bm.Counter({"score": 1}))
+        t0 = time.monotonic()
+        tasks.append(asyncio.create_task(s.submit(score("r1"))))
+        await asyncio.sleep(0.03)
+        tasks.append(asyncio.create_task(s.submit(score("r2"))))
+        await until(lambda: len(rt.submitted_s) >= 1, timeout_s=5)
+        first_s = rt.submitted_s[0] - t0
+        while not all(t.done() for t in tasks):
+            if rt.pending:
+                rt.finish_oldest()
+            await asyncio.sleep(0.005)
+        await s.close()
+        return list(rt.started), first_s
+
+    # 10/s x 0.2 s = 2 expected: r1 waits (not at once), r2 joins and they go together, long before 0.2 s
+    both, first_s = asyncio.run(run(0.2))
+    assert both == [["r1", "r2"]] and 0.025 <= first_s < 0.15, (both, first_s)
+    # 10/s x 0.1 s = 1 expected, and r1 is it: at once, alone
+    alone, first_s = asyncio.run(run(0.1))
+    assert alone == [["r1"], ["r2"]] and first_s < 0.025, (alone, first_s)
+    # 2 expected, but one of them is in flight: at once
+    flying, first_s = asyncio.run(run(0.2, in_flight=True))
+    assert flying[0] == ["r1"] and first_s < 0.025, (flying, first_s)
+
+
+def test_residence_is_a_weighted_mean_per_kind():
+    from service.serving.batcher import Residence
+
+    r = Residence(alpha=0.5)
+    assert r.mean("score") is None
+    r.add("score", 0.010)
+    r.add("score", 0.020)
+    r.add("beam.n5", 0.1)
+    assert r.mean("score") == pytest.approx(0.015) and r.mean("beam.n5") == pytest.approx(0.1)
+
+
 def test_arrival_rates_read_a_steady_rate_and_decay():
     from service.serving.batcher import ArrivalRates
 

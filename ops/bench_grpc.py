@@ -181,7 +181,7 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 
 # ---- the server's own view: its /metrics over the measured window ---------------------------------
 
-_SAMPLE = re.compile(r'^(slmrank_request_stage_seconds_(?:sum|count)|slmrank_node_batches_total|'
+_SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
                      r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total)(?:\{([^}]*)\})? (\S+)$')
 
 
@@ -206,18 +206,24 @@ def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str
                      requests: int, window_s: float) -> dict[str, Any]:
     """Mean ms of each stage of the requests finished in the window (the server's histograms), the
     batches run (mean whole requests per batch = requests / batches), and the event loop's CPU:
-    ms per request and its busy share of the window (near 1: the loop, not the GPU, is the limit)."""
+    ms per request and its busy share of the window (near 1: the loop, not the GPU, is the limit);
+    the mean of the server's own request latency (its first byte parsed to its response serialized:
+    what the client measures beyond it is gRPC's transport both ways and the client)."""
     d = window_delta(before, after)
     stages: dict[str, float] = {}
+    latency_s = latency_n = 0.0
     for (series, labels), total in d.items():
-        if series.endswith("_sum"):
+        if series == "slmrank_request_latency_seconds_sum":
+            latency_s, latency_n = latency_s + total, latency_n + d.get(("slmrank_request_latency_seconds_count", labels), 0.0)
+        elif series.endswith("_sum"):
             count = d.get((series[:-4] + "_count", labels), 0.0)
             stage = re.search(r'stage="([^"]+)"', labels)
             if count and stage:
                 stages[stage.group(1)] = round(total / count * 1e3, 3)
     batches = sum(v for (series, _), v in d.items() if series == "slmrank_node_batches_total")
     loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
-    return {"stage_mean_ms": stages, "batches": int(batches),
+    return {"stage_mean_ms": stages, "latency_mean_ms": round(latency_s / latency_n * 1e3, 3) if latency_n else None,
+            "batches": int(batches),
             "requests_per_batch": round(requests / batches, 2) if batches else None,
             "loop_cpu_ms_per_request": round(loop_s / requests * 1e3, 3) if loop_s is not None and requests else None,
             "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
@@ -300,7 +306,10 @@ async def bench_system(name: str, target: str, w: dict[str, Any], high: int, arg
               f"p50 {r['p50_ms']:8.2f}  p99 {r['p99_ms']:8.2f}  errors {r['errors'] or 0}", flush=True)
         if r["server"]:
             sv = r["server"]
-            print(f"  {'':8s} server: {sv['requests_per_batch']} requests/batch; event loop "
+            outside = (f"; outside the server {r['mean_ms'] - sv['latency_mean_ms']:.2f} ms a request"
+                       if sv["latency_mean_ms"] is not None else "")
+            print(f"  {'':8s} server: {sv['requests_per_batch']} requests/batch; latency {sv['latency_mean_ms']} ms"
+                  f"{outside}; event loop "
                   f"{sv['loop_cpu_ms_per_request']} CPU ms/request, busy {sv['loop_busy']}; stage means (ms) "
                   + " ".join(f"{k} {v:.2f}" for k, v in sv["stage_mean_ms"].items()), flush=True)
     cap = capacity(rows)

@@ -67,7 +67,7 @@ class BatcherConfig:
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
     overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
-    load_wait_share: float = 0.25  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
+    load_wait_share: float = 0.15  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
     load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
     # such a wait ends once the batch holds the requests of its kind expected in the server now
     # (Little's law: arrival rate x (time in the server + this, a caller's time outside it between

@@ -82,9 +82,16 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             raw = serialize(response) if serialize else response
             trace = bound_trace()
             if trace is not None and not trace.is_finished:
-                trace.add_stage("send", start, time.monotonic_ns())
+                end = time.monotonic_ns()
+                trace.add_stage("send", start, end)
                 trace.attrs["response_bytes"] = len(raw)
-                self._finish(trace, "OK")
+                # the trace ends now, but is recorded (spans, metrics, access log: ~0.1-0.6 ms) once gRPC
+                # has the bytes: on the next turn of the loop, not between the answer and its caller
+                trace.end_ns, trace.status = end, "OK"
+                try:
+                    asyncio.get_running_loop().call_soon(self._record, trace, "OK")
+                except RuntimeError:  # no loop running here (a synchronous caller): at once
+                    self._record(trace, "OK")
             return raw
 
         return grpc.unary_unary_rpc_method_handler(call, request_deserializer=receive, response_serializer=send)
@@ -92,6 +99,10 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
     def _finish(self, trace: RequestTrace, status: str) -> None:
         if trace.is_finished:
             return
+        self._record(trace, status)
+
+    def _record(self, trace: RequestTrace, status: str) -> None:
+        """Ends the trace (unless its end is set) and records it: kept spans, metrics, access log."""
         self.tracer.finish(trace, status)
         if self.metrics is not None:
             self.metrics.observe(trace)

@@ -60,6 +60,9 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
             assert sv["batches"] >= 1 and 0 < sv["requests_per_batch"] <= r["level"] + 1, sv
             assert {"decode", "queue", "execute", "encode"} <= set(sv["stage_mean_ms"]), sv
             assert sv["stage_mean_ms"]["execute"] > 0
+            # the server's latency holds its stages, and the client's holds the server's
+            assert sum(sv["stage_mean_ms"].values()) <= sv["latency_mean_ms"] * 1.01 + 0.05, sv
+            assert sv["latency_mean_ms"] < r["mean_ms"], (sv, r)
             if Path("/proc/self/task").is_dir():  # the loop thread's CPU, from /proc
                 assert sv["loop_cpu_ms_per_request"] > 0 and 0 < sv["loop_busy"] < 1.5, sv
         cap = system["capacity"]
@@ -104,11 +107,15 @@ def test_server_breakdown_is_the_window_delta() -> None:
 
     stage = 'kind="Score",stage="execute"'
     before = {("slmrank_request_stage_seconds_sum", stage): 10.0, ("slmrank_request_stage_seconds_count", stage): 1000,
-              ("slmrank_node_batches_total", 'mode="graph"'): 300, ("slmrank_event_loop_cpu_seconds_total", ""): 50.0}
+              ("slmrank_node_batches_total", 'mode="graph"'): 300, ("slmrank_event_loop_cpu_seconds_total", ""): 50.0,
+              ("slmrank_request_latency_seconds_sum", 'kind="Score"'): 20.0,
+              ("slmrank_request_latency_seconds_count", 'kind="Score"'): 1000}
     after = {("slmrank_request_stage_seconds_sum", stage): 10.6, ("slmrank_request_stage_seconds_count", stage): 1040,
-             ("slmrank_node_batches_total", 'mode="graph"'): 310, ("slmrank_event_loop_cpu_seconds_total", ""): 52.0}
+             ("slmrank_node_batches_total", 'mode="graph"'): 310, ("slmrank_event_loop_cpu_seconds_total", ""): 52.0,
+             ("slmrank_request_latency_seconds_sum", 'kind="Score"'): 20.8,
+             ("slmrank_request_latency_seconds_count", 'kind="Score"'): 1040}
     sv = bench_grpc.server_breakdown(before, after, requests=40, window_s=4.0)
-    assert sv["stage_mean_ms"] == {"execute": pytest.approx(15.0)}
+    assert sv["stage_mean_ms"] == {"execute": pytest.approx(15.0)} and sv["latency_mean_ms"] == pytest.approx(20.0)
     assert sv["batches"] == 10 and sv["requests_per_batch"] == 4.0
     assert sv["loop_cpu_ms_per_request"] == pytest.approx(50.0) and sv["loop_busy"] == pytest.approx(0.5)
     text = "\n".join(["# HELP x", 'slmrank_request_stage_seconds_sum{kind="Score",stage="execute"} 1.5',

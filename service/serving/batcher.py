@@ -99,7 +99,9 @@ def buckets_by_kind(artifact: Artifact) -> dict[str, tuple[ScoreBucket, ...] | t
 
 
 class _Fill:
-    """Running totals of a forming batch and the bucket it would run in: O(buckets) per request."""
+    """Running totals of a forming batch and the bucket it would run in. A request only adds to
+    the totals, so a bucket that did not hold the batch never holds it again: the search for the
+    first that holds goes on from the current one (O(buckets) per batch, not per request)."""
 
     def __init__(self, buckets: tuple[Any, ...]) -> None:
         self.buckets = buckets
@@ -107,6 +109,8 @@ class _Fill:
         self.longest = 0  # Score: the most tokens of one request so far
         self.count = 0
         self.bucket: Any = None
+        self.index = 0  # of self.bucket in buckets (0 while empty)
+        self._fitted: tuple[Any, int] | None = None  # (request, its bucket's index) of the last fit
         self.most = max((b.max_requests for b in buckets), default=0)  # no bucket holds more requests
 
     def fit(self, req: Request) -> Any:
@@ -114,10 +118,17 @@ class _Fill:
         count = self.count + 1
         if isinstance(req, ScoreRequest):
             longest, samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
-            return next((b for b in self.buckets if b.holds(count, longest, samples)), None)
-        tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
-        return next((b for b in self.buckets
-                     if b.max_requests >= count and b.beam_width >= width and b.max_prompt_tokens >= tokens), None)
+            found = next((i for i in range(self.index, len(self.buckets))
+                          if self.buckets[i].holds(count, longest, samples)), None)
+        else:
+            tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
+            found = next((i for i in range(self.index, len(self.buckets))
+                          if (b := self.buckets[i]).max_requests >= count and b.beam_width >= width
+                          and b.max_prompt_tokens >= tokens), None)
+        if found is None:
+            return None
+        self._fitted = (req, found)
+        return self.buckets[found]
 
     def add(self, req: Request, bucket: Any) -> None:
         if isinstance(req, ScoreRequest):
@@ -127,6 +138,8 @@ class _Fill:
         self.tokens += req.num_tokens if isinstance(req, ScoreRequest) else len(req.prompt_ids)
         self.count += 1
         self.bucket = bucket
+        fitted = self._fitted
+        self.index = fitted[1] if fitted is not None and fitted[0] is req else self.buckets.index(bucket)
 
 
 class ArrivalRates:

@@ -765,6 +765,45 @@ def test_a_load_wait_ends_once_the_batch_holds_the_requests_expected_in_the_serv
     assert flying[0] == ["r1"] and first_s < 0.025, (flying, first_s)
 
 
+def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
+    """_Fill searches on from its current bucket (a request only adds to the totals): after every
+    request it must still name the first bucket in the kind's order that holds the whole batch."""
+    from service.artifact.buckets import BeamBucket, ScoreBucket
+    from service.serving.batcher import _Fill
+
+    rng = random.Random(5)
+    score_buckets = tuple(sorted({ScoreBucket(r * rng.choice([64, 128, 256, 512]), rng.choice([16, 32, 64, 128, 512]), r)
+                                  for r in (1, 2, 4, 8) for _ in range(4)}, key=lambda b: (b.max_tokens, b.max_samples)))
+    beam_buckets = tuple(sorted({BeamBucket(5, r, r * rng.choice([128, 256, 512]), rng.choice([4, 16, 100, 128]))
+                                 for r in (1, 2, 4, 8) for _ in range(4)}, key=lambda b: (b.max_requests * b.beam_width,
+                                                                                      b.max_prompt_tokens)))
+    for trial in range(300):
+        is_score = trial % 2 == 0
+        fill = _Fill(score_buckets if is_score else beam_buckets)
+        reqs: list[Any] = []
+        for _ in range(10):
+            if is_score:
+                req = ScoreRequest(samples=tuple((1,) * rng.randint(1, 300) for _ in range(rng.randint(1, 40))),
+                                   label_ids=(1,))
+            else:
+                req = BeamRequest(prompt_ids=(1,) * rng.randint(1, 300), beam_width=rng.choice([1, 4, 16, 100]),
+                                  new_tokens=5)
+            if is_score:
+                want = next((b for b in score_buckets if b.holds(len(reqs) + 1, max(r.num_tokens for r in [*reqs, req]),
+                                                                 sum(r.num_samples for r in [*reqs, req]))), None)
+            else:
+                want = next((b for b in beam_buckets if b.max_requests >= len(reqs) + 1
+                             and b.beam_width >= max(r.beam_width for r in [*reqs, req])
+                             and b.max_prompt_tokens >= sum(len(r.prompt_ids) for r in [*reqs, req])), None)
+            got = fill.fit(req)
+            assert got == want, (trial, len(reqs), got, want)
+            if got is None:
+                continue  # it does not join; the next request is tried against the same batch
+            fill.add(req, got)
+            reqs.append(req)
+            assert fill.bucket == want and fill.buckets[fill.index] == want
+
+
 def test_residence_is_a_weighted_mean_per_kind():
     from service.serving.batcher import Residence
 

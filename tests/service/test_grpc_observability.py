@@ -135,6 +135,8 @@ def _check_tree(root: Any, spans: list[Any], t0: int, t1: int, dag_nodes: list[s
             p = by_id[s.parent.span_id]
             assert p.start_time <= s.start_time and s.end_time <= p.end_time, (s.name, p.name)
     assert t0 <= root.start_time and root.end_time <= t1
+    # the request ends when its response is serialized (recording it comes after, off its path)
+    assert root.end_time == stages["send"].end_time
     # the request's stages follow one another and cover most of it: between them is handler glue, and
     # the event loop's other work (a few ms when the machine is busy)
     for a, b in zip(TOP_LEVEL, TOP_LEVEL[1:]):

@@ -112,6 +112,7 @@ class ChromeTraceWriter:
         self._keys: set[tuple[str, int]] = set()
         self._num_events = 0
         self.num_added = 0  # requests added, kept or since dropped
+        self.num_dropped_groups = 0  # dropped to stay within max_events: > 0 once the trace is full
         self._origin_ns: int | None = None  # ts 0: the earliest start of any group added
         self._row_ends: dict[int, list[int]] = {}  # pid -> the end of each row's last group
 
@@ -149,6 +150,7 @@ class ChromeTraceWriter:
             old = self._groups.popleft()
             self._keys.discard(old.key)
             self._num_events -= len(old.events)
+            self.num_dropped_groups += 1
 
     @property
     def num_events(self) -> int:

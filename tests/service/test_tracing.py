@@ -272,13 +272,15 @@ def test_chrome_trace_is_valid_and_consistent(tmp_path: Path) -> None:
 def test_chrome_trace_is_bounded() -> None:
     writer = ChromeTraceWriter(max_events=100)
     base = time.monotonic_ns()
+    writer.add(build_records(synthetic(base, batch_id=99)))
+    assert writer.num_dropped_groups == 0  # one request fits
     for i in range(20):
-        writer.add(build_records(synthetic(base + i * 10 * MS, batch_id=i)))
-    assert writer.num_events <= 100
+        writer.add(build_records(synthetic(base + (i + 1) * 10 * MS, batch_id=i)))
+    assert writer.num_events <= 100 and writer.num_dropped_groups > 0
     data = writer.to_json()
-    assert data["otherData"]["requests"] + data["otherData"]["requests_dropped"] == 20
+    assert data["otherData"]["requests"] + data["otherData"]["requests_dropped"] == 21
     kept = {e["args"]["request"] for e in data["traceEvents"] if e.get("cat") == "request"}
-    assert kept and max(kept) == 19  # the newest are kept
+    assert kept and max(kept) == 20  # the newest are kept
 
 
 def test_chrome_trace_renders_each_group_once_and_the_same_json() -> None:

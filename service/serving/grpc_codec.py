@@ -110,10 +110,10 @@ class Codec:
         return req, priority
 
     def _score_ids_only(self, samples: Any) -> tuple[tuple[int, ...], ...] | None:
-        """The samples' ids in one pass when every sample is a valid ids segment (the common case:
-        ~3x less event-loop time than segment by segment); None when any is not (text, empty, an
-        id outside the vocabulary, too many tokens): the segment-by-segment path then names the
-        field, with the same messages."""
+        """The samples' ids in one pass when every sample is a valid ids segment (the common case;
+        W1's decode 117 -> 103 us on the CI machine, most of what is left being protobuf's ids
+        becoming Python ints); None when any is not (text, empty, an id outside the vocabulary,
+        too many tokens): the segment-by-segment path then names the field, with the same messages."""
         if any(s.text for s in samples):
             return None
         ids = tuple(tuple(s.ids) for s in samples)

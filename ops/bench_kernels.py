@@ -379,6 +379,8 @@ def bench_layer_kernels(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, A
 
 # workload: (model, layers, kv heads, head dim, requests, beams, new tokens); vocabulary 151,936
 BEAM_SHAPES = {
+    "W2x1": ("qwen2.5-0.5b", 24, 2, 64, 1, 100, 5),
+    "W2x2": ("qwen2.5-0.5b", 24, 2, 64, 2, 100, 5),
     "W2x8": ("qwen2.5-0.5b", 24, 2, 64, 8, 100, 5),
     "W3x4": ("qwen2.5-0.5b", 24, 2, 64, 4, 100, 5),
     "W5x1": ("qwen3-0.6b", 28, 8, 128, 1, 400, 5),
@@ -460,6 +462,16 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
                  beam_topk.beam_candidates(env["logits"], flat, b, b), r, b, VOCAB), 2 * one_read),
              "suffix_gather": (lambda: env["suffix_kv"].index_select(2, torch.arange(r * b, device="cuda")),
                                2 * env["suffix_kv"].numel() * 2)}
+    keys = beam_topk.beam_candidates(env["logits"], flat, b, b)
+    for parts_a_row in (8, 16):  # the streaming kernels' programs a row (the default: beam_topk.NUM_PARTS)
+        parts[f"candidates@{parts_a_row}"] = (
+            lambda n=parts_a_row: _with_parts(n, lambda: beam_topk.beam_candidates(env["logits"], flat, b, b)),
+            2 * one_read)
+    # the merge alone: torch's top-k (what merge_candidates runs) against a full sort of the unique keys
+    parts["merge:topk"] = (lambda: keys.view(r, -1).topk(b, dim=-1).values, keys.numel() * 8)
+    parts["merge:sort"] = (lambda: keys.view(r, -1).sort(dim=-1, descending=True).values[:, :b], keys.numel() * 8)
+    if not torch.equal(parts["merge:topk"][0](), parts["merge:sort"][0]()):
+        raise AssertionError(f"beam_step {name}: top-k and sort disagree on unique keys")
     for part, (fn, nbytes) in parts.items():
         ms = graph_time_ms(fn)
         row = {"bench": "beam_step", "workload": name, "variant": f"fused:{part}", "ms": ms, "bytes": nbytes,
@@ -472,6 +484,17 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
           flush=True)
     results.append({"bench": "beam_step", "workload": name, "variant": "aten:lm_head_cast", "ms": cast})
     return results
+
+
+def _with_parts(num_parts: int, fn: Callable[[], Any]) -> Any:
+    """fn() with beam_topk's streaming kernels at num_parts programs a row (JIT launches only)."""
+    from kernels import beam_topk
+
+    default, beam_topk.NUM_PARTS = beam_topk.NUM_PARTS, num_parts
+    try:
+        return fn()
+    finally:
+        beam_topk.NUM_PARTS = default
 
 
 def bench_beam_step() -> list[dict[str, Any]]:
@@ -639,11 +662,85 @@ def bench_prefill_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[st
     return [row for name in PREFILL_SHAPES for row in _prefill_workload(name, dtype)]
 
 
+# --- the projections at decode row counts (kernels/linear.py against cuBLAS) -------------------
+
+# model: (hidden, q heads, kv heads, head dim, MLP width, layers)
+LINEAR_MODELS = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864, 24), "qwen3-0.6b": (1024, 16, 8, 128, 3072, 28),
+                 "qwen3-1.7b": (2048, 16, 8, 128, 6144, 28)}
+# rows of one GEMM: a beam batch's decode step (requests x beam) or a prefill
+LINEAR_ROWS = {"qwen2.5-0.5b": (100, 200, 400, 800), "qwen3-0.6b": (400,), "qwen3-1.7b": ()}
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); each is compiled once per projection shape
+LINEAR_CONFIGS = [(128, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (64, 128) for w, st in ((4, 4), (8, 3))]
+LINEAR_CONFIGS += [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4)]
+
+
+def _linear_shapes(d: int, h: int, g: int, e: int, inter: int) -> dict[str, tuple[int, int, bool, bool]]:
+    """name -> (N, K, bias, silu_mul) of one decoder layer's projections."""
+    return {"qkv": ((h + 2 * g) * e, d, True, False), "o": (d, h * e, False, False),
+            "gate_up": (2 * inter, d, False, False), "gate_up_silu": (inter, d, False, True),
+            "down": (d, inter, False, False)}
+
+
+def bench_linear(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """Each projection of a decoder layer at decode row counts: cuBLAS (F.linear; for gate_up_silu,
+    F.linear then the silu_mul kernel, the path it replaces) against kernels/linear.py over a sweep
+    of tiles; every tile is checked against a float64 product first (its error must stay within
+    2x cuBLAS's + one bf16 ulp of the output scale). Prints cuBLAS, the best tile and the default tile
+    against the floor (weight bytes / 4.8 TB/s)."""
+    from kernels.linear import default_config, linear, linear_ref
+    from kernels.norm_act import silu_mul
+    from triton.runtime.errors import OutOfResources
+
+    torch.manual_seed(0)
+    results = []
+    for model, (d, h, g, e, inter, layers) in LINEAR_MODELS.items():
+        for name, (n, k, has_bias, fused) in _linear_shapes(d, h, g, e, inter).items():
+            wn = 2 * n if fused else n
+            w = (torch.randn(wn, k, device="cuda") / k ** 0.5).to(dtype)
+            b = torch.randn(n, device="cuda").to(dtype) if has_bias else None
+            floor_ms = wn * k * w.element_size() / (HBM_TB_S * 1e12) * 1e3
+            for m in LINEAR_ROWS[model]:
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                want = linear_ref(x.double(), w.double(), None if b is None else b.double(), fused)
+                if fused:
+                    ref_fn = lambda x=x, w=w: silu_mul(F.linear(x, w))
+                else:
+                    ref_fn = lambda x=x, w=w, b=b: F.linear(x, w, b)
+                scale = want.abs().max().item()
+                ref_err = (ref_fn().double() - want).abs().max().item()
+                bound = 2 * ref_err + scale * 2 ** -8
+                rows = [("cublas", None, graph_time_ms(ref_fn), ref_err)]
+                default = default_config(m, n, k, fused)
+                for cfg in dict.fromkeys([default, *LINEAR_CONFIGS]):
+                    if k % cfg[2] or (cfg[0] == 64 and m > 200):
+                        continue
+                    fn = lambda x=x, w=w, b=b, cfg=cfg: linear(x, w, b, fused, cfg)
+                    try:
+                        err = (fn().double() - want).abs().max().item()
+                    except OutOfResources:  # the tile's pipeline outgrows shared memory
+                        continue
+                    if err > bound:
+                        raise AssertionError(f"linear {model} {name} M={m} {cfg}: error {err:.3g} > {bound:.3g}")
+                    rows.append(("triton", cfg, graph_time_ms(fn), err))
+                best = min(rows[1:], key=lambda r: r[2])
+                dflt = next(r for r in rows if r[1] == default)
+                for label, cfg, ms, err in (rows[0], best, dflt):
+                    tag = label if cfg is None else f"{label} {'best' if cfg == best[1] else 'default'} {cfg}"
+                    print(f"linear {model:13s} {name:12s} M={m:4d} {tag:40s} {ms * 1e3:7.2f} us  floor "
+                          f"{floor_ms * 1e3:5.2f} us ({floor_ms / ms:5.1%})  err {err:.2e}", flush=True)
+                results.append({"bench": "linear", "model": model, "proj": name, "rows": m, "n": n, "k": k,
+                                "floor_ms": floor_ms, "cublas_ms": rows[0][2], "best": list(best[1]),
+                                "best_ms": best[2], "default": list(default), "default_ms": dflt[2],
+                                "layers": layers, "all": [[list(c), t] for _, c, t, _ in rows[1:]]})
+    return results
+
+
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
     "prefill_attention": bench_prefill_attention,
     "layer_kernels": bench_layer_kernels,
     "beam_step": bench_beam_step,
+    "linear": bench_linear,
 }
 
 

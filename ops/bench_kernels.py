@@ -662,85 +662,11 @@ def bench_prefill_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[st
     return [row for name in PREFILL_SHAPES for row in _prefill_workload(name, dtype)]
 
 
-# --- the projections at decode row counts (kernels/linear.py against cuBLAS) -------------------
-
-# model: (hidden, q heads, kv heads, head dim, MLP width, layers)
-LINEAR_MODELS = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864, 24), "qwen3-0.6b": (1024, 16, 8, 128, 3072, 28),
-                 "qwen3-1.7b": (2048, 16, 8, 128, 6144, 28)}
-# rows of one GEMM: a beam batch's decode step (requests x beam) or a prefill
-LINEAR_ROWS = {"qwen2.5-0.5b": (100, 200, 400, 800), "qwen3-0.6b": (400,), "qwen3-1.7b": ()}
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); each is compiled once per projection shape
-LINEAR_CONFIGS = [(128, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (64, 128) for w, st in ((4, 4), (8, 3))]
-LINEAR_CONFIGS += [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4)]
-
-
-def _linear_shapes(d: int, h: int, g: int, e: int, inter: int) -> dict[str, tuple[int, int, bool, bool]]:
-    """name -> (N, K, bias, silu_mul) of one decoder layer's projections."""
-    return {"qkv": ((h + 2 * g) * e, d, True, False), "o": (d, h * e, False, False),
-            "gate_up": (2 * inter, d, False, False), "gate_up_silu": (inter, d, False, True),
-            "down": (d, inter, False, False)}
-
-
-def bench_linear(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
-    """Each projection of a decoder layer at decode row counts: cuBLAS (F.linear; for gate_up_silu,
-    F.linear then the silu_mul kernel, the path it replaces) against kernels/linear.py over a sweep
-    of tiles; every tile is checked against a float64 product first (its error must stay within
-    2x cuBLAS's + one bf16 ulp of the output scale). Prints cuBLAS, the best tile and the default tile
-    against the floor (weight bytes / 4.8 TB/s)."""
-    from kernels.linear import default_config, linear, linear_ref
-    from kernels.norm_act import silu_mul
-    from triton.runtime.errors import OutOfResources
-
-    torch.manual_seed(0)
-    results = []
-    for model, (d, h, g, e, inter, layers) in LINEAR_MODELS.items():
-        for name, (n, k, has_bias, fused) in _linear_shapes(d, h, g, e, inter).items():
-            wn = 2 * n if fused else n
-            w = (torch.randn(wn, k, device="cuda") / k ** 0.5).to(dtype)
-            b = torch.randn(n, device="cuda").to(dtype) if has_bias else None
-            floor_ms = wn * k * w.element_size() / (HBM_TB_S * 1e12) * 1e3
-            for m in LINEAR_ROWS[model]:
-                x = torch.randn(m, k, device="cuda").to(dtype)
-                want = linear_ref(x.double(), w.double(), None if b is None else b.double(), fused)
-                if fused:
-                    ref_fn = lambda x=x, w=w: silu_mul(F.linear(x, w))
-                else:
-                    ref_fn = lambda x=x, w=w, b=b: F.linear(x, w, b)
-                scale = want.abs().max().item()
-                ref_err = (ref_fn().double() - want).abs().max().item()
-                bound = 2 * ref_err + scale * 2 ** -8
-                rows = [("cublas", None, graph_time_ms(ref_fn), ref_err)]
-                default = default_config(m, n, k, fused)
-                for cfg in dict.fromkeys([default, *LINEAR_CONFIGS]):
-                    if k % cfg[2] or (cfg[0] == 64 and m > 200):
-                        continue
-                    fn = lambda x=x, w=w, b=b, cfg=cfg: linear(x, w, b, fused, cfg)
-                    try:
-                        err = (fn().double() - want).abs().max().item()
-                    except OutOfResources:  # the tile's pipeline outgrows shared memory
-                        continue
-                    if err > bound:
-                        raise AssertionError(f"linear {model} {name} M={m} {cfg}: error {err:.3g} > {bound:.3g}")
-                    rows.append(("triton", cfg, graph_time_ms(fn), err))
-                best = min(rows[1:], key=lambda r: r[2])
-                dflt = next(r for r in rows if r[1] == default)
-                for label, cfg, ms, err in (rows[0], best, dflt):
-                    tag = label if cfg is None else f"{label} {'best' if cfg == best[1] else 'default'} {cfg}"
-                    print(f"linear {model:13s} {name:12s} M={m:4d} {tag:40s} {ms * 1e3:7.2f} us  floor "
-                          f"{floor_ms * 1e3:5.2f} us ({floor_ms / ms:5.1%})  err {err:.2e}", flush=True)
-                results.append({"bench": "linear", "model": model, "proj": name, "rows": m, "n": n, "k": k,
-                                "floor_ms": floor_ms, "cublas_ms": rows[0][2], "best": list(best[1]),
-                                "best_ms": best[2], "default": list(default), "default_ms": dflt[2],
-                                "layers": layers, "all": [[list(c), t] for _, c, t, _ in rows[1:]]})
-    return results
-
-
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
     "prefill_attention": bench_prefill_attention,
     "layer_kernels": bench_layer_kernels,
     "beam_step": bench_beam_step,
-    "linear": bench_linear,
 }
 
 

@@ -380,7 +380,13 @@ def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[s
         if series == "slmrank_requests_total" and v and (m := re.search(r'code="([^"]+)"', labels)):
             codes[m.group(1)] = codes.get(m.group(1), 0) + int(v)
     loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
+    # the admitted requests that ended DEADLINE_EXCEEDED, by why: expired in the queue (never run),
+    # cancelled (the caller's deadline cut the RPC while it was queued), or run and answered late
+    admitted_late = {reason: int(d.get(("slmrank_dropped_total", f'reason="{reason}"'), 0))
+                     for reason in ("expired", "cancelled")}
+    admitted_late["answered_late"] = int(d.get(("slmrank_answered_late_total", ""), 0))
     return {"codes": codes, "finished": sum(codes.values()), "never_finished": sent - sum(codes.values()),
+            "admitted_late": admitted_late,
             "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
 
 
@@ -405,6 +411,9 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"server: finished {sv['finished']} of the {s['sent']} sent {sv['codes']}, never finished "
               f"{sv['never_finished']} (they waited in gRPC's queue); event loop busy {sv['loop_busy']} "
               f"(CPU seconds a second; near 1: the loop is the limit)")
+        late = sv["admitted_late"]
+        print(f"server: admitted, then expired in its queue {late['expired']}, cancelled in its queue "
+              f"{late['cancelled']}, run and answered late {late['answered_late']} (target 0)")
     for key in ("rss", "gpu"):
         f = result["memory"][key]
         if f:

@@ -278,6 +278,9 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                 stats["refused"].items()),
         counter("slmrank_dropped", "Admitted requests dropped before they ran, by reason.", "reason",
                 [(r, stats[r]) for r in ("expired", "cancelled", "drained")]),
+        CounterMetricFamily("slmrank_answered_late", "Admitted requests that ran and were answered after their "
+                            "deadline: admission promised them in time (0 when its predictions hold).",
+                            value=stats["answered_late"]),
         counter("slmrank_batches", "Batches run, by outcome.", "outcome",
                 [("ok", stats["batches"] - stats["batches_failed"]), ("failed", stats["batches_failed"])]),
     ]

@@ -50,3 +50,28 @@ def test_open_loop_reports_progress_on_its_schedule() -> None:
                                         progress_every_s=0.25))
     assert [int(t / 0.25) for t, _, _ in reports] == [1, 2, 3, 4]
     assert all(0 < answered <= sent < len(outcomes) for _, answered, sent in reports)
+
+
+def _stats(expired: int, cancelled: int, late: int) -> dict[str, Any]:
+    return {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "inflight": 0,
+            "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
+            "refused": {"queue_full": 0}, "expired": expired, "cancelled": cancelled, "drained": 0,
+            "answered_late": late, "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
+
+
+def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
+    """The H200 overload run must show that no admitted request ends late: the server's metrics,
+    scraped before and after the window, separate the requests that expired or were cancelled in
+    its queue (never run) from those run and answered after their deadline."""
+    from bench_grpc import _SAMPLE
+    from service.observe.metrics import render, scheduler_families
+
+    def scraped(stats: dict[str, Any]) -> dict[tuple[str, str], float]:
+        out = {}
+        for line in render(scheduler_families(stats)).splitlines():
+            if m := _SAMPLE.match(line):
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+        return out
+
+    view = ob.server_view(scraped(_stats(2, 1, 0)), scraped(_stats(9, 4, 3)), window_s=1.0, sent=0)
+    assert view["admitted_late"] == {"expired": 7, "cancelled": 3, "answered_late": 3}

@@ -196,6 +196,7 @@ def test_scheduler_numbers(embedded_tiny, embedded_tiny_runtime) -> None:
         assert value_of(fam, "slmrank_refused_total", {"reason": reason}) == 0
     for reason in ("expired", "cancelled", "drained"):
         assert value_of(fam, "slmrank_dropped_total", {"reason": reason}) == 0
+    assert value_of(fam, "slmrank_answered_late_total") == stats["answered_late"] == 0  # no deadlines given
     batches = stats["batches"]
     assert batches >= 1 and value_of(fam, "slmrank_batches_total", {"outcome": "ok"}) == batches
     assert value_of(fam, "slmrank_batch_size_count") == batches
@@ -210,13 +211,14 @@ def test_scheduler_families_count_refusals() -> None:
     stats = {"queue_depth": {"ONLINE": 3, "NORMAL": 0, "BACKGROUND": 7}, "inflight": 2,
              "admitted_by_priority": {"ONLINE": 10, "NORMAL": 0, "BACKGROUND": 7},
              "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 0, "drained": 0,
-             "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
+             "answered_late": 3, "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
              "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
     text = render(scheduler_families(stats))
     fam = parse(text)
     assert value_of(fam, "slmrank_queue_depth", {"lane": "BACKGROUND"}) == 7
     assert value_of(fam, "slmrank_refused_total", {"reason": "deadline"}) == 2
     assert value_of(fam, "slmrank_dropped_total", {"reason": "expired"}) == 1
+    assert value_of(fam, "slmrank_answered_late_total") == 3
     assert value_of(fam, "slmrank_batches_total", {"outcome": "failed"}) == 1
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "2"}) == 2
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "4"}) == 4
@@ -331,6 +333,7 @@ def test_a_taken_metrics_port_is_a_bind_error() -> None:
 REFUSALS = {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "inflight": 0,
             "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
             "refused": {"queue_full": 0, "deadline": 0, "draining": 0}, "expired": 0, "cancelled": 0, "drained": 0,
+            "answered_late": 0,
             "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
 
 

@@ -468,10 +468,23 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
             lambda n=parts_a_row: _with_parts(n, lambda: beam_topk.beam_candidates(env["logits"], flat, b, b)),
             2 * one_read)
     # the merge alone: torch's top-k (what merge_candidates runs) against a full sort of the unique keys
-    parts["merge:topk"] = (lambda: keys.view(r, -1).topk(b, dim=-1).values, keys.numel() * 8)
-    parts["merge:sort"] = (lambda: keys.view(r, -1).sort(dim=-1, descending=True).values[:, :b], keys.numel() * 8)
-    if not torch.equal(parts["merge:topk"][0](), parts["merge:sort"][0]()):
-        raise AssertionError(f"beam_step {name}: top-k and sort disagree on unique keys")
+    # and a top-k in two stages (the B best of each of C slices of a request's parent rows at once,
+    # then of those C x B), on these keys and on those of near-uniform logits (a random checkpoint's:
+    # close scores share their high bits, which a radix select pays for)
+    flat_logits = (env["logits"].float() * 0.01).to(env["logits"].dtype)
+    close = beam_topk.beam_candidates(flat_logits, flat, b, b)
+    chunks = max(c for c in (1, 2, 4, 8, 16) if b % c == 0)
+    for label, k in (("", keys), (":near-uniform", close)):
+        parts[f"merge:topk{label}"] = (lambda k=k: k.view(r, -1).topk(b, dim=-1).values, k.numel() * 8)
+        parts[f"merge:sort{label}"] = (lambda k=k: k.view(r, -1).sort(dim=-1, descending=True).values[:, :b],
+                                       k.numel() * 8)
+        parts[f"merge:chunked{chunks}{label}"] = (
+            lambda k=k: k.view(r * chunks, -1).topk(b, dim=-1, sorted=False).values.view(r, -1).topk(b, dim=-1).values,
+            k.numel() * 8)
+        want = parts[f"merge:topk{label}"][0]()
+        for other in (f"merge:sort{label}", f"merge:chunked{chunks}{label}"):
+            if not torch.equal(want, parts[other][0]()):
+                raise AssertionError(f"beam_step {name}: {other} disagrees with top-k on unique keys")
     for part, (fn, nbytes) in parts.items():
         ms = graph_time_ms(fn)
         row = {"bench": "beam_step", "workload": name, "variant": f"fused:{part}", "ms": ms, "bytes": nbytes,

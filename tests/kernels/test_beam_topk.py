@@ -154,6 +154,25 @@ def test_a_full_collect_buffer_falls_back_to_the_exact_search(device: str) -> No
     assert torch.equal(got[2], want[2]) and (got[0] - want[0]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_buffered_tokens_than_the_short_sort_takes_are_all_sorted(device: str) -> None:
+    """The select kernel sorts the first 2 KP buffered tokens when no more were buffered; here one
+    group (v mod NG) holds 40 tokens above every other group's best, so 40 + K - 1 tokens are
+    buffered (> 2 KP, < CAP) and the wide sort must run: the K best are the group's."""
+    vocab, b = 151936, 4
+    sz = sizes(b)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, vocab, generator=g) - 20
+    group = torch.nonzero(torch.arange(vocab) % sz["NG"] == 5).flatten()[:40]
+    assert 2 * sz["KP"] < 40 + b - 1 < sz["CAP"]
+    x[:, group] = torch.randn(2, 40, generator=g) * 3  # distinct: no ties
+    logits, scores = x.to(device), torch.tensor([[-1.0, -2.0]], device=device)
+    got, want = beam_topk(logits, scores, b), beam_topk_ref(logits, scores, b)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert (got[0] - want[0]).abs().max().item() <= 1e-5
+    assert set(got[2].flatten().tolist()) <= set(group.tolist())
+
+
 def test_bad_arguments_are_refused() -> None:
     x = torch.randn(4, 100)
     with pytest.raises(ValueError, match="contiguous rows"):

@@ -156,9 +156,9 @@ def test_a_full_collect_buffer_falls_back_to_the_exact_search(device: str) -> No
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_more_buffered_tokens_than_the_short_sort_takes_are_all_sorted(device: str) -> None:
-    """The select kernel sorts the first 2 KP buffered tokens when no more were buffered; here one
-    group (v mod NG) holds 40 tokens above every other group's best, so 40 + K - 1 tokens are
-    buffered (> 2 KP, < CAP) and the wide sort must run: the K best are the group's."""
+    """One group (v mod NG) holds 40 tokens above every other group's best, so 40 + K - 1 tokens
+    are buffered (more than 2 KP, fewer than CAP): the select kernel must sort all of them (a sort
+    narrowed to the usual ~K buffered tokens would miss some); the K best are the group's."""
     vocab, b = 151936, 4
     sz = sizes(b)
     g = torch.Generator().manual_seed(11)

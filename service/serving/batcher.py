@@ -110,7 +110,6 @@ class _Fill:
         self.count = 0
         self.bucket: Any = None
         self.index = 0  # of self.bucket in buckets (0 while empty)
-        self._fitted: tuple[Any, int] | None = None  # (request, its bucket's index) of the last fit
         self.most = max((b.max_requests for b in buckets), default=0)  # no bucket holds more requests
 
     def fit(self, req: Request) -> Any:
@@ -125,10 +124,7 @@ class _Fill:
             found = next((i for i in range(self.index, len(self.buckets))
                           if (b := self.buckets[i]).max_requests >= count and b.beam_width >= width
                           and b.max_prompt_tokens >= tokens), None)
-        if found is None:
-            return None
-        self._fitted = (req, found)
-        return self.buckets[found]
+        return None if found is None else self.buckets[found]
 
     def add(self, req: Request, bucket: Any) -> None:
         if isinstance(req, ScoreRequest):
@@ -138,8 +134,8 @@ class _Fill:
         self.tokens += req.num_tokens if isinstance(req, ScoreRequest) else len(req.prompt_ids)
         self.count += 1
         self.bucket = bucket
-        fitted = self._fitted
-        self.index = fitted[1] if fitted is not None and fitted[0] is req else self.buckets.index(bucket)
+        # a bucket that holds the batch lies at or after the current index (see the class doc)
+        self.index = self.buckets.index(bucket, self.index)
 
 
 class ArrivalRates:

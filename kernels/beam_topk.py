@@ -19,7 +19,8 @@ the work is per row, then a merge of P x K candidates. Per row, four launches:
      per-row buffer of CAP slots (typically ~K of them: about one group in NG/K holds one);
   4. `beam_select_kernel` (rows): the buffered tokens, plus the first tokens (by id) scoring
      exactly T when fewer than K score above it, sorted as 64-bit keys (score, then flat index)
-     -> the row's K best keys. A row whose buffer overflowed finds its K-th score by bisection
+     -> the row's K best keys (a sort of 2 KP keys when at most that many are buffered, the usual
+     case, else of all CAP). A row whose buffer overflowed finds its K-th score by bisection
      over the row instead (exact, slow, rare).
 A row whose beam score is -inf (a dead beam of a narrow request) reads nothing: its K candidates
 are tokens 0..K-1 at -inf, as the reference orders them.
@@ -276,15 +277,28 @@ def beam_select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr,
             start += NG
         n = k
     tl.debug_barrier()  # this program's buffer stores are visible to all its threads
-    i = tl.arange(0, CAP)
+    # typically ~K tokens are buffered: sort the first 2 KP slots then, all CAP only when more are
+    if n <= 2 * KP:
+        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max,
+                            log_sum, s, CAP, 2 * KP, KP, HAS_MASK)
+    else:
+        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max,
+                            log_sum, s, CAP, CAP, KP, HAS_MASK)
+    kk = tl.arange(0, KP)
+    tl.store(out_ptr + row * k + kk, top, mask=kk < k)
+
+
+@triton.jit
+def _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max, log_sum, s,
+                  CAP: tl.constexpr, WIDTH: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The KP best keys of the row's first n (<= WIDTH) buffered tokens, best first."""
+    i = tl.arange(0, WIDTH)
     valid = i < n
     tok = tl.load(buf_ptr + row * CAP + i, mask=valid, other=0)
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, tok, valid, row_max, log_sum, s, HAS_MASK)
     flat = (row % num_parents) * vocab + tok
     key = tl.where(valid, _key(c, flat), -(2 ** 63))
-    top = tl.topk(key, KP)
-    kk = tl.arange(0, KP)
-    tl.store(out_ptr + row * k + kk, top, mask=kk < k)
+    return tl.topk(key, KP)
 
 
 def _check(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,

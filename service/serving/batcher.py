@@ -8,7 +8,8 @@ holds them all and, when that takes a larger bucket, the time per request is no 
 member is still answered within its deadline. The batch is released at once when something of its
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
 has waited `max_wait_s` (under load, up to `load_wait_share` of its first request's time alone, at
-most `load_wait_max_s`: see Scheduler._release_s). Requests are never split.
+most `load_wait_max_s`, counted from when the batch could first have gone: see
+Scheduler._release_s). Requests are never split.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
@@ -331,6 +332,11 @@ class Scheduler:
         self._inflight = 0
         self._heavy_inflight = 0
         self._inflight_end: dict[int, float] = {}  # batch id -> when the executor is predicted to be done with it
+        # when the executor last had a free slot again after all were taken: a batch's load wait
+        # counts from when it could first have gone, not from its members' arrival (behind a busy
+        # executor it would otherwise be spent before the batch could go, and the callers of the
+        # batch just answered, about to come back, could never join the next one)
+        self._slot_freed_s = -math.inf
         self._num_batches = 0
         self._num_failed_batches = 0
         self._num_executed = 0
@@ -527,7 +533,9 @@ class Scheduler:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
         member has waited max_wait_s; when requests of its kind arrive at least one per time its
         first request takes alone (a batch of one), up to load_wait_share of that time (capped at
-        load_wait_max_s). A second batch pays a batch's whole fixed cost again (a BeamSearch batch
+        load_wait_max_s) after it could first have gone (its oldest member's arrival, or the moment
+        a slot of a busy executor freed: the callers just answered are about to come back, and a
+        wait spent in the queue behind the executor could not have gathered them). A second batch pays a batch's whole fixed cost again (a BeamSearch batch
         of one costs several times the step to two), so under such load a short wait that lets
         the next arrival join is worth more than it costs; at lighter load it would be waited in
         vain. Nor once the batch already holds the requests expected in the server (Little's law:
@@ -543,7 +551,8 @@ class Scheduler:
         if self._expected_company(plan, now) < 0.5:
             return release
         wait = min(self.config.load_wait_max_s, self.config.load_wait_share * solo_s)
-        return max(min(plan.oldest_s + wait, self._latest_start_s(plan, now)), release)
+        ready_s = max(plan.oldest_s, self._slot_freed_s)  # when the batch could first have gone
+        return max(min(ready_s + wait, self._latest_start_s(plan, now)), release)
 
     def _expected_company(self, plan: _Plan, now: float) -> float:
         """How many more requests of the plan's kind are expected to join it: those expected in
@@ -657,6 +666,8 @@ class Scheduler:
         finally:
             self._heavy_inflight -= is_heavy
             self._inflight_by_kind[tickets[0].kind] -= len(tickets)
+            if self._inflight == self.config.max_inflight:
+                self._slot_freed_s = self.clock()
             self._inflight -= 1
             self._inflight_end.pop(batch_id, None)
             self._wake.set()

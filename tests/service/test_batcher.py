@@ -765,6 +765,49 @@ def test_a_load_wait_ends_once_the_batch_holds_the_requests_expected_in_the_serv
     assert flying[0] == ["r1"] and first_s < 0.025, (flying, first_s)
 
 
+def test_behind_a_busy_executor_the_load_wait_counts_from_the_slot_freeing(art, monkeypatch):
+    """One slot (--lanes 1): r2 queues while r1 runs, longer than any load wait. When r1's slot
+    frees, r1's caller is expected back (Little's law: 3 requests in the server, r2 the only one
+    there), so r2 still waits for company, counted from that moment, and r3 (r1's caller coming
+    back) joins it: one batch of 2, not two of 1 that alternate. Without expected company it goes
+    the moment the slot frees."""
+    from service.serving import batcher as bm
+
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
+    monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
+    monkeypatch.setattr(bm.ArrivalRates, "rate", lambda self, kind, now: 10.0)
+
+    async def run(residence_s: float) -> tuple[list[list[str]], float]:
+        rt = FakeSubmitRuntime()
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=1, load_wait_share=0.5, load_wait_max_s=0.15,
+                          load_wait_outside_s=0.0, heavy_batch_s=10.0)
+        monkeypatch.setattr(s._residence, "mean", lambda kind: residence_s)
+        tasks = [asyncio.create_task(s.submit(score("r1")))]
+        await until(lambda: len(rt.pending) == 1)
+        tasks.append(asyncio.create_task(s.submit(score("r2"))))
+        await asyncio.sleep(0.25)  # r2 has waited longer than load_wait_max_s behind r1
+        assert len(rt.submitted_s) == 1
+        rt.finish_oldest()
+        freed_s = time.monotonic()
+        await asyncio.sleep(0.03)
+        tasks.append(asyncio.create_task(s.submit(score("r3"))))
+        await until(lambda: len(rt.submitted_s) >= 2, timeout_s=5)
+        second_s = rt.submitted_s[1] - freed_s
+        while not all(t.done() for t in tasks):
+            if rt.pending:
+                rt.finish_oldest()
+            await asyncio.sleep(0.005)
+        await s.close()
+        return list(rt.started), second_s
+
+    # 10/s x 0.3 s = 3 expected, r2 alone in the queue: it waits from the slot freeing; r3 joins
+    joined, second_s = asyncio.run(run(0.3))
+    assert joined == [["r1"], ["r2", "r3"]] and second_s >= 0.025, (joined, second_s)
+    # 10/s x 0.1 s = 1 expected, and r2 is it: it goes as the slot frees, alone
+    alone, second_s = asyncio.run(run(0.1))
+    assert alone == [["r1"], ["r2"], ["r3"]] and second_s < 0.025, (alone, second_s)
+
+
 def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
     """_Fill searches on from its current bucket (a request only adds to the totals): after every
     request it must still name the first bucket in the kind's order that holds the whole batch."""

@@ -373,7 +373,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     served_model, ckpt = model, None
     peers = {name: extra for name, extra, on in (
         ("hf_peer", [], args.peer),
-        ("hf_strong", ["--max-batch", str(args.strong_peer), "--compile"], args.strong_peer > 0)) if on}
+        # the compiled peer compiles its padded Score shapes at start-up (--warm-score), not in the windows
+        ("hf_strong", ["--max-batch", str(args.strong_peer), "--compile",
+                       *(["--warm-score", f"{w['samples']}:{w['len']}:{w['prefix']}"] if w["kind"] == "score" else [])],
+         args.strong_peer > 0)) if on}
     if peers:
         ckpt_path = Path(model)
         if ckpt_path.is_dir() and (ckpt_path / "config.json").exists():

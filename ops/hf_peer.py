@@ -19,7 +19,7 @@ The model runs in one worker thread so the event loop keeps answering; token-id 
   tokens). Beam.text is left empty.
 
     python ops/hf_peer.py --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
-                          [--max-batch N] [--compile]
+                          [--max-batch N] [--compile] [--warm-score SAMPLES:LEN:PREFIX]
 
 prints "listening on HOST:PORT" once the model is loaded and health says SERVING.
 """
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,10 @@ class HFModel:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).to(device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.compiled = compile
-        self._last_logprobs = torch.compile(self._last_logprobs_eager) if compile else self._last_logprobs_eager
+        # one static graph per padded shape (score_many pads to a few): without dynamic=False the
+        # second shape would turn on automatic dynamic shapes and compile a slower, generic graph
+        self._last_logprobs = (torch.compile(self._last_logprobs_eager, dynamic=False) if compile
+                               else self._last_logprobs_eager)
 
     def _last_logprobs_eager(self, x, mask, last):
         # x, mask [S, W] (right-padded), last [S] -> log-softmax at each row's last real position [S, V]
@@ -120,6 +124,25 @@ class HFModel:
             out.append(logp[at:at + len(samples), label_ids].tolist())
             at += len(samples)
         return out
+
+    def warm_score(self, samples: int, length: int, prefix: int, max_batch: int) -> list[dict[str, Any]]:
+        """Runs score_many once for each padded shape that batches of 1..max_batch requests of this
+        shape take, so that a compiled model compiles them now (tens of seconds each on the H200
+        host) rather than inside a benchmark's measured window. What ran: requests, rows, width,
+        seconds."""
+        ran, seen = [], set()
+        for n in range(1, max(1, max_batch) + 1):
+            rows, width = n * samples, prefix + length
+            shape = (max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32) if self.compiled else (rows, width)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            req = ([1] * prefix, [[1] * length for _ in range(samples)], [0])
+            t = time.perf_counter()
+            self.score_many([req] * n)
+            ran.append({"requests": n, "rows": shape[0], "width": shape[1],
+                        "seconds": round(time.perf_counter() - t, 2)})
+        return ran
 
     def beam(self, prompt: list[int], beam_width: int, new_tokens: int) -> list[tuple[list[int], float]]:
         return self.beam_many([prompt], beam_width, new_tokens)[0]
@@ -233,9 +256,15 @@ class PeerServicer:
 
 
 async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0, device: str = "cpu",
-                     max_batch: int = 1, compile: bool = False) -> tuple[grpc.aio.Server, int]:
-    """Loads the checkpoint, binds, starts, health SERVING. Call inside the event loop that serves it."""
+                     max_batch: int = 1, compile: bool = False,
+                     warm_score: tuple[int, int, int] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Loads the checkpoint, (with warm_score = (samples, length, prefix)) runs each padded Score
+    shape once, binds, starts, health SERVING. Call inside the event loop that serves it."""
     model = await asyncio.to_thread(HFModel, checkpoint_dir, device, compile)
+    if warm_score is not None:
+        t = time.perf_counter()
+        ran = await asyncio.to_thread(model.warm_score, *warm_score, max_batch)
+        print(f"[hf-peer] warmed {len(ran)} Score shape(s) in {time.perf_counter() - t:.1f} s: {ran}", flush=True)
     stubs = load_stubs()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
@@ -252,7 +281,8 @@ async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0
 
 
 async def _main(args: argparse.Namespace) -> None:
-    server, port = await start_peer(args.checkpoint, args.host, args.port, args.device, args.max_batch, args.compile)
+    server, port = await start_peer(args.checkpoint, args.host, args.port, args.device, args.max_batch, args.compile,
+                                    args.warm_score)
     print(f"[hf-peer] listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -260,6 +290,16 @@ async def _main(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
+
+
+def _warm_shape(text: str) -> tuple[int, int, int]:
+    try:
+        samples, length, prefix = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--warm-score: SAMPLES:LEN:PREFIX (three integers), got {text!r}") from None
+    if samples < 1 or length < 1 or prefix < 0:
+        raise argparse.ArgumentTypeError(f"--warm-score: SAMPLES >= 1, LEN >= 1, PREFIX >= 0, got {text!r}")
+    return samples, length, prefix
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=1,
                    help="whole requests per model call (1: the naive peer, one at a time)")
     p.add_argument("--compile", action="store_true", help="Score forward under torch.compile (default mode)")
+    p.add_argument("--warm-score", type=_warm_shape, metavar="SAMPLES:LEN:PREFIX",
+                   help="before serving, run each padded shape that 1..max-batch Score requests of this shape "
+                        "take (with --compile: compile them at start-up, not in a benchmark's window)")
     asyncio.run(_main(p.parse_args(argv)))
 
 

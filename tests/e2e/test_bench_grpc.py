@@ -6,6 +6,8 @@ the two systems' answers on the same requests agree within 1e-4 (same weights, f
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -98,6 +100,33 @@ def test_strong_peer_batches_agree_with_one_at_a_time(tiny_checkpoint: Path) -> 
     for (want_seqs, got_seqs) in zip((model.beam(p, 4, 3) for p in prompts), model.beam_many(prompts, 4, 3)):
         assert [s for s, _ in got_seqs] == [s for s, _ in want_seqs]
         assert max(abs(a - b) for (_, a), (_, b) in zip(got_seqs, want_seqs)) < 1e-4
+
+
+def test_the_strong_peer_warms_each_padded_score_shape_once(tiny_checkpoint: Path) -> None:
+    """--warm-score: one batch per distinct padded shape of 1..max-batch requests. W1's shape (15
+    samples of 64) pads to 16, 32, 64 (3 and 4 requests) and 128 rows (5 to 8): four batches, of 1,
+    2, 3 and 5 requests; unpadded (not compiled) every count is its own shape. Bad values name the
+    option."""
+    from hf_peer import HFModel, _warm_shape, start_peer
+
+    model = HFModel(str(tiny_checkpoint), "cpu")
+    assert [r["requests"] for r in model.warm_score(3, 5, 2, 4)] == [1, 2, 3, 4]
+    model.compiled = True  # the padding a compiled model gets (the forward itself stays eager here)
+    ran = model.warm_score(15, 64, 0, 8)
+    assert [(r["requests"], r["rows"], r["width"]) for r in ran] == [(1, 16, 64), (2, 32, 64), (3, 64, 64),
+                                                                     (5, 128, 64)]
+    assert [(r["rows"], r["width"]) for r in model.warm_score(15, 24, 384, 2)] == [(16, 416), (32, 416)]
+    # at start-up, before serving: the shapes are printed to the peer's log
+    async def start_and_stop() -> None:
+        server, port = await start_peer(str(tiny_checkpoint), max_batch=2, warm_score=(3, 5, 0))
+        assert port > 0
+        await server.stop(None)
+
+    asyncio.run(start_and_stop())
+    assert _warm_shape("15:64:0") == (15, 64, 0)
+    for bad in ("15:64", "a:1:0", "0:64:0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--warm-score"):
+            _warm_shape(bad)
 
 
 def test_server_breakdown_is_the_window_delta() -> None:

@@ -406,6 +406,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"slmrank on {procs['slmrank'].target}:", flush=True)
         result["systems"]["slmrank"] = await bench_system("slmrank", procs["slmrank"].target, w, high, args, flops,
                                                           procs["slmrank"].metrics_url)
+        _save_partial(out, result)
         for name, extra in peers.items():
             procs[name] = Proc(name, [
                 sys.executable, str(Path(__file__).with_name("hf_peer.py")), "--checkpoint", ckpt, "--host", "127.0.0.1",
@@ -416,6 +417,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in peers:
             print(f"{name} on {procs[name].target}:", flush=True)
             result["systems"][name] = await bench_system(name, procs[name].target, w, high, args, flops, None)
+            _save_partial(out, result)
     finally:
         for name, p in procs.items():
             rc = p.stop()
@@ -423,8 +425,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["systems"][name]["exit_code"] = rc
         shutil.rmtree(tmp, ignore_errors=True)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
+    result.pop("partial", None)
     (out / "bench_grpc.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _save_partial(out: Path, result: dict[str, Any]) -> None:
+    """bench_grpc.json with the systems measured so far, marked partial: a run cut by a time limit
+    (the peer's compile, say) keeps slmrank's figures. The last write replaces it, without the mark."""
+    (out / "bench_grpc.json").write_text(json.dumps({**result, "partial": True}, indent=1))
 
 
 def _git_commit() -> str | None:

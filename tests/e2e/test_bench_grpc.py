@@ -44,7 +44,7 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
                      "--check-requests", "3", "--start-timeout-s", "60"])
     result = json.loads((out / "bench_grpc.json").read_text())
 
-    assert set(result["systems"]) == {"slmrank", "hf_peer"}
+    assert set(result["systems"]) == {"slmrank", "hf_peer"} and "partial" not in result
     assert result["logical_flops_per_request"] > 0
     assert result["id_range"] == [0, 512]
     for name, system in result["systems"].items():
@@ -79,6 +79,32 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
     assert len(first["slmrank"]["samples"]) == len(first["hf_peer"]["samples"]) == 3
     for a, b in zip(first["slmrank"]["samples"], first["hf_peer"]["samples"]):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_a_run_cut_during_the_peer_keeps_slmranks_figures(tiny_checkpoint: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_grpc.json is written after each system, marked partial until the run ends: a run cut
+    while the peer is measured (ops/device_capacity's time limit) still holds slmrank's levels."""
+    import bench_grpc
+
+    real = bench_grpc.bench_system
+
+    async def cut_at_the_peer(name, *a, **kw):
+        if name != "slmrank":
+            raise KeyboardInterrupt  # what a time limit's signal does mid-run
+        return await real(name, *a, **kw)
+
+    monkeypatch.setattr(bench_grpc, "bench_system", cut_at_the_peer)
+    monkeypatch.setenv("SLMRANK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        bench_grpc.main(["--workload", "score,prefix=0,samples=2,len=4,labels=2", "--levels", "1",
+                         "--warmup-s", "0.1", "--measure-s", "0.3", "--out", str(out), "--peer", "--device", "cpu",
+                         "--model", str(tiny_checkpoint), "--check-requests", "1", "--start-timeout-s", "60"])
+    result = json.loads((out / "bench_grpc.json").read_text())
+    assert result["partial"] is True and set(result["systems"]) == {"slmrank"}
+    assert [r["level"] for r in result["systems"]["slmrank"]["levels"]] == [1]
+    assert result["systems"]["slmrank"]["levels"][0]["completed"] > 0
 
 
 def test_strong_peer_batches_agree_with_one_at_a_time(tiny_checkpoint: Path) -> None:

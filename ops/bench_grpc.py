@@ -120,11 +120,11 @@ def flops_per_request(cfg: Any, w: dict[str, Any]) -> int:
 class Proc:
     """A server subprocess; its bound port read from a 'listening on HOST:PORT' line of its stdout."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, start_timeout_s: float) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, start_timeout_s: float, root: Path = ROOT) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+                   PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.name, self.log_path = name, log_path
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE,
                                      stderr=log_path.open("w"), text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.metrics_url: str | None = None  # slmrank's /metrics, from its announcement
@@ -365,7 +365,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "git": _git_commit(),
         "workload": w, "model": model, "device": args.device, "runtime": runtime, "dtype": dtype,
-        "levels": args.levels, "serve_args": args.serve_args, "warmup_s": args.warmup_s, "measure_s": args.measure_s,
+        "levels": args.levels, "serve_args": args.serve_args, "server_root": args.server_root,
+        "warmup_s": args.warmup_s, "measure_s": args.measure_s,
         "slo": {"mean_ms": SLO_MEAN_MS, "p99_ms": SLO_P99_MS}, "logical_flops_per_request": flops,
         "peak_flops": PEAK_BF16, "id_range": [0, high], "systems": {}}
 
@@ -397,7 +398,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "--port", "0", "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype,
             "--grace-s", "5",
             "--capture-graphs", args.capture_graphs, "--kernels", args.kernels, *shlex.split(args.serve_args)],
-            out / "slmrank_server.log", args.start_timeout_s)
+            out / "slmrank_server.log", args.start_timeout_s, Path(args.server_root))
         await wait_serving(procs["slmrank"].target, args.start_timeout_s)
         result["startup_s"] = round(time.perf_counter() - t0, 2)
         # slmrank is measured before any peer process exists: a peer beside it, even idle between
@@ -481,6 +482,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
                    help="slmrank serve --capture-graphs (lazy: each bucket's graph on its first batch, in warm-up)")
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"], help="slmrank serve --kernels")
+    p.add_argument("--server-root", default=str(ROOT),
+                   help="the source tree slmrank's server runs from (default: this one); an A/B run measures "
+                        "another version of the server with the same client (ops/device_capacity AB_ROUNDS)")
     p.add_argument("--serve-args", default="",
                    help="more `slmrank serve` flags, one string (e.g. '--lanes 1 --batcher-max-inflight 1')")
     p.add_argument("--seed", type=int, default=7)

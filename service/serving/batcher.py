@@ -379,7 +379,11 @@ class Scheduler:
         self.admission.admit(ticket)
         timer = None
         if deadline is not None:
-            timer = loop.call_later(max(deadline - self.clock(), 0.0), self._expire, ticket)
+            # dropped unexecuted once it could no longer finish in time even if it ran now, alone
+            # (its own measured batch time): run later, it would only be answered late, on GPU time
+            # that others could use
+            own_s = ticket.own_s if ticket.measured else 0.0
+            timer = loop.call_later(max(deadline - own_s - self.clock(), 0.0), self._expire, ticket)
         self._wake.set()
         try:
             done = await ticket.future
@@ -709,12 +713,16 @@ class Scheduler:
 
     def _on_drop(self, ticket: Ticket, reason: DropReason) -> None:
         if reason == "expired":
+            now = self.clock()
+            waited_s = now - ticket.enqueued
+            own_s = ticket.own_s if ticket.measured else 0.0
             if ticket.predicted_s:  # it would have taken longer still: the least of its error
-                now = self.clock()
-                self.model.observe_prediction(ticket.predicted_s, now - ticket.enqueued, now)
-            waited_s = self.clock() - ticket.enqueued
-            _settle(ticket.future, error=DeadlineExpired(f"deadline passed after {waited_s:.4f} s "
-                                                         "in the queue; the request was not executed"))
+                self.model.observe_prediction(ticket.predicted_s, waited_s + own_s, now)
+            left_s = (ticket.deadline or now) - now
+            why = (f"could no longer finish by its deadline ({left_s:.4f} s left, its own run takes {own_s:.4f} s)"
+                   if left_s > 0 else "deadline passed")
+            _settle(ticket.future, error=DeadlineExpired(f"{why} after {waited_s:.4f} s in the queue; the request "
+                                                         "was not executed"))
         elif reason == "drained":
             _settle(ticket.future, error=Overloaded("draining", self.admission.unavailable_hint_s(),
                                                     "the server stopped before running it"))

@@ -455,6 +455,37 @@ def test_a_deadline_passing_in_the_queue_drops_the_request_unexecuted(art):
     asyncio.run(main())
 
 
+def test_a_queued_request_that_can_no_longer_finish_in_time_is_dropped_before_its_deadline(art):
+    """Once its own measured batch time no longer fits before its deadline, a queued request is
+    dropped unexecuted then (DEADLINE_EXCEEDED, saying why), not at the deadline: run later it would
+    only be answered late, on GPU time others could use."""
+    rt = FakeRuntime(delay_s=0.15)
+
+    async def main() -> None:
+        s = await started(art, rt, AdmissionConfig(default_service_s=0.001, safety_margin=0.0), max_wait_s=0.0,
+                          max_inflight=1)
+        for i in range(3):  # measure the bucket: >= 150 ms
+            await s.submit(score(f"m{i}"))
+        rt.gate.clear()
+        held = asyncio.create_task(s.submit(score("held")))
+        await until(lambda: len(rt.started) == 4)
+        own_s = s.model.bucket_s(s.costs.of(score("late")).solo, s.clock())  # as measured (a loaded host: more)
+        t0 = time.monotonic()
+        # admitted: the held batch's rest and its own run fit (both at most own_s)
+        with pytest.raises(DeadlineExpired, match="could no longer finish by its deadline") as e:
+            await s.submit(score("late"), deadline=t0 + 3 * own_s)
+        waited = time.monotonic() - t0
+        # dropped at the deadline less its own time (~2 own_s), well before the deadline itself
+        assert 1.5 * own_s <= waited <= 2.5 * own_s, (waited, own_s, str(e.value))
+        assert s.stats()["expired"] == 1
+        rt.gate.set()
+        await held
+        assert "late" not in rt.ran
+        await s.close()
+
+    asyncio.run(main())
+
+
 def test_a_failing_batch_fails_only_its_own_requests(art):
     rt = FakeRuntime(fail_ids=("boom",))
 

@@ -379,11 +379,10 @@ class Scheduler:
         self.admission.admit(ticket)
         timer = None
         if deadline is not None:
-            # dropped unexecuted once it could no longer finish in time even if it ran now, alone
-            # (its own measured batch time): run later, it would only be answered late, on GPU time
-            # that others could use
-            own_s = ticket.own_s if ticket.measured else 0.0
-            timer = loop.call_later(max(deadline - own_s - self.clock(), 0.0), self._expire, ticket)
+            # dropped unexecuted once it could no longer finish in time even if it ran now, alone,
+            # as fast as its bucket ever ran lately: run later, it would only be answered late, on
+            # GPU time that others could use
+            timer = loop.call_later(max(deadline - self._fastest_s(ticket) - self.clock(), 0.0), self._expire, ticket)
         self._wake.set()
         try:
             done = await ticket.future
@@ -602,6 +601,11 @@ class Scheduler:
         return ((batch_s * (1 + self.admission.config.safety_margin) + self.admission.response_margin_s())
                 * self.model.calibration_at(self.clock()))
 
+    def _fastest_s(self, ticket: Ticket) -> float:
+        """The fastest its own bucket ran lately (0.0: not known): less than that before its
+        deadline, a queued request can no longer be answered in time."""
+        return 0.0 if ticket.cost is None else self.model.bucket_min_s(ticket.cost.solo, self.clock())
+
     def _is_heavy(self, ticket: Ticket, now: float) -> bool:
         return ticket.cost is not None and self._solo_s(ticket, now) > self.config.heavy_batch_s
 
@@ -715,12 +719,12 @@ class Scheduler:
         if reason == "expired":
             now = self.clock()
             waited_s = now - ticket.enqueued
-            own_s = ticket.own_s if ticket.measured else 0.0
+            fastest_s = self._fastest_s(ticket)
             if ticket.predicted_s:  # it would have taken longer still: the least of its error
-                self.model.observe_prediction(ticket.predicted_s, waited_s + own_s, now)
+                self.model.observe_prediction(ticket.predicted_s, waited_s + fastest_s, now)
             left_s = (ticket.deadline or now) - now
-            why = (f"could no longer finish by its deadline ({left_s:.4f} s left, its own run takes {own_s:.4f} s)"
-                   if left_s > 0 else "deadline passed")
+            why = (f"could no longer finish by its deadline ({left_s:.4f} s left; its own run took at least "
+                   f"{fastest_s:.4f} s lately)" if left_s > 0 else "deadline passed")
             _settle(ticket.future, error=DeadlineExpired(f"{why} after {waited_s:.4f} s in the queue; the request "
                                                          "was not executed"))
         elif reason == "drained":

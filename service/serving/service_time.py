@@ -83,6 +83,14 @@ class ServiceTimeModel:
     def bucket_s(self, info: BucketInfo, now: float) -> float:
         return self._estimate_of(info, now)[0]
 
+    def bucket_min_s(self, info: BucketInfo, now: float) -> float:
+        """The fastest of the bucket's own recent batches (its last `window`, the newest within
+        ttl_s): a lower bound on its next one, 0.0 when it has none (nothing known)."""
+        samples = self._samples.get(info.key)
+        if not samples or self._last_seen.get(info.key, -math.inf) < now - self.ttl_s:
+            return 0.0
+        return min(samples)
+
     def is_measured(self, info: BucketInfo, now: float) -> bool:
         """Whether bucket_s(info) comes from measurements (its own, or its neighbours' by FLOPs)
         rather than the assumed default_s: a prediction made on the default says nothing about

@@ -376,6 +376,21 @@ def test_bucket_time_is_a_high_quantile_of_its_window():
     assert model.bucket_s(BucketInfo("score.tiny", "score", 1e8), clock.t) == pytest.approx(0.0181)  # below
 
 
+def test_a_buckets_fastest_run_is_its_own_recent_minimum_or_nothing():
+    """bucket_min_s: a lower bound on the next batch (when a queued request can no longer finish in
+    time): the fastest of its own window, never interpolated from neighbours, 0 once stale."""
+    model, clock = ServiceTimeModel(window=4, ttl_s=60.0), FakeClock(0.0)
+    assert model.bucket_min_s(S1, clock.t) == 0.0  # never run
+    for run in (0.020, 0.012, 0.015):
+        measure(model, clock, S1, run, 1)
+    assert model.bucket_min_s(S1, clock.t) == pytest.approx(0.012)
+    assert model.bucket_min_s(S2, clock.t) == 0.0  # its neighbour's times bound nothing of its own
+    for run in (0.030, 0.031, 0.032, 0.033):  # the 12 ms run leaves the window of 4
+        measure(model, clock, S1, run, 1)
+    assert model.bucket_min_s(S1, clock.t) == pytest.approx(0.030)
+    assert model.bucket_min_s(S1, clock.t + 61.0) == 0.0  # nothing lately: not known
+
+
 def test_overlapping_batches_give_parallelism_and_count_once_in_rho():
     # two lanes in flight: runs of 1 s overlapping by half: the executor finishes one every 0.5 s
     model = ServiceTimeModel(utilisation_window_s=100.0, num_lanes=2)

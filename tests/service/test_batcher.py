@@ -105,6 +105,15 @@ class FakeSubmitRuntime(FakeRuntime):
                               "done_ns": time.monotonic_ns(), "graph": False, "nodes": [("fake", 0.1, 0.05)]}))
 
 
+async def finish_all(s: Scheduler, rt: FakeSubmitRuntime, tasks: list[asyncio.Task]) -> None:
+    """Answers the submitted batches, oldest first, until every task is done; then closes s."""
+    while not all(t.done() for t in tasks):
+        if rt.pending:
+            rt.finish_oldest()
+        await asyncio.sleep(0.005)
+    await s.close()
+
+
 async def started(art, runtime, admission: AdmissionConfig | None = None, **batcher) -> Scheduler:
     s = Scheduler(art, runtime, admission, BatcherConfig(**batcher))
     await s.start()
@@ -736,11 +745,7 @@ def test_under_load_a_batch_waits_a_share_of_its_cost_for_company(art, monkeypat
         rest.append(asyncio.create_task(s.submit(score("r3"), deadline=deadline)))
         await until(lambda: len(rt.submitted_s) >= 2, timeout_s=5)
         waited = rt.submitted_s[1] - t0  # r2's wait
-        while not all(t.done() for t in [first, *rest]):
-            if rt.pending:
-                rt.finish_oldest()
-            await asyncio.sleep(0.005)
-        await s.close()
+        await finish_all(s, rt, [first, *rest])
         return list(rt.started), waited
 
     # two arrivals within ms: ~4 a second (ArrivalRates, tau 0.5 s)
@@ -779,11 +784,7 @@ def test_a_load_wait_ends_once_the_batch_holds_the_requests_expected_in_the_serv
         tasks.append(asyncio.create_task(s.submit(score("r2"))))
         await until(lambda: len(rt.submitted_s) >= 1, timeout_s=5)
         first_s = rt.submitted_s[0] - t0
-        while not all(t.done() for t in tasks):
-            if rt.pending:
-                rt.finish_oldest()
-            await asyncio.sleep(0.005)
-        await s.close()
+        await finish_all(s, rt, tasks)
         return list(rt.started), first_s
 
     # 10/s x 0.2 s = 2 expected: r1 waits (not at once), r2 joins and they go together, long before 0.2 s
@@ -825,11 +826,7 @@ def test_behind_a_busy_executor_the_load_wait_counts_from_the_slot_freeing(art, 
         tasks.append(asyncio.create_task(s.submit(score("r3"))))
         await until(lambda: len(rt.submitted_s) >= 2, timeout_s=5)
         second_s = rt.submitted_s[1] - freed_s
-        while not all(t.done() for t in tasks):
-            if rt.pending:
-                rt.finish_oldest()
-            await asyncio.sleep(0.005)
-        await s.close()
+        await finish_all(s, rt, tasks)
         return list(rt.started), second_s
 
     # 10/s x 0.3 s = 3 expected, r2 alone in the queue: it waits from the slot freeing; r3 joins

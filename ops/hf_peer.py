@@ -105,9 +105,7 @@ class HFModel:
         torch = self.torch
         per_request = [self._check_score(*r) for r in requests]
         seqs = [s for rows in per_request for s in rows]
-        rows, width = len(seqs), max(map(len, seqs))
-        if self.compiled:  # a few shapes only: rows to a power of two >= 8, width to a multiple of 32
-            rows, width = max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32
+        rows, width = self._padded(len(seqs), max(map(len, seqs)))
         x = torch.zeros(rows, width, dtype=torch.long)
         mask = torch.zeros(rows, width, dtype=torch.long)
         last = torch.zeros(rows, dtype=torch.long)
@@ -125,6 +123,13 @@ class HFModel:
             at += len(samples)
         return out
 
+    def _padded(self, rows: int, width: int) -> tuple[int, int]:
+        """The shape a Score forward runs at: compiled, a few shapes only (rows to a power of two
+        >= 8, width to a multiple of 32); eager, as it is."""
+        if not self.compiled:
+            return rows, width
+        return max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32
+
     def warm_score(self, samples: int, length: int, prefix: int, max_batch: int) -> list[dict[str, Any]]:
         """Runs score_many once for each padded shape that batches of 1..max_batch requests of this
         shape take, so that a compiled model compiles them now (tens of seconds each on the H200
@@ -132,8 +137,7 @@ class HFModel:
         seconds."""
         ran, seen = [], set()
         for n in range(1, max(1, max_batch) + 1):
-            rows, width = n * samples, prefix + length
-            shape = (max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32) if self.compiled else (rows, width)
+            shape = self._padded(n * samples, prefix + length)
             if shape in seen:
                 continue
             seen.add(shape)

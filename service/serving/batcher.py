@@ -538,10 +538,10 @@ class Scheduler:
         first request takes alone (a batch of one), up to load_wait_share of that time (capped at
         load_wait_max_s) after it could first have gone (its oldest member's arrival, or the moment
         a slot of a busy executor freed: the callers just answered are about to come back, and a
-        wait spent in the queue behind the executor could not have gathered them). A second batch pays a batch's whole fixed cost again (a BeamSearch batch
-        of one costs several times the step to two), so under such load a short wait that lets
-        the next arrival join is worth more than it costs; at lighter load it would be waited in
-        vain. Nor once the batch already holds the requests expected in the server (Little's law:
+        wait spent in the queue behind the executor could not have gathered them). A second batch
+        pays a batch's whole fixed cost again (a BeamSearch batch of one costs several times the
+        step to two), so under such load a short wait that lets the next arrival join is worth more
+        than it costs; at lighter load it would be waited in vain. Nor once the batch already holds the requests expected in the server (Little's law:
         those a closed loop of callers sends back together are all there, and the rest are in
         flight), nor so late that a member would miss its deadline."""
         release = plan.oldest_s + self.config.max_wait_s

@@ -251,13 +251,20 @@ class Sampler:
             self.rows.append(row)
 
     def _rss_mb(self) -> float:
+        """The server's RSS, with its front processes' (serve --fronts N: its children)."""
+        total, pids = float("nan"), [self.pid]
         try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+            pids += [int(c) for c in Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()]
         except OSError:
             pass
-        return float("nan")
+        for pid in pids:
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total = (0.0 if total != total else total) + int(line.split()[1]) / 1024
+            except OSError:
+                pass
+        return total
 
     def _gpu_mb(self) -> float:
         try:
@@ -385,8 +392,11 @@ def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[s
     admitted_late = {reason: int(d.get(("slmrank_dropped_total", f'reason="{reason}"'), 0))
                      for reason in ("expired", "cancelled")}
     admitted_late["answered_late"] = int(d.get(("slmrank_answered_late_total", ""), 0))
-    return {"codes": codes, "finished": sum(codes.values()), "never_finished": sent - sum(codes.values()),
-            "admitted_late": admitted_late,
+    # serve --fronts N: what the fronts refused never reached the engine's RPC counts
+    front_refused = sum(int(v) for (series, labels), v in d.items()
+                        if series == "slmrank_refused_total" and 'reason="front_' in labels)
+    return {"codes": codes, "finished": sum(codes.values()), "front_refused": front_refused,
+            "never_finished": sent - sum(codes.values()) - front_refused, "admitted_late": admitted_late,
             "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
 
 
@@ -408,6 +418,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
           f"deadlines no request could meet: {s['impossible']}")
     if sv := result.get("server"):
+        if sv.get("front_refused"):
+            print(f"server: its front processes refused {sv['front_refused']} themselves")
         print(f"server: finished {sv['finished']} of the {s['sent']} sent {sv['codes']}, never finished "
               f"{sv['never_finished']} (they waited in gRPC's queue); event loop busy {sv['loop_busy']} "
               f"(CPU seconds a second; near 1: the loop is the limit)")

@@ -123,7 +123,7 @@ def _server_config(values: dict):
 
     trace = section(values, "trace_")
     config = ServerConfig(
-        host=values["host"], port=values["port"], grace_s=values["grace_s"],
+        host=values["host"], port=values["port"], grace_s=values["grace_s"], fronts=values["fronts"],
         health_host=values["health_host"], health_port=values["health_port"],
         max_receive_message_bytes=values["max_receive_message_bytes"],
         max_send_message_bytes=values["max_send_message_bytes"],

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import math
 import random
 import time
@@ -239,6 +240,7 @@ class AdmissionController:
         self.clock = clock
         self.model = model or self.config.service_model()
         self.on_drop = on_drop
+        self.on_change: Callable[[], None] | None = None  # after every change of the queues (the fronts' snapshot)
         self._lanes: dict[Priority, _Lane] = {p: _Lane() for p in PRIORITIES}
         self._max_queue = {p: self.config.max_queue(p) for p in PRIORITIES}
         self._streak: dict[Priority, int] = {p: 0 for p in PRIORITIES}  # consecutive picks while a lower lane waited
@@ -301,6 +303,8 @@ class AdmissionController:
         self._client_work[ticket.client] = client_s + work_s
         self._client_count[ticket.client] = self._client_count.get(ticket.client, 0) + 1
         self._admitted[ticket.priority] += 1
+        if self.on_change is not None:
+            self.on_change()
 
     def _check_meetable(self, ticket: Ticket, own_s: float, now: float) -> None:
         cfg = self.config
@@ -420,6 +424,8 @@ class AdmissionController:
     def start_draining(self) -> None:
         """From now on every admit() is refused ("draining"); queued tickets are still taken."""
         self.is_draining = True
+        if self.on_change is not None:
+            self.on_change()
 
     # -- dropping --
 
@@ -438,6 +444,8 @@ class AdmissionController:
         self._dropped[reason] += 1
         if self.on_drop is not None:
             self.on_drop(ticket, reason)
+        if self.on_change is not None:
+            self.on_change()
 
     def _release_client(self, ticket: Ticket) -> None:
         client = ticket.client
@@ -500,6 +508,8 @@ class AdmissionController:
             lane.vtime = max(lane.vtime, max(t.tag for t in tickets if t.priority == p))
             lane.discard({id(t) for t in tickets if t.priority == p})
         self._taken += len(tickets)
+        if self.on_change is not None:
+            self.on_change()
 
     def finished(self, tickets: list[Ticket]) -> None:
         """The batch of these taken tickets is over: their work no longer counts for their clients."""
@@ -507,6 +517,8 @@ class AdmissionController:
             if t.state == "taken":
                 t.state = "done"
                 self._release_client(t)
+        if self.on_change is not None:
+            self.on_change()
 
     def take_next(self, now: float | None = None) -> Ticket | None:
         """head() and take() of that one ticket."""
@@ -521,6 +533,34 @@ class AdmissionController:
         if priority is None:
             return sum(len(lane) for lane in self._lanes.values())
         return len(self._lanes[priority])
+
+    def lane_views(self, now: float, num_points: int, num_clients: int) -> list[dict[str, Any]]:
+        """Per lane (ONLINE first), what a front process needs to repeat admit()'s checks
+        (front_state.FrontGate): queued work and length, the queue cap, the wait stretch, the work
+        of the higher lanes, the virtual time, up to num_points samples (tag, work queued at tags up
+        to it) of the fair-queuing order ending with the last ticket, and the virtual finish of
+        the num_clients clients that finish latest."""
+        out, higher_s = [], 0.0
+        for p in PRIORITIES:
+            lane = self._lanes[p]
+            n = len(lane)
+            points: list[tuple[float, float]] = []
+            if n:
+                picks = range(n) if n <= num_points else \
+                    sorted({n - 1 - (i * (n - 1)) // (num_points - 1) for i in range(num_points)})
+                cum, at = 0.0, 0
+                for i in picks:
+                    for t in lane.tickets[at:i + 1]:
+                        cum += t.work_s
+                    at = i + 1
+                    points.append((lane.tags[i], cum))
+            finish = lane.finish if len(lane.finish) <= num_clients else \
+                dict(heapq.nlargest(num_clients, lane.finish.items(), key=lambda kv: kv[1]))
+            out.append({"work_s": lane.work_s, "length": n, "max_queue": self._max_queue[p],
+                        "stretch": self._stretch(p, now), "higher_work_s": higher_s, "vtime": lane.vtime,
+                        "points": points, "finish": finish})
+            higher_s += lane.work_s
+        return out
 
     def client_work_s(self, client: str) -> float:
         return self._client_work.get(client, 0.0)

@@ -323,6 +323,7 @@ class Scheduler:
         self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
         self.costs = CostTable(artifact, self.config.max_batch_requests)
+        self.on_precheck: Callable[[Request, float, float], None] | None = None  # (request, own_s, share_s)
         self._label_columns = artifact.label_columns
         self._buckets = buckets_by_kind(artifact)
         self._wake = asyncio.Event()  # something changed: an arrival, a drop, a batch done
@@ -405,7 +406,11 @@ class Scheduler:
         if cost is None:
             return
         ticket = Ticket(request, request_kind(request), Priority(priority), deadline, client=client, cost=cost)
-        self.admission.admit(ticket, dry_run=True)
+        try:
+            self.admission.admit(ticket, dry_run=True)
+        finally:
+            if self.on_precheck is not None:  # the fronts learn this shape's price, refused or not
+                self.on_precheck(request, ticket.own_s, ticket.work_s)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Refuses new work ("draining") and finishes every queued and in-flight request.

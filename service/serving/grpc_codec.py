@@ -22,11 +22,8 @@ from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequ
                        validate_score)
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
+from .front_state import TEXT_SLACK, message_dims
 
-# A text of n characters is at least n / (TEXT_SLACK x max_token_bytes) tokens: a character is at
-# least one UTF-8 byte, and normalization (NFC) shrinks a text to no fewer than 1/1.5 of its
-# characters' bytes (u + two marks -> one 2-byte character); 2 leaves room for other normalizers.
-TEXT_SLACK = 2
 
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
 PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}
@@ -148,27 +145,14 @@ class Codec:
         return None if request is None else (request, priority)
 
     def _shape(self, kind: str, msg: Any) -> ScoreRequest | BeamRequest | None:
-        lim = self.limits
-        if kind == "beam":
-            if not msg.HasField("prompt") or not (1 <= msg.beam_width <= lim.max_beam_width) \
-                    or not (1 <= msg.new_tokens <= lim.max_new_tokens):
-                return None
-            n = self._fewest_tokens(msg.prompt)
-            if not 1 <= n <= lim.max_prompt_tokens:
-                return None
-            return BeamRequest(prompt_ids=(0,) * n, beam_width=msg.beam_width, new_tokens=msg.new_tokens)
-        if not 1 <= len(msg.samples) <= lim.max_samples:
+        dims = message_dims(kind, msg, self.limits, self.max_token_bytes)
+        if dims is None:
             return None
-        samples = tuple((0,) * max(self._fewest_tokens(s), 1) for s in msg.samples)
-        prefix = (0,) * self._fewest_tokens(msg.prefix) if msg.HasField("prefix") else ()
-        if len(prefix) + sum(map(len, samples)) > lim.max_score_tokens:
-            return None
-        return ScoreRequest(samples=samples, prefix_ids=prefix)
-
-    def _fewest_tokens(self, seg: Any) -> int:
-        if seg.text:
-            return -(-len(seg.text) // (TEXT_SLACK * self.max_token_bytes))  # the bound _check_text_length uses
-        return len(seg.ids)
+        if dims[0] == 1:
+            _, n, beam_width, new_tokens = dims
+            return BeamRequest(prompt_ids=(0,) * n, beam_width=beam_width, new_tokens=new_tokens)
+        _, prefix, samples = dims
+        return ScoreRequest(samples=tuple((0,) * n for n in samples), prefix_ids=(0,) * prefix)
 
     # -- responses ------------------------------------------------------------------------------
     def score_response(self, result: ScoreResult) -> Any:

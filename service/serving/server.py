@@ -52,6 +52,8 @@ from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
 from .wire import invalid_utf8_field
+from .front_state import MAX_FRONTS, STATE_DRAINING, STATE_SERVING
+from .fronts import FrontOptions, FrontSupervisor
 
 log = logging.getLogger("slmrank.server")
 
@@ -88,6 +90,9 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # "": no export, whatever the environment says
     trace_file: str | None = None  # the Chrome trace of the kept requests, written when the server stops
     access_log: bool = False  # one log record per finished RPC (logger slmrank.access)
+    # front processes on the public port (SO_REUSEPORT) that refuse what admission would refuse and
+    # forward the rest to this process over a Unix socket (fronts.py); 0: this process listens itself
+    fronts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port"):
@@ -99,6 +104,8 @@ class ServerConfig:
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
+        if not 0 <= self.fronts <= MAX_FRONTS:
+            raise ValueError(f"fronts: must be in [0, {MAX_FRONTS}], got {self.fronts}")
         check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def tracing(self) -> TracingConfig:
@@ -314,6 +321,7 @@ class RankerServer:
     metrics: ServerMetrics | None = None
     metrics_server: MetricsServer | None = None  # with config.metrics_port; .port is the bound one
     health_port: int | None = None  # the bound health-only port, with config.health_port
+    fronts: FrontSupervisor | None = None  # with config.fronts
     _server: grpc.aio.Server | None = None
     _health_server: grpc.aio.Server | None = None
     _loading: asyncio.Task | None = None
@@ -359,7 +367,15 @@ class RankerServer:
         credentials = None
         if self.config.tls_cert and self.config.tls_key:
             credentials = server_credentials(self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca)
-        self.port = _bind(self._server, self.config.host, self.config.port, credentials)
+        cfg = self.config
+        if cfg.fronts:  # the fronts own the public port; this process listens on a Unix socket for them
+            admission = self.servicer.admission
+            self.fronts = FrontSupervisor(cfg.fronts, FrontOptions(
+                cfg.host, cfg.port, admission.client_id_metadata, cfg.max_receive_message_bytes,
+                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+            _bind(self._server, "unix", 0, None, address=self.fronts.engine_target)
+        else:
+            self.port = _bind(self._server, cfg.host, cfg.port, credentials)
         if self.config.health_port is not None:
             self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
@@ -370,8 +386,12 @@ class RankerServer:
                                                 chrome=self.tracer.chrome if self.tracer else None)
             self.metrics_server.start()  # GET /metrics, GET /trace, on a thread of its own; BindError
         await self._server.start()
+        if self.fronts is not None:
+            self.port = await self.fronts.start()
 
     async def _close_listeners(self) -> None:
+        if self.fronts is not None:
+            await self.fronts.stop()
         for server in (self._server, self._health_server):
             if server is not None:
                 await server.stop(None)
@@ -385,11 +405,17 @@ class RankerServer:
         scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher)
         await scheduler.start()
         if self.metrics is not None:
-            self.metrics.stats_source = scheduler.stats
+            self.metrics.stats_source = scheduler.stats if self.fronts is None else (
+                lambda: _with_front_counts(scheduler.stats(), self.fronts))
         self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime)
         if self.metrics is not None:
             self.metrics.set_model(self.servicer.info)
         self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler
+        if self.fronts is not None:
+            publisher = self.fronts.publisher
+            publisher.attach(scheduler.admission, self.model.artifact.limits, self.servicer.codec.max_token_bytes)
+            scheduler.on_precheck = publisher.note_shape
+            publisher.set_state(STATE_SERVING)
         _freeze_heap()
         await self._set_health(SERVING)
         log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
@@ -410,6 +436,8 @@ class RankerServer:
         margin_s = min(2.0, 0.1 * grace_s)  # for the last answers to go out and the process to exit
         await self.health.enter_graceful_shutdown()
         self.servicer.is_draining = True
+        if self.fronts is not None:  # the fronts refuse new work at once ("draining")
+            self.fronts.publisher.set_state(STATE_DRAINING)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         try:
@@ -420,10 +448,12 @@ class RankerServer:
             # requests still arriving get "draining" (UNAVAILABLE, a hint: another replica) until they
             # stop coming or the grace runs out: one that reached gRPC at the instant its listener
             # closes would be CANCELLED by gRPC itself, with nothing a client can act on
-            while (time.monotonic() - self.interceptor.last_arrival_s < DRAIN_LULL_S
+            while (time.monotonic() - self._last_arrival_s() < DRAIN_LULL_S
                    and time.monotonic() < end - margin_s):
                 await asyncio.sleep(DRAIN_LULL_S / 4)
         finally:
+            if self.fronts is not None:  # they finish relaying the last answers, then this listener closes
+                await self.fronts.stop(max(min(end - margin_s / 2 - time.monotonic(), 2.0), 0.1))
             if self._server is not None:  # answers sent, then the listener closes
                 await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))
             if self._health_server is not None:
@@ -455,9 +485,14 @@ class RankerServer:
             return
         log.info("Chrome trace of %d kept requests (%d events) written to %s", self.tracer.num_kept, num_events, path)
 
+    def _last_arrival_s(self) -> float:
+        last = self.interceptor.last_arrival_s
+        return last if self.fronts is None else max(last, self.fronts.last_arrival_s())
+
     def stats(self) -> dict[str, Any]:
         codec, scheduler, tracer = self.servicer.codec, self.servicer.scheduler, self.tracer
         return {
+            **({"fronts": {**self.fronts.counts(), "restarts": self.fronts.restarts}} if self.fronts else {}),
             "statuses": {f"{m}.{c}": n for (m, c), n in sorted(self.interceptor.counts.items())},
             "tokenize": codec.tokenize_stats.as_dict() if codec else {},
             "scheduler": scheduler.stats() if scheduler else {},
@@ -466,8 +501,17 @@ class RankerServer:
         }
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    address = f"{host}:{port}"
+def _with_front_counts(stats: dict[str, Any], fronts: FrontSupervisor) -> dict[str, Any]:
+    """The scheduler's stats with the fronts' refusals among the refusals (reason front_<reason>)."""
+    counts = fronts.counts()
+    refused = {**stats["refused"], **{f"front_{k[len('refused_'):]}": v for k, v in counts.items()
+                                      if k.startswith("refused_")}}
+    return {**stats, "refused": refused, "front_forwarded": counts["forwarded"]}
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
+          address: str | None = None) -> int:
+    address = address or f"{host}:{port}"
     try:
         if credentials is None:
             return server.add_insecure_port(address)
@@ -581,7 +625,8 @@ async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model],
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
-    announce(f"listening on {config.host}:{port} (health NOT_SERVING until the model is loaded)")
+    fronts = f", through {config.fronts} front processes" if config.fronts else ""
+    announce(f"listening on {config.host}:{port}{fronts} (health NOT_SERVING until the model is loaded)")
     if server.health_port is not None:
         announce(f"health (grpc.health.v1, plaintext) on {config.health_host}:{server.health_port}")
     if server.metrics_server is not None:

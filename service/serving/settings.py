@@ -142,6 +142,9 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     Setting("health_host", _str, "0.0.0.0", "address of the health-only gRPC listener", "server"),
     Setting("health_port", _optional(_int), None, "a second, plaintext gRPC listener serving grpc.health.v1 only "
             "(kubelet probes reach the pod IP, and speak no TLS); off: health on the API port only", "server"),
+    Setting("fronts", _int, 0, "front processes that own the API port (SO_REUSEPORT), refuse what admission would "
+            "refuse without the engine's event loop, and forward the rest to it over a Unix socket (0: none, the "
+            "engine listens itself; a few under heavy overload)", "server"),
     Setting("grace_s", _float, 20.0, "SIGTERM/SIGINT: finish in-flight requests for at most this long (seconds), "
             "then exit", "server"),
     Setting("max_receive_message_bytes", _int, 1 << 20, "largest request message accepted (bytes)", "server"),

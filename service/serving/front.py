@@ -1,0 +1,210 @@
+"""One front process of `slmrank serve --fronts N` (front_state.py says what fronts are for).
+
+    python -m service.serving.front --engine unix:PATH --state PATH --slot I --fronts N --host H --port P
+
+Started by the engine (FrontSupervisor), never by hand. It listens on the public port beside the
+other fronts (SO_REUSEPORT: the kernel spreads connections over them). A Score or BeamSearch is
+parsed, checked by the gate on the engine's shared snapshot, and either refused here
+(UNAVAILABLE with retry-after-ms, or DEADLINE_EXCEEDED for a deadline no retry can meet; the same
+messages the engine gives) or forwarded as its wire bytes to the engine over the Unix socket,
+with the caller's deadline and metadata and its client id (the x-client-id metadata, else the
+caller's host, so fair shares still see the real client). Everything else (ModelInfo, health,
+reflection) is relayed as it is, streams included. The engine's answers and statuses, trailing
+metadata included, go back unchanged. No torch here: a front starts in well under a second.
+
+It exits on SIGTERM (closing its listener, finishing what it relays, within --grace-s), and on
+its own when the engine process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .front_state import FrontGate, Refusal, SharedState
+from .proto_gen import load as load_stubs
+
+log = logging.getLogger("slmrank.front")
+
+RANKER = "slmrank.v1.Ranker"
+_REFUSED_FIELD = {"deadline": "refused_deadline", "queue_full": "refused_queue_full", "draining": "refused_unavailable",
+                  "loading": "refused_unavailable", "impossible": "refused_impossible"}
+# metadata gRPC sets itself: not relayed
+_OWN_KEYS = ("user-agent", "grpc-", ":")
+
+
+def client_of(metadata: Any, peer: str, key: str) -> str:
+    """As the engine names a client (server.client_of): the `key` metadata value, else the peer's host."""
+    for k, v in metadata or ():
+        if k == key and isinstance(v, str) and v:
+            return v[:128]
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+def _relayed(metadata: Any) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS)]
+
+
+def refusal_status(r: Refusal) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The engine's status for the same refusal (server.status_of)."""
+    if r.reason == "impossible":
+        return grpc.StatusCode.DEADLINE_EXCEEDED, r.detail, ()
+    retry_ms = max(1, round(r.retry_after_s * 1000))
+    text = r.detail if r.reason in ("draining", "loading") else f"overloaded ({r.reason}): {r.detail}"
+    return grpc.StatusCode.UNAVAILABLE, f"{text}; retry after {retry_ms} ms", (("retry-after-ms", str(retry_ms)),)
+
+
+class Front:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.shared = SharedState(args.state)
+        self.slot = args.slot
+        self.gate = FrontGate(self.shared.read, args.fronts)
+        self.pb2 = load_stubs().pb2
+        self.parse = {"Score": self.pb2.ScoreRequest.FromString, "BeamSearch": self.pb2.BeamSearchRequest.FromString}
+        self.channel: grpc.aio.Channel | None = None  # made on the serving loop (run)
+        self.server: grpc.aio.Server | None = None
+        self._unary: dict[str, Any] = {}
+
+    async def _ranker(self, raw: bytes, context: grpc.aio.ServicerContext, method: str, kind: str) -> bytes:
+        now = time.monotonic()
+        self.shared.slot_arrival(self.slot, now)
+        remaining = context.time_remaining()
+        metadata = context.invocation_metadata()
+        client = client_of(metadata, context.peer() or "", self.args.client_id_metadata)
+        try:
+            msg = self.parse[method](raw)
+        except DecodeError:
+            msg = None  # the engine names the field
+        if msg is not None:
+            refusal = self.gate.check(kind, msg, None if remaining is None else now + remaining, client)
+            if refusal is not None:
+                self.shared.slot_add(self.slot, _REFUSED_FIELD[refusal.reason])
+                code, message, trailers = refusal_status(refusal)
+                await context.abort(code, message, trailing_metadata=trailers)
+        relayed = _relayed(metadata)
+        if not any(k == self.args.client_id_metadata for k, _ in relayed):
+            relayed.append((self.args.client_id_metadata, client))
+        self.shared.slot_add(self.slot, "forwarded")
+        call = self._unary[method]
+        try:
+            return await call(raw, timeout=None if remaining is None else max(remaining - (time.monotonic() - now), 0.0),
+                              metadata=relayed)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "", trailing_metadata=tuple(e.trailing_metadata() or ()))
+
+    async def _relay(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                     method: str) -> AsyncIterator[bytes]:
+        remaining = context.time_remaining()
+        call = self.channel.stream_stream(method)(requests, timeout=remaining,
+                                                  metadata=_relayed(context.invocation_metadata()))
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "", trailing_metadata=tuple(e.trailing_metadata() or ()))
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        front = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details: grpc.HandlerCallDetails) -> Any:
+                method = details.method
+                service, _, name = method.lstrip("/").rpartition("/")
+                if service == RANKER and name in ("Score", "BeamSearch"):
+                    kind = "score" if name == "Score" else "beam"
+
+                    async def ranker(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                        return await front._ranker(raw, context, name, kind)
+                    return grpc.unary_unary_rpc_method_handler(ranker)
+
+                async def relay(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+                    async for response in front._relay(requests, context, method):
+                        yield response
+                return grpc.stream_stream_rpc_method_handler(relay)
+
+        return Handler()
+
+    async def run(self) -> int:
+        a = self.args
+        self.channel = grpc.aio.insecure_channel(a.engine, options=[
+            ("grpc.max_receive_message_length", a.max_send_message_bytes),
+            ("grpc.max_send_message_length", a.max_receive_message_bytes)])
+        self._unary = {m: self.channel.unary_unary(f"/{RANKER}/{m}") for m in ("Score", "BeamSearch")}
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", a.max_receive_message_bytes),
+            ("grpc.max_send_message_length", a.max_send_message_bytes)])
+        self.server.add_generic_rpc_handlers((self.handler(),))
+        address = f"{a.host}:{a.port}"
+        try:
+            if a.tls_cert and a.tls_key:
+                from .tls import server_credentials
+                self.server.add_secure_port(address, server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca))
+            else:
+                self.server.add_insecure_port(address)
+        except RuntimeError:
+            log.error("front %d: cannot listen on %s", self.slot, address)
+            return 2
+        await self.server.start()
+        self.shared.slot_set(self.slot, "pid", os.getpid())
+        self.shared.slot_set(self.slot, "ready", 1)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        parent = os.getppid()
+        while not stop.is_set():  # the engine gone (this process re-parented): nothing to relay to
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                if os.getppid() != parent:
+                    log.error("front %d: the engine process is gone; exiting", self.slot)
+                    break
+        self.shared.slot_set(self.slot, "ready", 0)
+        await self.server.stop(a.grace_s)
+        await self.channel.close()
+        self.shared.close()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m service.serving.front", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help="the engine's gRPC target (unix:PATH)")
+    p.add_argument("--state", required=True, help="the engine's shared state file")
+    p.add_argument("--slot", type=int, required=True)
+    p.add_argument("--fronts", type=int, default=1, help="how many fronts share the port")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--client-id-metadata", default="x-client-id")
+    p.add_argument("--max-receive-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-send-message-bytes", type=int, default=4 << 20)
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-client-ca")
+    p.add_argument("--grace-s", type=float, default=2.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        return runner.run(Front(args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

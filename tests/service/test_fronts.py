@@ -1,0 +1,348 @@
+"""Front processes (`slmrank serve --fronts N`).
+
+- The shared snapshot survives the trip through shared memory.
+- The gate is sound: on random admission states (several clients, priorities, deadlines, measured
+  bucket times) every refusal a front makes is one the engine's own admission makes too, and with
+  the shape known and one client (the overload benchmark's case) the front makes nearly all of them.
+- Over real gRPC (embedded:tiny, two fronts): answers equal those of a server without fronts; bad
+  input gets the engine's INVALID_ARGUMENT naming the field; health and ModelInfo are relayed; the
+  engine sees the real client (x-client-id, else the caller's host); under a burst with deadlines
+  the fronts refuse work themselves, with bounded retry hints, and no admitted request ends late;
+  a killed front is restarted; a draining server's fronts answer UNAVAILABLE "draining" with a hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from service.runtime.requests import BeamRequest, ScoreRequest
+from service.serving.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
+                                       Ticket)
+from service.serving.cost import BucketInfo, RequestCost
+from service.serving.front_state import (STATE_DRAINING, STATE_SERVING, FrontGate, LaneView, Limits, SharedState,
+                                         Snapshot, message_dims)
+from service.serving.fronts import FrontPublisher
+from service.serving.proto_gen import load as load_stubs
+
+pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
+LIMITS = Limits(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5, max_prompt_tokens=1024)
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeFuture:
+    def done(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def shared(tmp_path):
+    s = SharedState(str(tmp_path / "state"), create=True)
+    yield s
+    s.close()
+
+
+def test_snapshot_round_trip(shared, tmp_path):
+    snap = Snapshot(published_s=12.5, state=STATE_SERVING, measured=True, inflight_s=0.03, inflight_batches=2,
+                    parallelism=1.7, calibration=1.2, safety_margin=0.1, response_margin_s=0.002, response_s=0.004,
+                    min_retry_s=0.005, max_retry_s=2.0, unavailable_retry_s=0.5, max_lane_work_s=30.0,
+                    limits=LIMITS, max_token_bytes=7,
+                    lanes=(LaneView(0.5, 3, 128, 1.0, 0.0, 4.0, ((4.5, 0.1), (5.0, 0.5)), {7: 9.5, -3: 4.25}),
+                           LaneView(), LaneView(work_s=1.5, length=9)),
+                    shapes={hash((0, 3, (1, 2))): (0.01, 0.004), -5: (0.2, 0.2)})
+    shared.write(snap)
+    other = SharedState(shared.path)  # another process's view: the same file
+    try:
+        assert other.read() == snap
+        other.slot_add(3, "refused_deadline", 2)
+        other.slot_arrival(3, 55.5)
+        assert shared.slot(3)["refused_deadline"] == 2 and shared.slot(3)["last_arrival_s"] == 55.5
+    finally:
+        other.close()
+    with pytest.raises(ValueError, match="not an slmrank front state file"):
+        (tmp_path / "bad").write_bytes(b"x" * 10)
+        SharedState(str(tmp_path / "bad"))
+
+
+# ---- the gate against the engine's admission --------------------------------------------------------
+
+S = [BucketInfo(f"score.r{n}", "score", n * 1e9) for n in (1, 2, 4, 8)]
+BEAM = BucketInfo("beam.n3.r1", "beam", 1e11)
+SCORE_COST = RequestCost("score", S[0], tuple(zip((1, 2, 4, 8), S)))
+BEAM_COST = RequestCost("beam.n3", BEAM, ((1, BEAM),))
+SCORE_MSG = pb2.ScoreRequest(prefix=pb2.Segment(ids=[1] * 6), samples=[pb2.Segment(ids=[2] * 3)] * 2, label_ids=[0])
+BEAM_MSG = pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1] * 8), beam_width=4, new_tokens=3)
+
+
+def _engine_request(kind: str) -> Any:
+    """The placeholder request the engine's gate prices for the message (Codec.shape_of)."""
+    msg = SCORE_MSG if kind == "score" else BEAM_MSG
+    dims = message_dims(kind, msg, LIMITS, 4)
+    if kind == "beam":
+        return BeamRequest(prompt_ids=(0,) * dims[1], beam_width=dims[2], new_tokens=dims[3])
+    return ScoreRequest(samples=tuple((0,) * n for n in dims[2]), prefix_ids=(0,) * dims[1])
+
+
+def _world(seed: int, shared: SharedState, clients: list[str]):
+    rng = random.Random(seed)
+    clock = FakeClock()
+    cfg = AdmissionConfig(max_queue_online=rng.choice([4, 16, 128]), max_lane_work_s=rng.choice([0.5, 30.0]))
+    ctl = AdmissionController(cfg, cfg.service_model(num_lanes=rng.choice([1, 2])), clock=clock)
+    model = ctl.model
+    for i in range(rng.randrange(3, 12)):  # measured bucket times
+        info = rng.choice(S + [BEAM])
+        model.batch_started(i, info, clock.t)
+        clock.t += (0.05 if info is BEAM else 0.004 * info.flops / 1e9) * rng.uniform(0.8, 1.2)
+        model.batch_finished(i, info, (clock.t - 0.004, clock.t), {rng.choice([1, 2, 3]): 1})
+    if rng.random() < 0.5:  # a batch in flight
+        model.batch_started(99, S[2], clock.t)
+        clock.t += rng.uniform(0, 0.01)
+    publisher = FrontPublisher(shared, clock)
+    publisher.attach(ctl, LIMITS, 4)
+    publisher.set_state(STATE_SERVING)
+    for _ in range(rng.randrange(0, 60)):  # queued work
+        kind = rng.choice(["score", "score", "beam"])
+        t = Ticket("q", kind, Priority(rng.choice([1, 2, 3])), clock.t + rng.uniform(0.01, 2.0),
+                   future=FakeFuture(), client=rng.choice(clients), cost=SCORE_COST if kind == "score" else BEAM_COST)
+        try:
+            ctl.admit(t)
+        except (Overloaded, DeadlineUnmeetable):
+            pass
+        if rng.random() < 0.1 and ctl.depth():
+            ctl.take([ctl.head()])
+    return rng, clock, ctl, publisher
+
+
+def _engine_says(ctl, publisher, kind: str, priority: int, deadline: float | None, client: str):
+    t = Ticket("p", "score" if kind == "score" else "beam.n3", Priority(priority), deadline, client=client,
+               cost=SCORE_COST if kind == "score" else BEAM_COST)
+    try:
+        ctl.admit(t, dry_run=True)
+        refusal = None
+    except (Overloaded, DeadlineUnmeetable) as e:
+        refusal = e
+    publisher.note_shape(_engine_request(kind), t.own_s, t.work_s)  # as Scheduler.precheck reports it
+    publisher.publish()
+    return refusal
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
+    clients = ["alice", "bob", "ipv4:10.0.0.7", "carol"]
+    rng, clock, ctl, publisher = _world(seed, shared, clients)
+    gate = FrontGate(shared.read, num_fronts=2, clock=clock)
+    checked = refused = 0
+    for _ in range(60):
+        kind = rng.choice(["score", "beam"])
+        priority = rng.choice([1, 2, 3])
+        deadline = None if rng.random() < 0.2 else clock.t + rng.choice([-0.001, 0.002, 0.02, 0.1, 0.5, 2.0])
+        client = rng.choice(clients + ["dave"])
+        engine = _engine_says(ctl, publisher, kind, priority, deadline, client)  # also teaches the shape
+        msg = pb2.ScoreRequest() if kind == "score" else pb2.BeamSearchRequest()
+        msg.CopyFrom(SCORE_MSG if kind == "score" else BEAM_MSG)
+        msg.priority = priority
+        front = gate.check(kind, msg, deadline, client)
+        checked += 1
+        if front is None:
+            continue
+        refused += 1
+        assert engine is not None, f"the front refused ({front}) what the engine admits"
+        if front.reason == "impossible":
+            assert isinstance(engine, DeadlineUnmeetable), (front, engine)
+        else:
+            assert isinstance(engine, Overloaded) and not isinstance(engine, DeadlineUnmeetable), (front, engine)
+            assert 0 < front.retry_after_s <= ctl.config.max_retry_after_s
+            # the checks run in the engine's order; the engine's lane-work check counts the request's
+            # own share, the front's only what is queued: a front's "deadline" may be the engine's
+            # "queue_full" (or its per-client cap, which fronts do not check)
+            if front.reason == "queue_full":
+                assert engine.reason == "queue_full", (front, engine)
+        clock.t += rng.uniform(0, 0.003)
+    assert checked == 60
+
+
+def test_one_client_overloaded_the_front_refuses_as_the_engine(shared):
+    """The overload benchmark's case: one client, one shape, a queue past the deadline."""
+    agree = total = 0
+    for seed in range(20):
+        _, clock, ctl, publisher = _world(seed, shared, ["bench"])
+        gate = FrontGate(shared.read, clock=clock)
+        for deadline_s in (0.005, 0.02, 0.05, 0.08, 0.2, 1.0):
+            engine = _engine_says(ctl, publisher, "score", 2, clock.t + deadline_s, "bench")
+            front = gate.check("score", SCORE_MSG, clock.t + deadline_s, "bench")
+            if engine is not None:
+                total += 1
+                agree += front is not None
+    assert total >= 20 and agree >= 0.9 * total, f"the front refused {agree} of the engine's {total} refusals"
+
+
+def test_draining_and_loading_are_refused_with_a_hint(shared):
+    clock = FakeClock()
+    publisher = FrontPublisher(shared, clock)  # no model yet: loading
+    gate = FrontGate(shared.read, clock=clock)
+    r = gate.check("score", SCORE_MSG, None, "c")
+    assert r.reason == "loading" and r.retry_after_s == 0.5
+    ctl = AdmissionController(AdmissionConfig(unavailable_retry_s=0.25), clock=clock)
+    publisher.attach(ctl, LIMITS, 4)
+    publisher.set_state(STATE_SERVING)
+    assert gate.check("score", SCORE_MSG, None, "c") is None
+    publisher.set_state(STATE_DRAINING)
+    r = gate.check("beam", BEAM_MSG, clock.t + 1, "c")
+    assert r.reason == "draining" and r.retry_after_s == 0.25 and "draining" in r.detail
+
+
+# ---- over gRPC --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def servers(model):
+    from service.serving.batcher import BatcherConfig
+    from service.serving.server import RankerServer, ServerConfig
+    from service.serving.server_thread import ServerThread
+
+    def start(fronts: int) -> ServerThread:
+        config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, fronts=fronts, metrics_port=0,
+                              trace_sample_rate=0.0, admission=AdmissionConfig(max_retry_after_s=1.0),
+                              batcher=BatcherConfig(max_batch_requests=4, validate_requests=False))
+        srv = ServerThread(RankerServer(config, lambda: model))
+        srv.wait_serving()
+        return srv
+
+    fronted, plain = start(2), start(0)
+    yield fronted, plain
+    plain.stop()
+    if fronted.thread.is_alive():
+        fronted.stop()
+
+
+def _score(seed: int, **kw) -> Any:
+    rng = random.Random(seed)
+    return pb2.ScoreRequest(prefix=pb2.Segment(ids=[rng.randrange(1, 1000) for _ in range(6)]),
+                            samples=[pb2.Segment(ids=[rng.randrange(1, 1000) for _ in range(3)]) for _ in range(2)],
+                            label_ids=[11, 22], **kw)
+
+
+def test_answers_through_fronts_equal_the_engine_alone(servers):
+    fronted, plain = servers
+    with grpc.insecure_channel(fronted.target) as a, grpc.insecure_channel(plain.target) as b:
+        sa, sb = pb2_grpc.RankerStub(a), pb2_grpc.RankerStub(b)
+        for seed in range(4):
+            assert sa.Score(_score(seed), timeout=30).SerializeToString() == \
+                sb.Score(_score(seed), timeout=30).SerializeToString()
+        beam = pb2.BeamSearchRequest(prompt=pb2.Segment(text="The best running shoes"), beam_width=4, new_tokens=3)
+        assert sa.BeamSearch(beam, timeout=30) == sb.BeamSearch(beam, timeout=30)
+        assert sa.ModelInfo(pb2.ModelInfoRequest(), timeout=10) == sb.ModelInfo(pb2.ModelInfoRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            sa.BeamSearch(pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1]), beam_width=4000, new_tokens=3), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beam_width" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # bytes that are no ScoreRequest: the engine's parse names it
+            a.unary_unary("/slmrank.v1.Ranker/Score")(b"\xff\xff\xff", timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fronted.health() == "SERVING" and fronted.health("slmrank.v1.Ranker") == "SERVING"
+
+
+def test_the_engine_sees_the_real_client(servers):
+    fronted, _ = servers
+    seen: list[str] = []
+    scheduler = fronted.server.servicer.scheduler
+    submit = scheduler.submit
+
+    async def recording(request, priority, deadline, client):
+        seen.append(client)
+        return await submit(request, priority, deadline, client)
+
+    fronted.on_loop(lambda: setattr(scheduler, "submit", recording))
+    try:
+        with grpc.insecure_channel(fronted.target) as ch:
+            stub = pb2_grpc.RankerStub(ch)
+            stub.Score(_score(1), timeout=30)
+            stub.Score(_score(2), timeout=30, metadata=[("x-client-id", "alice")])
+    finally:
+        fronted.on_loop(lambda: setattr(scheduler, "submit", submit))
+    assert seen == ["ipv4:127.0.0.1", "alice"]
+
+
+async def _burst(target: str, n: int, deadline_s: float) -> list[tuple[grpc.StatusCode, int | None, float]]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb2_grpc.RankerStub(channel)
+
+        async def one(i: int):
+            t0 = time.monotonic()
+            msg = pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1 + i % 50] * 24), beam_width=16, new_tokens=4)
+            try:
+                await stub.BeamSearch(msg, timeout=deadline_s)
+                return grpc.StatusCode.OK, None, time.monotonic() - t0
+            except grpc.aio.AioRpcError as e:
+                retry = next((int(v) for k, v in (e.trailing_metadata() or ()) if k == "retry-after-ms"), None)
+                return e.code(), retry, time.monotonic() - t0
+        out = []
+        for wave in range(4):
+            out += await asyncio.gather(*(one(wave * n + i) for i in range(n)))
+        return out
+
+
+def test_the_fronts_refuse_the_excess_themselves(servers):
+    fronted, _ = servers
+    with grpc.insecure_channel(fronted.target) as ch:  # the bucket's time, measured (and known to admission)
+        stub = pb2_grpc.RankerStub(ch)
+        for i in range(3):
+            t0 = time.monotonic()
+            stub.BeamSearch(pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1 + i] * 24), beam_width=16, new_tokens=4),
+                            timeout=30)
+            solo_s = time.monotonic() - t0
+    before = fronted.on_loop(lambda: fronted.server.stats())
+    # a deadline that a few batches fit in, 48 requests at once: most must be refused
+    outcomes = asyncio.run(_burst(fronted.target, 48, 6 * solo_s + 0.05))
+    after = fronted.on_loop(lambda: fronted.server.stats())
+    codes = {c: sum(o[0] == c for o in outcomes) for c in {o[0] for o in outcomes}}
+    refused_at_fronts = sum(after["fronts"][k] - before["fronts"][k] for k in after["fronts"] if k.startswith("refused"))
+    summary = f"{codes}; fronts {after['fronts']}; engine {after['scheduler']['refused']}"
+    assert codes.get(grpc.StatusCode.OK, 0) > 0, summary
+    assert refused_at_fronts > 0, summary
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}, summary
+    hints = [r for c, r, _ in outcomes if c == grpc.StatusCode.UNAVAILABLE]
+    assert hints and all(r is not None and 1 <= r <= 1000 for r in hints), summary
+    assert after["scheduler"]["answered_late"] == before["scheduler"]["answered_late"], summary
+
+
+def test_a_killed_front_is_restarted(servers):
+    fronted, _ = servers
+    sup = fronted.server.fronts
+    victim = sup.pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    end = time.monotonic() + 20
+    while not (sup.restarts >= 1 and len(sup.pids()) == 2 and victim not in sup.pids()
+               and all(sup.shared.slot(i)["ready"] for i in range(2))):
+        assert time.monotonic() < end, f"not restarted: pids {sup.pids()}, restarts {sup.restarts}"
+        time.sleep(0.05)
+    with grpc.insecure_channel(fronted.target) as ch:  # every connection lands on a live front
+        for seed in range(6):
+            pb2_grpc.RankerStub(ch).Score(_score(seed), timeout=30)
+
+
+def test_a_draining_server_s_fronts_say_so(servers):
+    fronted, _ = servers  # last: it stops the server
+    shutdown = asyncio.run_coroutine_threadsafe(fronted.server.shutdown(grace_s=3), fronted.loop)
+    time.sleep(0.2)
+    with grpc.insecure_channel(fronted.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb2_grpc.RankerStub(ch).Score(_score(9), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+    hint = dict(e.value.trailing_metadata() or ())["retry-after-ms"]
+    assert 1 <= int(hint) <= 1000
+    shutdown.result(15)
+    pids = fronted.server.fronts.pids()
+    assert pids == [], f"fronts still running after the stop: {pids}"

@@ -183,7 +183,7 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 
 _SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
                      r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total|slmrank_dropped_total|'
-                     r'slmrank_answered_late_total)(?:\{([^}]*)\})? (\S+)$')
+                     r'slmrank_answered_late_total|slmrank_refused_total)(?:\{([^}]*)\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:

@@ -1,7 +1,8 @@
 """TLS and mTLS on the gRPC API, with certificates made here (a CA, a server certificate for
 127.0.0.1, a client certificate): a TLS client gets answers, a plaintext client does not; with a
 client CA, a client without a certificate is refused and one with a certificate signed by that
-CA gets answers; the plaintext health port keeps answering probes."""
+CA gets answers (also through front processes, --fronts); the plaintext health port keeps
+answering probes."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "stranger": _write(d / "stranger.pem", stranger, stranger_key), "stranger_key": str(d / "stranger.key")}
 
 
-def _serve(model, pki: dict[str, str], mtls: bool) -> ServerThread:
-    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, health_host="127.0.0.1", health_port=0,
+def _serve(model, pki: dict[str, str], mtls: bool, fronts: int = 0) -> ServerThread:
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, health_host="127.0.0.1", health_port=0, fronts=fronts,
                           tls_cert=pki["server"], tls_key=pki["server_key"], tls_client_ca=pki["ca"] if mtls else None)
     return ServerThread(RankerServer(config, lambda: model), wait_ready=True)
 
@@ -102,8 +103,9 @@ def test_tls(model, pki: dict[str, str]) -> None:
         srv.stop()
 
 
-def test_mtls(model, pki: dict[str, str]) -> None:
-    srv = _serve(model, pki, mtls=True)
+@pytest.mark.parametrize("fronts", [0, 2])  # with fronts, they hold the certificate and check the client's
+def test_mtls(model, pki: dict[str, str], fronts: int) -> None:
+    srv = _serve(model, pki, mtls=True, fronts=fronts)
     try:
         assert len(_score(srv.target, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"])) == 2
         with pytest.raises(grpc.RpcError) as err:  # no client certificate

@@ -75,11 +75,26 @@ class Front:
         self.parse = {"Score": self.pb2.ScoreRequest.FromString, "BeamSearch": self.pb2.BeamSearchRequest.FromString}
         self.channel: grpc.aio.Channel | None = None  # made on the serving loop (run)
         self.server: grpc.aio.Server | None = None
+        self.inflight = 0  # Score / BeamSearch RPCs being handled here
         self._unary: dict[str, Any] = {}
 
     async def _ranker(self, raw: bytes, context: grpc.aio.ServicerContext, method: str, kind: str) -> bytes:
         now = time.monotonic()
         self.shared.slot_arrival(self.slot, now)
+        if self.inflight >= self.args.max_inflight:  # as the engine's bound (StatusInterceptor): a clear status
+            self.shared.slot_add(self.slot, "refused_queue_full")
+            retry_ms = max(1, round(self.gate.backlog_hint_s() * 1000))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"overloaded (rpc_limit): {self.args.max_inflight} "
+                                f"requests are being handled at once already; retry after {retry_ms} ms",
+                                trailing_metadata=(("retry-after-ms", str(retry_ms)),))
+        self.inflight += 1
+        try:
+            return await self._admit_and_forward(raw, context, method, kind, now)
+        finally:
+            self.inflight -= 1
+
+    async def _admit_and_forward(self, raw: bytes, context: grpc.aio.ServicerContext, method: str, kind: str,
+                                 now: float) -> bytes:
         remaining = context.time_remaining()
         metadata = context.invocation_metadata()
         client = client_of(metadata, context.peer() or "", self.args.client_id_metadata)
@@ -144,6 +159,10 @@ class Front:
         self._unary = {m: self.channel.unary_unary(f"/{RANKER}/{m}") for m in ("Score", "BeamSearch")}
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 1),
+            # as the engine: a burst reaches the bound above (UNAVAILABLE with a hint), not gRPC's own
+            # cancellation past 1,000 calls not yet taken by the loop
+            ("grpc.server.max_pending_requests", 8 * a.max_inflight),
+            ("grpc.server.max_pending_requests_hard_limit", 32 * a.max_inflight),
             ("grpc.max_receive_message_length", a.max_receive_message_bytes),
             ("grpc.max_send_message_length", a.max_send_message_bytes)])
         self.server.add_generic_rpc_handlers((self.handler(),))
@@ -194,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key")
     p.add_argument("--tls-client-ca")
     p.add_argument("--grace-s", type=float, default=2.0)
+    p.add_argument("--max-inflight", type=int, default=1024, help="Score/BeamSearch RPCs handled here at once")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")

@@ -338,6 +338,13 @@ class FrontGate:
         return Refusal("deadline", self._appointment(snap, priority, max(finish - deadline, own_s), share_s, now),
                        f"predicted completion in {predicted:.4f} s misses the deadline in {deadline - now:.4f} s")
 
+    def backlog_hint_s(self) -> float:
+        """The retry hint of a request refused before the gate (too many RPCs at once at this
+        front): the time to work off what the engine has queued and in flight."""
+        snap = self.read()
+        queued = sum(lane.work_s for lane in snap.lanes)
+        return self._hint(snap, (snap.inflight_s + queued) / max(snap.parallelism, 1e-9))
+
     def _hint(self, snap: Snapshot, seconds: float) -> float:
         return min(max(seconds, snap.min_retry_s), snap.max_retry_s)
 

@@ -139,6 +139,7 @@ class FrontOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    max_inflight: int = 1024  # Score/BeamSearch RPCs each front handles at once (admission.max_inflight_rpcs)
 
 
 class FrontSupervisor:
@@ -175,7 +176,7 @@ class FrontSupervisor:
                "--state", self.shared.path, "--slot", str(index), "--fronts", str(self.num_fronts),
                "--host", o.host, "--port", str(self.port), "--client-id-metadata", o.client_id_metadata,
                "--max-receive-message-bytes", str(o.max_receive_message_bytes),
-               "--max-send-message-bytes", str(o.max_send_message_bytes)]
+               "--max-send-message-bytes", str(o.max_send_message_bytes), "--max-inflight", str(o.max_inflight)]
         for flag, value in (("--tls-cert", o.tls_cert), ("--tls-key", o.tls_key), ("--tls-client-ca", o.tls_client_ca)):
             if value:
                 cmd += [flag, value]

@@ -372,7 +372,7 @@ class RankerServer:
             admission = self.servicer.admission
             self.fronts = FrontSupervisor(cfg.fronts, FrontOptions(
                 cfg.host, cfg.port, admission.client_id_metadata, cfg.max_receive_message_bytes,
-                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, admission.max_inflight_rpcs))
             _bind(self._server, "unix", 0, None, address=self.fronts.engine_target)
         else:
             self.port = _bind(self._server, cfg.host, cfg.port, credentials)

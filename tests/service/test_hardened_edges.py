@@ -168,9 +168,10 @@ def test_text_too_long_for_the_limit_is_refused_before_tokenizing(server, model)
 
 # ---- bounds and hints at the gRPC layer -------------------------------------------------------------
 
-def test_rpcs_beyond_the_bound_are_refused_at_once_with_a_hint(small_model):
+@pytest.mark.parametrize("fronts", [0, 1])  # with a front, the front holds the same bound
+def test_rpcs_beyond_the_bound_are_refused_at_once_with_a_hint(small_model, fronts):
     runtime = GatedRuntime(small_model.runtime)
-    srv = _serve(Model(small_model.artifact, runtime, small_model.tokenizer), metrics_port=0,
+    srv = _serve(Model(small_model.artifact, runtime, small_model.tokenizer), metrics_port=0, fronts=fronts,
                  admission=AdmissionConfig(max_inflight_rpcs=4, max_retry_after_s=1.0),
                  batcher=BatcherConfig(max_inflight=1, validate_requests=False))
     try:
@@ -194,7 +195,11 @@ def test_rpcs_beyond_the_bound_are_refused_at_once_with_a_hint(small_model):
         for e, took in refused:
             assert e.code() == grpc.StatusCode.UNAVAILABLE and "rpc_limit" in e.details(), e.details()
             assert 0 < int(_trailers(e)["retry-after-ms"]) <= 1000 and took < 1.0
-        assert srv.on_loop(lambda: srv.server.stats()["statuses"]) == {"Score.OK": 4, "Score.UNAVAILABLE": 6}
+        stats = srv.on_loop(lambda: srv.server.stats())
+        if fronts:
+            assert stats["statuses"] == {"Score.OK": 4} and stats["fronts"]["refused_queue_full"] == 6, stats
+        else:
+            assert stats["statuses"] == {"Score.OK": 4, "Score.UNAVAILABLE": 6}
     finally:
         runtime.gate.set()
         srv.stop()

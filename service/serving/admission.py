@@ -117,6 +117,9 @@ class AdmissionConfig:
     utilisation_window_s: float = 2.0  # busy time / wall time over this trailing window
     max_inflight_rpcs: int = 1024  # Ranker RPCs being handled at once; more: UNAVAILABLE at once
     client_id_metadata: str = "x-client-id"  # metadata key naming the client; absent: the peer's address
+    # serve --fronts N: the fronts refuse ("backlog") while forwarded requests wait longer than this
+    # between a front and the engine's handler (the engine's event loop is behind)
+    front_max_backlog_s: float = 0.005
 
     def __post_init__(self) -> None:
         if not self.max_calibration >= 1:
@@ -126,7 +129,7 @@ class AdmissionConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"admission.{name}: must be an integer >= 1, got {value!r}")
-        for name in ("default_service_s", "utilisation_window_s", "max_lane_work_s", "service_ttl_s",
+        for name in ("default_service_s", "utilisation_window_s", "max_lane_work_s", "service_ttl_s", "front_max_backlog_s",
                      "max_retry_after_s", "min_retry_after_s", "unavailable_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"admission.{name}: must be > 0, got {getattr(self, name)!r}")

@@ -30,26 +30,16 @@ from typing import Any, AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from .front_state import FrontGate, Refusal, SharedState
+from .front_state import SENT_KEY, FrontGate, Refusal, SharedState, client_id
 from .proto_gen import load as load_stubs
 
 log = logging.getLogger("slmrank.front")
 
 RANKER = "slmrank.v1.Ranker"
 _REFUSED_FIELD = {"deadline": "refused_deadline", "queue_full": "refused_queue_full", "draining": "refused_unavailable",
-                  "loading": "refused_unavailable", "impossible": "refused_impossible"}
+                  "loading": "refused_unavailable", "impossible": "refused_impossible", "backlog": "refused_backlog"}
 # metadata gRPC sets itself: not relayed
 _OWN_KEYS = ("user-agent", "grpc-", ":")
-
-
-def client_of(metadata: Any, peer: str, key: str) -> str:
-    """As the engine names a client (server.client_of): the `key` metadata value, else the peer's host."""
-    for k, v in metadata or ():
-        if k == key and isinstance(v, str) and v:
-            return v[:128]
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
-    return peer
 
 
 def _relayed(metadata: Any) -> list[tuple[str, Any]]:
@@ -97,7 +87,7 @@ class Front:
                                  now: float) -> bytes:
         remaining = context.time_remaining()
         metadata = context.invocation_metadata()
-        client = client_of(metadata, context.peer() or "", self.args.client_id_metadata)
+        client = client_id(metadata, context.peer() or "", self.args.client_id_metadata)
         try:
             msg = self.parse[method](raw)
         except DecodeError:
@@ -111,10 +101,14 @@ class Front:
         relayed = _relayed(metadata)
         if not any(k == self.args.client_id_metadata for k, _ in relayed):
             relayed.append((self.args.client_id_metadata, client))
+        sent = time.monotonic()
+        relayed.append((SENT_KEY, f"{sent:.6f}"))
         self.shared.slot_add(self.slot, "forwarded")
         call = self._unary[method]
         try:
-            return await call(raw, timeout=None if remaining is None else max(remaining - (time.monotonic() - now), 0.0),
+            # a little past the caller's deadline: that one ends this handler first (a cancel, passed on
+            # to the engine), rather than this call answering into an RPC gRPC has already ended
+            return await call(raw, timeout=None if remaining is None else max(remaining - (sent - now), 0.0) + 0.05,
                               metadata=relayed)
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or "", trailing_metadata=tuple(e.trailing_metadata() or ()))

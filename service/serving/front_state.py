@@ -54,9 +54,10 @@ PROTO_LANE = {0: 2, 1: 1, 2: 2, 3: 3}
 _SEQ = struct.Struct("<Q")
 # published_s, state, measured, inflight_s, inflight_batches, parallelism, calibration, safety_margin,
 # response_margin_s (the configured one), response_s (with the loop's lag), min/max retry, unavailable retry,
-# max_lane_work_s; limits: max_samples, max_score_tokens, max_beam_width, max_new_tokens, max_prompt_tokens,
-# max_token_bytes
-_GLOBAL = struct.Struct("<dqqddddddddddd6q")
+# max_lane_work_s; the ingress delay (a forwarded request's wait from a front to the engine's handler),
+# when it was measured, the most of it fronts let build up; limits: max_samples, max_score_tokens,
+# max_beam_width, max_new_tokens, max_prompt_tokens, max_token_bytes
+_GLOBAL = struct.Struct("<dqq" + "d" * 14 + "6q")
 # work_s, length, max_queue, stretch, higher_work_s, vtime, num_points, num_clients, point tags, point
 # cumulative work, client keys, client finish
 _LANE = struct.Struct(f"<dqqdddqq{NUM_POINTS}d{NUM_POINTS}d{NUM_CLIENTS}q{NUM_CLIENTS}d")
@@ -66,13 +67,28 @@ _BODY_AT = _SEQ.size
 _LANES_AT = _BODY_AT + _GLOBAL.size
 _SHAPES_AT = _LANES_AT + NUM_LANES * _LANE.size
 _BODY_END = _SHAPES_AT + _SHAPES.size
-# a front's slot: pid, ready, forwarded, refused (deadline, queue_full, unavailable, impossible), last arrival
-_SLOT = struct.Struct("<7qd")
+# a front's slot: pid, ready, forwarded, refused (deadline, queue_full, unavailable, impossible, backlog), last arrival
+_SLOT = struct.Struct("<8qd")
 _SLOTS_AT = 16384
 SIZE = _SLOTS_AT + MAX_FRONTS * _SLOT.size
 assert _BODY_END <= _SLOTS_AT
 SLOT_FIELDS = ("pid", "ready", "forwarded", "refused_deadline", "refused_queue_full", "refused_unavailable",
-               "refused_impossible")
+               "refused_impossible", "refused_backlog")
+_ARRIVAL_AT = 8 * len(SLOT_FIELDS)
+
+
+SENT_KEY = "x-slmrank-front-sent"  # metadata: time.monotonic() when a front forwarded the request
+
+
+def client_id(metadata: Any, peer: str, key: str) -> str:
+    """Whose request it is, for fair shares: the `key` metadata value (at most 128 characters), else
+    the peer's host (its port changes with every connection)."""
+    for k, v in metadata or ():
+        if k == key and isinstance(v, str) and v:
+            return v[:128]
+    if peer.startswith(("ipv4:", "ipv6:")):  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/run/x.sock"
+        return peer.rsplit(":", 1)[0]
+    return peer
 
 
 def client_key(client: str) -> int:
@@ -157,6 +173,9 @@ class Snapshot:
     max_retry_s: float = 2.0
     unavailable_retry_s: float = 0.5
     max_lane_work_s: float = 30.0
+    ingress_s: float = 0.0  # the latest forwarded request's wait from its front to the engine's handler
+    ingress_at: float = 0.0  # when it was measured
+    max_backlog_s: float = 0.005  # fronts refuse while the engine is this far behind ("backlog")
     limits: Limits | None = None
     max_token_bytes: int = 1
     lanes: tuple[LaneView, ...] = ()
@@ -192,7 +211,8 @@ class SharedState:
         _GLOBAL.pack_into(body, 0, snap.published_s, snap.state, int(snap.measured), snap.inflight_s,
                           snap.inflight_batches, snap.parallelism, snap.calibration, snap.safety_margin,
                           snap.response_margin_s, snap.response_s, snap.min_retry_s, snap.max_retry_s,
-                          snap.unavailable_retry_s, snap.max_lane_work_s, lim.max_samples, lim.max_score_tokens,
+                          snap.unavailable_retry_s, snap.max_lane_work_s, snap.ingress_s, snap.ingress_at,
+                          snap.max_backlog_s, lim.max_samples, lim.max_score_tokens,
                           lim.max_beam_width, lim.max_new_tokens, lim.max_prompt_tokens, snap.max_token_bytes)
         for i in range(NUM_LANES):
             lane = snap.lanes[i] if i < len(snap.lanes) else LaneView()
@@ -234,11 +254,11 @@ class SharedState:
         struct.pack_into("<q", self.mm, _SLOTS_AT + index * _SLOT.size + 8 * SLOT_FIELDS.index(field), value)
 
     def slot_arrival(self, index: int, when: float) -> None:
-        struct.pack_into("<d", self.mm, _SLOTS_AT + index * _SLOT.size + 56, when)
+        struct.pack_into("<d", self.mm, _SLOTS_AT + index * _SLOT.size + _ARRIVAL_AT, when)
 
     def slot(self, index: int) -> dict[str, float]:
         values = _SLOT.unpack_from(self.mm, _SLOTS_AT + index * _SLOT.size)
-        return {**dict(zip(SLOT_FIELDS, values[:7])), "last_arrival_s": values[7]}
+        return {**dict(zip(SLOT_FIELDS, values)), "last_arrival_s": values[len(SLOT_FIELDS)]}
 
     def clear_slot(self, index: int) -> None:
         """A front (re)starting in this slot: its counters so far are kept, its pid and readiness reset."""
@@ -251,7 +271,8 @@ def _parse(body: bytes) -> Snapshot:
     snap = Snapshot(published_s=g[0], state=g[1], measured=bool(g[2]), inflight_s=g[3], inflight_batches=g[4],
                     parallelism=g[5], calibration=g[6], safety_margin=g[7], response_margin_s=g[8],
                     response_s=g[9], min_retry_s=g[10], max_retry_s=g[11], unavailable_retry_s=g[12],
-                    max_lane_work_s=g[13], limits=Limits(*g[14:19]), max_token_bytes=g[19])
+                    max_lane_work_s=g[13], ingress_s=g[14], ingress_at=g[15], max_backlog_s=g[16],
+                    limits=Limits(*g[17:22]), max_token_bytes=g[22])
     lanes = []
     for i in range(NUM_LANES):
         v = _LANE.unpack_from(body, _LANES_AT - _BODY_AT + i * _LANE.size)
@@ -275,7 +296,9 @@ def _parse(body: bytes) -> Snapshot:
 @dataclass(frozen=True)
 class Refusal:
     """A front's refusal: reason "deadline" / "queue_full" / "draining" / "loading" (UNAVAILABLE with
-    a retry hint) or "impossible" (DEADLINE_EXCEEDED: no retry can meet the deadline)."""
+    a retry hint; as the engine would refuse), "backlog" (UNAVAILABLE with a hint: the engine's
+    event loop is behind with what the fronts forwarded) or "impossible" (DEADLINE_EXCEEDED: no
+    retry can meet the deadline)."""
 
     reason: str
     retry_after_s: float
@@ -320,6 +343,14 @@ class FrontGate:
             return Refusal("queue_full", self._appointment(snap, priority, (lane.work_s - snap.max_lane_work_s) / par,
                                                            share_s, now),
                            f"lane {priority} holds {lane.work_s:.3f} s of work (at most {snap.max_lane_work_s:g} s)")
+        # the engine's event loop behind: forwarded requests wait in its gRPC queue before admission
+        # sees them (its lanes look short while the loop drowns). Past max_backlog_s the fronts shed
+        # the excess themselves, so that the engine's loop keeps up with what it is sent
+        ingress_s = max(snap.ingress_s - max(now - snap.ingress_at, 0.0), 0.0)
+        if ingress_s > snap.max_backlog_s:
+            return Refusal("backlog", self._appointment(snap, priority, ingress_s, share_s, now),
+                           f"the engine is {ingress_s * 1e3:.1f} ms behind with the requests forwarded to it "
+                           f"(at most {snap.max_backlog_s * 1e3:g} ms)")
         if deadline is None:
             return None
         tag = max(lane.vtime, lane.clients.get(client_key(client), 0.0))
@@ -331,7 +362,7 @@ class FrontGate:
             ahead_s = cum
         inflight_s = max(snap.inflight_s - snap.inflight_batches * max(now - snap.published_s, 0.0), 0.0)
         wait_s = (inflight_s + lane.higher_work_s + ahead_s) / par * lane.stretch
-        predicted = ((wait_s + own_s) * (1 + snap.safety_margin) + snap.response_s) * snap.calibration
+        predicted = ((wait_s + own_s) * (1 + snap.safety_margin) + snap.response_s) * snap.calibration + ingress_s
         finish = now + predicted
         if finish <= deadline:
             return None
@@ -359,5 +390,6 @@ class FrontGate:
         return self._hint(snap, at - now)
 
 
-__all__ = ["FrontGate", "LaneView", "Limits", "Refusal", "SharedState", "Snapshot", "client_key", "message_dims",
+__all__ = ["SENT_KEY", "FrontGate", "LaneView", "Limits", "Refusal", "SharedState", "Snapshot", "client_id", "client_key",
+           "message_dims",
            "request_dims", "shape_key"]

@@ -41,6 +41,8 @@ class FrontPublisher:
         self.max_token_bytes = 1
         self.shapes: OrderedDict[int, tuple[float, float]] = OrderedDict()
         self.num_published = 0
+        self.ingress_s, self.ingress_at = 0.0, 0.0  # the latest forwarded request's wait to the engine's handler
+        self.max_backlog_s = 0.005
         self.closed = False
         self._pending = False
         self.publish()
@@ -51,7 +53,18 @@ class FrontPublisher:
         self.limits = Limits(limits.max_samples, limits.max_score_tokens, limits.max_beam_width,
                              limits.max_new_tokens, limits.max_prompt_tokens)
         self.max_token_bytes = max_token_bytes
+        self.max_backlog_s = admission.config.front_max_backlog_s
         admission.on_change = self.changed
+
+    def note_ingress(self, sent_s: float) -> None:
+        """A forwarded request reached its handler: it left its front at sent_s (time.monotonic(),
+        one clock for all processes of the host). Published when it moved by more than 0.5 ms."""
+        now = self.clock()
+        delay = max(now - sent_s, 0.0)
+        moved = abs(delay - max(self.ingress_s - (now - self.ingress_at), 0.0)) > 5e-4
+        self.ingress_s, self.ingress_at = delay, now
+        if moved:
+            self.changed()
 
     def set_state(self, state: int) -> None:
         self.state = state
@@ -90,7 +103,8 @@ class FrontPublisher:
             return
         now = self.clock()
         snap = Snapshot(published_s=now, state=self.state, limits=self.limits, max_token_bytes=self.max_token_bytes,
-                        shapes=dict(self.shapes))
+                        shapes=dict(self.shapes), ingress_s=self.ingress_s, ingress_at=self.ingress_at,
+                        max_backlog_s=self.max_backlog_s)
         adm = self.admission
         if adm is not None:
             model, cfg = adm.model, adm.config

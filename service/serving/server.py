@@ -52,7 +52,7 @@ from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
 from .wire import invalid_utf8_field
-from .front_state import MAX_FRONTS, STATE_DRAINING, STATE_SERVING
+from .front_state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
 from .fronts import FrontOptions, FrontSupervisor
 
 log = logging.getLogger("slmrank.server")
@@ -236,15 +236,19 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 def client_of(context: grpc.aio.ServicerContext, key: str) -> str:
-    """Whose request it is, for fair shares: the `key` metadata value (at most 128 characters), else
-    the peer's host (its port changes with every connection)."""
+    """Whose request it is, for fair shares (front_state.client_id: the `key` metadata, else the peer's host)."""
+    return client_id(context.invocation_metadata(), context.peer() or "", key)
+
+
+def _front_sent_s(context: grpc.aio.ServicerContext) -> float | None:
+    """When a front forwarded this request (serve --fronts), from its metadata."""
     for k, v in context.invocation_metadata() or ():
-        if k == key and isinstance(v, str) and v:
-            return v[:128]
-    peer = context.peer() or ""  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/run/x.sock"
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
-    return peer
+        if k == SENT_KEY:
+            try:
+                return float(v)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 @dataclass
@@ -254,6 +258,7 @@ class RankerServicer:
     info: Any = None  # the ModelInfoResponse, once the model is loaded
     is_draining: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    front_publisher: Any = None  # serve --fronts: fronts.FrontPublisher (the ingress delay is noted for it)
 
     def _serving(self) -> tuple[Codec, Scheduler]:
         if self.is_draining:
@@ -276,6 +281,8 @@ class RankerServicer:
         """decode (validate + tokenize) -> schedule -> encode; kind: "score" or "beam"."""
         codec, scheduler = self._serving()
         trace = current_trace()
+        if self.front_publisher is not None and (sent_s := _front_sent_s(context)) is not None:
+            self.front_publisher.note_ingress(sent_s)
         deadline, client = _deadline(context), client_of(context, self.admission.client_id_metadata)
         # admission's gate first, on the message's shape alone: under overload most requests are
         # refused, and a refusal must cost the event loop little (no validation, no tokenization),
@@ -415,6 +422,7 @@ class RankerServer:
             publisher = self.fronts.publisher
             publisher.attach(scheduler.admission, self.model.artifact.limits, self.servicer.codec.max_token_bytes)
             scheduler.on_precheck = publisher.note_shape
+            self.servicer.front_publisher = publisher
             publisher.set_state(STATE_SERVING)
         _freeze_heap()
         await self._set_health(SERVING)

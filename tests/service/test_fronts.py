@@ -205,6 +205,30 @@ def test_draining_and_loading_are_refused_with_a_hint(shared):
     assert r.reason == "draining" and r.retry_after_s == 0.25 and "draining" in r.detail
 
 
+def test_a_backlogged_engine_is_shed_at_the_fronts(shared):
+    """Forwarded requests waiting in the engine's gRPC queue are invisible to its admission (its
+    lanes look short while its loop drowns): past front_max_backlog_s of ingress delay the fronts
+    refuse ("backlog"), and the delay counts in every deadline prediction; it fades as it ages."""
+    clock = FakeClock()
+    publisher = FrontPublisher(shared, clock)
+    ctl = AdmissionController(AdmissionConfig(front_max_backlog_s=0.005), clock=clock)
+    publisher.attach(ctl, LIMITS, 4)
+    publisher.set_state(STATE_SERVING)
+    gate = FrontGate(shared.read, clock=clock)
+    publisher.note_ingress(clock.t - 0.004)  # 4 ms: under the bound
+    publisher.publish()
+    assert gate.check("score", SCORE_MSG, None, "c") is None
+    # ... but a deadline 3 ms away cannot be met through it
+    r = gate.check("score", SCORE_MSG, clock.t + 0.003, "c")
+    assert r is not None and r.reason == "deadline"
+    publisher.note_ingress(clock.t - 0.030)  # 30 ms behind
+    publisher.publish()
+    r = gate.check("beam", BEAM_MSG, None, "c")
+    assert r.reason == "backlog" and 0.025 <= r.retry_after_s <= 2.0 and "30.0 ms behind" in r.detail
+    clock.t += 0.028  # nothing measured since: the backlog is worked off as time passes
+    assert gate.check("beam", BEAM_MSG, None, "c") is None
+
+
 # ---- over gRPC --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -273,6 +297,9 @@ def test_the_engine_sees_the_real_client(servers):
     finally:
         fronted.on_loop(lambda: setattr(scheduler, "submit", submit))
     assert seen == ["ipv4:127.0.0.1", "alice"]
+    publisher = fronted.server.fronts.publisher  # and the engine measured how long they took to reach it
+    ingress_s, ingress_at = fronted.on_loop(lambda: (publisher.ingress_s, publisher.ingress_at))
+    assert 0 < ingress_s < 1.0 and 0 < time.monotonic() - ingress_at < 30
 
 
 async def _burst(target: str, n: int, deadline_s: float) -> list[tuple[grpc.StatusCode, int | None, float]]:

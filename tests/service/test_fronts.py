@@ -8,7 +8,8 @@
   input gets the engine's INVALID_ARGUMENT naming the field; health and ModelInfo are relayed; the
   engine sees the real client (x-client-id, else the caller's host); under a burst with deadlines
   the fronts refuse work themselves, with bounded retry hints, and no admitted request ends late;
-  a killed front is restarted; a draining server's fronts answer UNAVAILABLE "draining" with a hint.
+  a killed front is restarted; a draining server's fronts answer UNAVAILABLE "draining" with a hint;
+  while the engine's loop is stalled, the fronts refuse new requests at once ("backlog").
 """
 
 from __future__ import annotations
@@ -343,6 +344,41 @@ def test_the_fronts_refuse_the_excess_themselves(servers):
     hints = [r for c, r, _ in outcomes if c == grpc.StatusCode.UNAVAILABLE]
     assert hints and all(r is not None and 1 <= r <= 1000 for r in hints), summary
     assert after["scheduler"]["answered_late"] == before["scheduler"]["answered_late"], summary
+
+
+def test_a_stalled_engine_loop_is_shed_at_the_fronts_at_once(servers):
+    """The engine's loop stalls (here: blocked on purpose) while requests keep coming: those
+    forwarded meanwhile wait in its gRPC queue, and once it runs again it measures their ingress
+    delay; while that delay lasts, the fronts refuse new requests themselves ("backlog", with a
+    hint), in milliseconds, without waiting on the engine."""
+    fronted, _ = servers
+    stall_s = 0.4
+
+    async def scenario() -> list[tuple[str, float]]:
+        async with grpc.aio.insecure_channel(fronted.target) as ch:
+            stub = pb2_grpc.RankerStub(ch)
+            await stub.Score(_score(0), timeout=30)
+            fronted.loop.call_soon_threadsafe(time.sleep, stall_s)  # the engine's loop blocked
+            await asyncio.sleep(0.05)
+            queued = [asyncio.ensure_future(stub.Score(_score(i), timeout=30)) for i in range(1, 4)]
+            await asyncio.gather(*queued)  # answered once the loop runs again: ~0.35 s of ingress delay
+            fronted.loop.call_soon_threadsafe(time.sleep, stall_s)  # and blocked again at once
+            out = []
+            for i in range(4):
+                t0 = time.monotonic()
+                try:
+                    await stub.Score(_score(10 + i), timeout=30)
+                    out.append(("OK", time.monotonic() - t0))
+                except grpc.aio.AioRpcError as e:
+                    out.append((e.details(), time.monotonic() - t0))
+            return out
+
+    before = fronted.on_loop(lambda: fronted.server.fronts.counts())["refused_backlog"]
+    out = asyncio.run(scenario())
+    refused = [(d, took) for d, took in out if "behind with the requests forwarded" in d]
+    assert refused, out
+    assert all(took < 0.1 for _, took in refused), out
+    assert fronted.on_loop(lambda: fronted.server.fronts.counts())["refused_backlog"] >= before + len(refused)
 
 
 def test_a_killed_front_is_restarted(servers):

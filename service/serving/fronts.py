@@ -129,14 +129,23 @@ class FrontPublisher:
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     """A socket bound (not listening) to host:port with SO_REUSEPORT, held while the fronts bind
     the same port beside it: port 0 becomes one free port that all of them share."""
+    from ..runtime.requests import BindError
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    if port:  # SO_REUSEPORT would let this join another server's listeners on the port: refuse a taken one
+        probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host.strip("[]"))
+        try:
+            socket.create_connection((probe_host, port), timeout=0.5).close()
+            taken = True
+        except OSError:
+            taken = False
+        if taken:
+            raise BindError(f"cannot listen on {host}:{port}: the port is in use")
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host.strip("[]"), port))
     except OSError as e:
         sock.close()
-        from ..runtime.requests import BindError
         raise BindError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     return sock, sock.getsockname()[1]
 

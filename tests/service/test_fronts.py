@@ -409,3 +409,16 @@ def test_a_draining_server_s_fronts_say_so(servers):
     shutdown.result(15)
     pids = fronted.server.fronts.pids()
     assert pids == [], f"fronts still running after the stop: {pids}"
+
+
+def test_a_taken_port_is_an_error_with_fronts_too(servers):
+    """SO_REUSEPORT must not let a second server join the listeners of a port already served."""
+    from service.runtime.requests import BindError
+    from service.serving.fronts import reserve_port
+
+    _, plain = servers
+    with pytest.raises(BindError, match="in use"):
+        reserve_port("127.0.0.1", plain.port)
+    sock, port = reserve_port("127.0.0.1", 0)  # port 0: a free one
+    sock.close()
+    assert port > 0

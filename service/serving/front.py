@@ -43,7 +43,9 @@ _OWN_KEYS = ("user-agent", "grpc-", ":")
 
 
 def _relayed(metadata: Any) -> list[tuple[str, Any]]:
-    return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS)]
+    """The caller's metadata, less what gRPC sets itself and the fronts' own stamp (a caller's
+    would skew the engine's measure of its backlog)."""
+    return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS) and k != SENT_KEY]
 
 
 def refusal_status(r: Refusal) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:

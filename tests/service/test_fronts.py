@@ -295,9 +295,11 @@ def test_the_engine_sees_the_real_client(servers):
             stub = pb2_grpc.RankerStub(ch)
             stub.Score(_score(1), timeout=30)
             stub.Score(_score(2), timeout=30, metadata=[("x-client-id", "alice")])
+            # a caller's own stamp is not relayed: it would make the engine think it is 1,000 s behind
+            stub.Score(_score(3), timeout=30, metadata=[("x-slmrank-front-sent", f"{time.monotonic() - 1000:.6f}")])
     finally:
         fronted.on_loop(lambda: setattr(scheduler, "submit", submit))
-    assert seen == ["ipv4:127.0.0.1", "alice"]
+    assert seen == ["ipv4:127.0.0.1", "alice", "ipv4:127.0.0.1"]
     publisher = fronted.server.fronts.publisher  # and the engine measured how long they took to reach it
     ingress_s, ingress_at = fronted.on_loop(lambda: (publisher.ingress_s, publisher.ingress_at))
     assert 0 < ingress_s < 1.0 and 0 < time.monotonic() - ingress_at < 30

@@ -52,10 +52,11 @@ def test_open_loop_reports_progress_on_its_schedule() -> None:
     assert all(0 < answered <= sent < len(outcomes) for _, answered, sent in reports)
 
 
-def _stats(expired: int, cancelled: int, late: int) -> dict[str, Any]:
+def _stats(expired: int, cancelled: int, late: int, front_refused: int = 0) -> dict[str, Any]:
     return {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "inflight": 0,
             "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
-            "refused": {"queue_full": 0}, "expired": expired, "cancelled": cancelled, "drained": 0,
+            "refused": {"queue_full": 0, "front_deadline": front_refused, "front_backlog": 2 * front_refused},
+            "expired": expired, "cancelled": cancelled, "drained": 0,
             "answered_late": late, "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
 
 
@@ -73,5 +74,8 @@ def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
                 out[(m.group(1), m.group(2) or "")] = float(m.group(3))
         return out
 
-    view = ob.server_view(scraped(_stats(2, 1, 0)), scraped(_stats(9, 4, 3)), window_s=1.0, sent=0)
+    view = ob.server_view(scraped(_stats(2, 1, 0, 1)), scraped(_stats(9, 4, 3, 11)), window_s=1.0, sent=100)
     assert view["admitted_late"] == {"expired": 7, "cancelled": 3, "answered_late": 3}
+    # serve --fronts: what the fronts refused never reached the engine's RPC counts, and is not
+    # counted as never finished
+    assert view["front_refused"] == 30 and view["never_finished"] == 100 - 30

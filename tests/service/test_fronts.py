@@ -424,3 +424,25 @@ def test_a_taken_port_is_an_error_with_fronts_too(servers):
     sock, port = reserve_port("127.0.0.1", 0)  # port 0: a free one
     sock.close()
     assert port > 0
+
+
+def test_a_forwarded_request_s_span_carries_its_hop_from_the_front(model):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from service.serving.server import RankerServer, ServerConfig
+    from service.serving.server_thread import ServerThread
+
+    exporter = InMemorySpanExporter()
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, fronts=1, trace_sample_rate=1.0, otlp_endpoint="")
+    srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter), wait_ready=True)
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            pb2_grpc.RankerStub(ch).Score(_score(5), timeout=30)
+        end = time.monotonic() + 10
+        while not (roots := [s for s in exporter.get_finished_spans() if s.name == "Score"]):
+            assert time.monotonic() < end, "no Score span exported"
+            time.sleep(0.01)
+        hop_ms = roots[0].attributes["slmrank.front_ingress_ms"]
+        assert 0 < hop_ms < 1000
+    finally:
+        srv.stop()

@@ -78,6 +78,17 @@ def configure_logging(level: str = "info", fmt: str = "text", stderr: TextIO | N
     progress.set_sink(lambda msg, fields: progress_log.info(msg, extra=fields))
 
 
+def current_settings() -> tuple[str, str]:
+    """(level, format) as configure_logging last set them ("info", "text" when it was not called):
+    for child processes (the server's fronts) to log as the parent does."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_slmrank", False)]
+    if not ours:
+        return "info", "text"
+    level = next((name for name, value in LEVELS.items() if value == root.level), "info")
+    return level, "json" if isinstance(ours[-1].formatter, JsonFormatter) else "text"
+
+
 def _replace_handler(logger: logging.Logger, handler: logging.Handler, formatter: logging.Formatter) -> None:
     """Ours replaces ours (called again: no duplicate lines); others' handlers (pytest's) stay."""
     for old in [h for h in logger.handlers if getattr(h, "_slmrank", False)]:

@@ -210,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-client-ca")
     p.add_argument("--grace-s", type=float, default=2.0)
     p.add_argument("--max-inflight", type=int, default=1024, help="Score/BeamSearch RPCs handled here at once")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    from ..observe.logs import configure_logging
+    configure_logging(args.log_level, args.log_format)  # as the engine logs
     try:
         import uvloop
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)

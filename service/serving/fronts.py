@@ -200,6 +200,9 @@ class FrontSupervisor:
                "--host", o.host, "--port", str(self.port), "--client-id-metadata", o.client_id_metadata,
                "--max-receive-message-bytes", str(o.max_receive_message_bytes),
                "--max-send-message-bytes", str(o.max_send_message_bytes), "--max-inflight", str(o.max_inflight)]
+        from ..observe.logs import current_settings
+        level, fmt = current_settings()
+        cmd += ["--log-level", level, "--log-format", fmt]
         for flag, value in (("--tls-cert", o.tls_cert), ("--tls-key", o.tls_key), ("--tls-client-ca", o.tls_client_ca)):
             if value:
                 cmd += [flag, value]

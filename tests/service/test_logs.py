@@ -11,7 +11,7 @@ import time
 import pytest
 
 from service.model import progress
-from service.observe.logs import ACCESS, JsonFormatter, TextFormatter, announce, configure_logging
+from service.observe.logs import ACCESS, JsonFormatter, TextFormatter, announce, configure_logging, current_settings
 from service.serving.client import RankerClient
 from service.serving.server import RankerServer, ServerConfig
 from service.serving.server_thread import ServerThread
@@ -34,6 +34,18 @@ def test_json_lines_carry_level_logger_message_and_fields() -> None:
 def test_text_lines() -> None:
     line = TextFormatter().format(_record("drain complete", code="OK"))
     assert line.split(" ", 1)[1] == "WARNING slmrank.server: drain complete code=OK"
+
+
+def test_current_settings_are_what_configure_logging_set(monkeypatch) -> None:
+    """What a child process (a server's front) is told to log with."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [h for h in root.handlers if not getattr(h, "_slmrank", False)])
+    monkeypatch.setattr(root, "level", root.level)
+    assert current_settings() == ("info", "text")
+    configure_logging("warning", "json", stderr=io.StringIO(), stdout=io.StringIO())
+    assert current_settings() == ("warning", "json")
+    configure_logging("debug", "text", stderr=io.StringIO(), stdout=io.StringIO())
+    assert current_settings() == ("debug", "text")
 
 
 def test_configure_logging_routes_and_replaces_only_its_own_handlers() -> None:

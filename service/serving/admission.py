@@ -243,7 +243,7 @@ class AdmissionController:
         self.clock = clock
         self.model = model or self.config.service_model()
         self.on_drop = on_drop
-        self.on_change: Callable[[], None] | None = None  # after every change of the queues (the fronts' snapshot)
+        self.on_change: Callable[[], None] = lambda: None  # after every change of the queues (the fronts' snapshot)
         self._lanes: dict[Priority, _Lane] = {p: _Lane() for p in PRIORITIES}
         self._max_queue = {p: self.config.max_queue(p) for p in PRIORITIES}
         self._streak: dict[Priority, int] = {p: 0 for p in PRIORITIES}  # consecutive picks while a lower lane waited
@@ -306,8 +306,7 @@ class AdmissionController:
         self._client_work[ticket.client] = client_s + work_s
         self._client_count[ticket.client] = self._client_count.get(ticket.client, 0) + 1
         self._admitted[ticket.priority] += 1
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     def _check_meetable(self, ticket: Ticket, own_s: float, now: float) -> None:
         cfg = self.config
@@ -427,8 +426,7 @@ class AdmissionController:
     def start_draining(self) -> None:
         """From now on every admit() is refused ("draining"); queued tickets are still taken."""
         self.is_draining = True
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     # -- dropping --
 
@@ -447,8 +445,7 @@ class AdmissionController:
         self._dropped[reason] += 1
         if self.on_drop is not None:
             self.on_drop(ticket, reason)
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     def _release_client(self, ticket: Ticket) -> None:
         client = ticket.client
@@ -511,8 +508,7 @@ class AdmissionController:
             lane.vtime = max(lane.vtime, max(t.tag for t in tickets if t.priority == p))
             lane.discard({id(t) for t in tickets if t.priority == p})
         self._taken += len(tickets)
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     def finished(self, tickets: list[Ticket]) -> None:
         """The batch of these taken tickets is over: their work no longer counts for their clients."""
@@ -520,8 +516,7 @@ class AdmissionController:
             if t.state == "taken":
                 t.state = "done"
                 self._release_client(t)
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     def take_next(self, now: float | None = None) -> Ticket | None:
         """head() and take() of that one ticket."""

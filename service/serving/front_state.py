@@ -26,6 +26,7 @@ the engine. This module imports no torch (fronts start in well under a second).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
@@ -91,6 +92,7 @@ def client_id(metadata: Any, peer: str, key: str) -> str:
     return peer
 
 
+@functools.lru_cache(maxsize=4096)  # per request at a front, per publish at the engine
 def client_key(client: str) -> int:
     """A client id as a signed 64-bit key, the same in every process (str hashes are salted)."""
     return int.from_bytes(hashlib.blake2b(client.encode("utf-8", "surrogatepass"), digest_size=8).digest(),

@@ -10,7 +10,6 @@ and stops them when the engine stops.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import shutil
@@ -27,8 +26,6 @@ from .front_state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_
 
 log = logging.getLogger("slmrank.fronts")
 
-_client_key = functools.lru_cache(maxsize=4096)(client_key)
-
 
 class FrontPublisher:
     """Engine side: admission's state -> the shared file (front_state.Snapshot)."""
@@ -40,7 +37,6 @@ class FrontPublisher:
         self.limits: Limits | None = None
         self.max_token_bytes = 1
         self.shapes: OrderedDict[int, tuple[float, float]] = OrderedDict()
-        self.num_published = 0
         self.ingress_s, self.ingress_at = 0.0, 0.0  # the latest forwarded request's wait to the engine's handler
         self.max_backlog_s = 0.005
         self.closed = False
@@ -120,10 +116,9 @@ class FrontPublisher:
             snap.lanes = tuple(LaneView(work_s=v["work_s"], length=v["length"], max_queue=v["max_queue"],
                                         stretch=v["stretch"], higher_work_s=v["higher_work_s"], vtime=v["vtime"],
                                         points=tuple(v["points"]),
-                                        clients={_client_key(c): f for c, f in v["finish"].items()})
+                                        clients={client_key(c): f for c, f in v["finish"].items()})
                                for v in adm.lane_views(now, NUM_POINTS, NUM_CLIENTS))
         self.shared.write(snap)
-        self.num_published += 1
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -239,8 +234,8 @@ class FrontSupervisor:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self._started[index] = time.monotonic()
-        # close_fds=False, no cwd: posix_spawn, not fork (gRPC's threads are running; every descriptor
-        # this process opens is close-on-exec anyway, PEP 446)
+        # close_fds=False: every descriptor this process opens is close-on-exec anyway (PEP 446), so
+        # there is nothing to close in the child
         self._procs[index] = await asyncio.create_subprocess_exec(*self._command(index), env=env, close_fds=False)
 
     async def _watch(self, index: int) -> None:

@@ -7,7 +7,8 @@
 2. Capacity: --capacity, else ops/bench_grpc.py's closed loop over --levels: the highest QPS of a
    level within the SLO (mean < 20 ms, P99 < 80 ms), else the highest QPS measured.
 3. Overload: an open loop, Poisson arrivals at --factor x capacity for --duration-s, spread over
-   --client-procs processes; --online-share of the requests are ONLINE with --online-deadline-ms,
+   --client-procs processes (on uvloop, --channels-per-proc connections each, the calls dealt
+   round-robin over them); --online-share of the requests are ONLINE with --online-deadline-ms,
    the others NORMAL with --deadline-ms. A refused request is not retried: it is the excess.
 4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
 5. Every 50 ms, from each client process: a grpc.health.v1 Check, the floor any answer has under
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -199,7 +201,7 @@ def summarize(outcomes: Sequence[Outcome], window_s: float) -> dict[str, Any]:
 # ---- the H200 run -------------------------------------------------------------------------------------
 
 def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: float, duration_s: float,
-            online_share: float, online_deadline_s: float, deadline_s: float, conn: Any) -> None:
+            online_share: float, online_deadline_s: float, deadline_s: float, channels: int, conn: Any) -> None:
     """One client process: its share of the open loop; sends back its outcomes."""
     async def main() -> tuple[list[Outcome], list[float]]:
         stubs = load_stubs()
@@ -218,16 +220,36 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
             codes = Counter(o.code for o in outcomes)
             print(f"  client {seed}: {t_s:.0f} s, sent {sent}, answered {len(outcomes)} {dict(codes)}", flush=True)
 
-        async with grpc.aio.insecure_channel(target) as ch:
-            stub = stubs.pb2_grpc.RankerStub(ch)
-            await ch.channel_ready()
-            call = stub.Score if w["kind"] == "score" else stub.BeamSearch
+        # channels connections of its own (a local subchannel pool each: gRPC would otherwise share one
+        # connection among a process's channels to the same target), the calls dealt round-robin:
+        # a fleet of callers holds many connections, and SO_REUSEPORT spreads connections, not calls,
+        # over `serve --fronts N`
+        chans = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                 for _ in range(channels)]
+        try:
+            await asyncio.gather(*(ch.channel_ready() for ch in chans))
+            stubs_ = [stubs.pb2_grpc.RankerStub(ch) for ch in chans]
+            methods = [s.Score if w["kind"] == "score" else s.BeamSearch for s in stubs_]
+            turn = itertools.count()
+
+            def call(msg: Any, **kw: Any) -> Any:
+                return methods[next(turn) % len(methods)](msg, **kw)
+
             grace_s = max(online_deadline_s, deadline_s) + 10.0
             return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed, grace_s=grace_s,
                                                   progress=progress),
-                                        health_probe(ch, duration_s))
+                                        health_probe(chans[0], duration_s))
+        finally:
+            await asyncio.gather(*(ch.close() for ch in chans))
 
-    outcomes, probes = asyncio.run(main())
+    try:  # the loop slmrank serves on (and a caller in production would use): the client's own
+        # overhead is part of every latency measured here
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        outcomes, probes = runner.run(main())
     conn.send({"outcomes": [asdict(o) for o in outcomes], "probes": probes})
     conn.close()
 
@@ -310,6 +332,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "workload": w, "model": model,
         "device": args.device, "runtime": runtime, "dtype": dtype, "factor": args.factor,
         "duration_s": args.duration_s, "online_share": args.online_share, "client_procs": args.client_procs,
+        "channels_per_proc": args.channels_per_proc,
         "deadlines_ms": {"ONLINE": args.online_deadline_ms, "NORMAL": args.deadline_ms},
         "logical_flops_per_request": flops_per_request(artifact.config, w)}
     server = Proc("slmrank", [
@@ -338,7 +361,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(server.target, w, high, 100 + k, rate / args.client_procs,
                                                   args.duration_s, args.online_share, args.online_deadline_ms / 1e3,
-                                                  args.deadline_ms / 1e3, child))
+                                                  args.deadline_ms / 1e3, args.channels_per_proc, child))
             p.start()
             pipes.append(parent)
             procs.append(p)
@@ -447,6 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--online-deadline-ms", type=float, default=80.0)
     p.add_argument("--deadline-ms", type=float, default=1000.0, help="NORMAL requests' deadline")
     p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--channels-per-proc", type=int, default=4,
+                   help="connections per client process, the calls dealt round-robin over them")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/overload_bench"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None)
@@ -458,8 +483,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
-    if args.factor <= 0 or args.duration_s <= 0 or args.client_procs < 1 or not 0 <= args.online_share <= 1:
-        raise SystemExit("--factor > 0, --duration-s > 0, --client-procs >= 1, 0 <= --online-share <= 1")
+    if (args.factor <= 0 or args.duration_s <= 0 or args.client_procs < 1 or args.channels_per_proc < 1
+            or not 0 <= args.online_share <= 1):
+        raise SystemExit("--factor > 0, --duration-s > 0, --client-procs >= 1, --channels-per-proc >= 1, "
+                         "0 <= --online-share <= 1")
     result = asyncio.run(run(args))
     print_report(result)
     return result

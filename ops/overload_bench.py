@@ -11,8 +11,10 @@
    round-robin over them); --online-share of the requests are ONLINE with --online-deadline-ms,
    the others NORMAL with --deadline-ms. A refused request is not retried: it is the excess.
 4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
-5. Every 50 ms, from each client process: a grpc.health.v1 Check, the floor any answer has under
-   this load (gRPC and the event loop, no work of slmrank's), reported beside the refusal latency.
+5. Every 50 ms, from each client process: a grpc.health.v1 Check (the engine answers it; through
+   `--fronts N` it is relayed), and the same Score/BeamSearch to a bare grpc.aio server on uvloop
+   that refuses everything at once (`floor_probe`): the latency of a refusal with no work of
+   slmrank's, under the same load, reported beside slmrank's refusal latency.
 6. Every 10 s each client process prints what it sent and what came back; calls still unanswered
    the longest deadline + 10 s after its last send are cancelled (CLIENT_CANCELLED), and a client
    process that sends nothing back is counted as lost: the run ends and reports whatever happens.
@@ -176,6 +178,58 @@ async def health_probe(channel: Any, duration_s: float, interval_s: float = 0.05
     return out
 
 
+async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
+    """The same request, on its own connection, every interval_s to the floor server (below), from
+    the same client process under the same load: the latency of a refusal by a bare grpc.aio server
+    that does nothing else. No refusal through Python gRPC on this host can be faster; the gap
+    between it and slmrank's refusals is what slmrank's refusing costs."""
+    call = channel.unary_unary(method, request_serializer=type(msg).SerializeToString)
+    out: list[float] = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        try:
+            await call(msg, timeout=1.0)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                out.append(time.perf_counter() - t)
+        await asyncio.sleep(interval_s)
+    return out
+
+
+def _floor_server(conn: Any) -> None:
+    """A process: a grpc.aio server on uvloop (as a front) that refuses every call at once, as a
+    front refuses (UNAVAILABLE, a message, a retry-after-ms trailer); sends its port, then serves
+    until terminated."""
+    class Refuse(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> Any:
+            async def refuse(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded (floor): refused; retry after 5 ms",
+                                    trailing_metadata=(("retry-after-ms", "5"),))
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((Refuse(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await server.wait_for_termination()
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(serve())
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where installed (slmrank serves on it, and a caller in production would use it): the
+    client's own overhead is part of every latency measured here."""
+    try:
+        import uvloop
+        return uvloop.new_event_loop
+    except ImportError:
+        return None
+
+
 def pct_ms(values_s: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values_s) * 1e3, q)) if len(values_s) else float("nan")
 
@@ -201,7 +255,8 @@ def summarize(outcomes: Sequence[Outcome], window_s: float) -> dict[str, Any]:
 # ---- the H200 run -------------------------------------------------------------------------------------
 
 def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: float, duration_s: float,
-            online_share: float, online_deadline_s: float, deadline_s: float, channels: int, conn: Any) -> None:
+            online_share: float, online_deadline_s: float, deadline_s: float, channels: int, floor_target: str | None,
+            conn: Any) -> None:
     """One client process: its share of the open loop; sends back its outcomes."""
     async def main() -> tuple[list[Outcome], list[float]]:
         stubs = load_stubs()
@@ -236,21 +291,21 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
                 return methods[next(turn) % len(methods)](msg, **kw)
 
             grace_s = max(online_deadline_s, deadline_s) + 10.0
+            probes: list[Any] = [health_probe(chans[0], duration_s)]
+            if floor_target:
+                floor = grpc.aio.insecure_channel(floor_target, options=[("grpc.use_local_subchannel_pool", 1)])
+                chans.append(floor)
+                await floor.channel_ready()
+                method = "/slmrank.v1.Ranker/" + ("Score" if w["kind"] == "score" else "BeamSearch")
+                probes.append(floor_probe(floor, method, pool[0], duration_s))
             return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed, grace_s=grace_s,
-                                                  progress=progress),
-                                        health_probe(chans[0], duration_s))
+                                                  progress=progress), *probes)
         finally:
             await asyncio.gather(*(ch.close() for ch in chans))
 
-    try:  # the loop slmrank serves on (and a caller in production would use): the client's own
-        # overhead is part of every latency measured here
-        import uvloop
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        outcomes, probes = runner.run(main())
-    conn.send({"outcomes": [asdict(o) for o in outcomes], "probes": probes})
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        outcomes, probes, *floor = runner.run(main())
+    conn.send({"outcomes": [asdict(o) for o in outcomes], "probes": probes, "floor": floor[0] if floor else []})
     conn.close()
 
 
@@ -357,11 +412,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         t_clients = time.perf_counter()
         ctx = mp.get_context("spawn")
         pipes, procs = [], []
+        floor_target, floor_proc = None, None
+        if args.floor:  # the bare refusal's latency beside the load (floor_probe)
+            parent, child = ctx.Pipe(duplex=False)
+            floor_proc = ctx.Process(target=_floor_server, args=(child,), daemon=True)
+            floor_proc.start()
+            if await asyncio.to_thread(parent.poll, 30.0):
+                floor_target = f"127.0.0.1:{parent.recv()}"
         for k in range(args.client_procs):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(server.target, w, high, 100 + k, rate / args.client_procs,
                                                   args.duration_s, args.online_share, args.online_deadline_ms / 1e3,
-                                                  args.deadline_ms / 1e3, args.channels_per_proc, child))
+                                                  args.deadline_ms / 1e3, args.channels_per_proc, floor_target,
+                                                  child))
             p.start()
             pipes.append(parent)
             procs.append(p)
@@ -378,10 +441,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 lost += 1
         outcomes = [Outcome(**o) for part in sent for o in part["outcomes"]]
         probes = [t for part in sent for t in part["probes"]]
+        floor = [t for part in sent for t in part["floor"]]
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        if floor_proc is not None:
+            floor_proc.terminate()
+            floor_proc.join(10)
         if scraped is not None:
             result["server"] = server_view(scraped, await asyncio.to_thread(scrape, server.metrics_url),
                                            time.perf_counter() - t_clients, len(outcomes))
@@ -392,6 +459,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         s["offered_qps"] = len(outcomes) / args.duration_s
         s["served_share_of_capacity"] = s["served_qps"] / result["capacity"]["qps"]
         s.update(health_probes=len(probes), probe_p50_ms=pct_ms(probes, 50), probe_p99_ms=pct_ms(probes, 99),
+                 floor_probes=len(floor), floor_p50_ms=pct_ms(floor, 50), floor_p99_ms=pct_ms(floor, 99),
                  client_procs_lost=lost)
         result["overload"] = s
     finally:
@@ -436,6 +504,9 @@ def print_report(result: dict[str, Any]) -> None:
     if s.get("health_probes"):
         print(f"health checks beside the load (gRPC and the event loop alone) {s['health_probes']}: "
               f"p50 {s['probe_p50_ms']:.3f} ms, p99 {s['probe_p99_ms']:.3f} ms")
+    if s.get("floor_probes"):
+        print(f"a bare grpc.aio server's refusal beside the load (the floor) {s['floor_probes']}: "
+              f"p50 {s['floor_p50_ms']:.3f} ms, p99 {s['floor_p99_ms']:.3f} ms")
     if s.get("client_procs_lost"):
         print(f"client processes lost (no outcomes back): {s['client_procs_lost']} of {result['client_procs']}")
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
@@ -472,6 +543,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--client-procs", type=int, default=4)
     p.add_argument("--channels-per-proc", type=int, default=4,
                    help="connections per client process, the calls dealt round-robin over them")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="no bare-refusal probe (floor_probe) beside the load")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/overload_bench"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None)

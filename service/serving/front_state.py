@@ -184,6 +184,10 @@ class Snapshot:
     shapes: dict[int, tuple[float, float]] = field(default_factory=dict)  # shape key -> (own_s, share_s)
 
 
+class SnapshotBusy(RuntimeError):
+    """No consistent snapshot could be read, and none was read before."""
+
+
 class SharedState:
     """The shared-memory file: the engine's snapshot (one writer: the engine's loop) and one slot
     of counters per front (each written by its front only)."""
@@ -237,21 +241,30 @@ class SharedState:
         self._seq += 1
         _SEQ.pack_into(self.mm, 0, self._seq)
 
-    def read(self) -> Snapshot:
+    def read(self, patience_s: float = 0.001) -> Snapshot:
         """The latest snapshot (parsed again only when the engine has published since: the caller
-        must not change it)."""
+        must not change it). A write takes microseconds, but the engine can be descheduled in the
+        middle of one: past patience_s of retrying (yielding the CPU) this returns the last
+        snapshot read, one publish old; SnapshotBusy if there is none."""
         mm = self.mm
-        for _ in range(1000):
+        give_up = None
+        while True:
             seq = _SEQ.unpack_from(mm, 0)[0]
-            if seq & 1:
-                continue
-            if seq == self._read_seq and self._read is not None:
-                return self._read
-            body = mm[_BODY_AT:_BODY_END]
-            if _SEQ.unpack_from(mm, 0)[0] == seq:
-                self._read, self._read_seq = _parse(body), seq
-                return self._read
-        raise RuntimeError(f"{self.path}: the engine's snapshot kept changing under the reader")
+            if not seq & 1:
+                if seq == self._read_seq and self._read is not None:
+                    return self._read
+                body = mm[_BODY_AT:_BODY_END]
+                if _SEQ.unpack_from(mm, 0)[0] == seq:
+                    self._read, self._read_seq = _parse(body), seq
+                    return self._read
+            now = time.monotonic()
+            if give_up is None:
+                give_up = now + patience_s
+            elif now >= give_up:
+                if self._read is not None:
+                    return self._read
+                raise SnapshotBusy(f"{self.path}: the engine's snapshot is being written (for {patience_s * 1e3:g} ms)")
+            os.sched_yield()
 
     # -- the fronts' slots --
 
@@ -325,7 +338,11 @@ class FrontGate:
 
     def check(self, kind: str, msg: Any, deadline: float | None, client: str) -> Refusal | None:
         """None: forward it to the engine. kind: "score" or "beam"."""
-        snap, now = self.read(), self.clock()
+        try:
+            snap = self.read()
+        except SnapshotBusy:
+            return None  # the engine's own admission decides
+        now = self.clock()
         if snap.state != STATE_SERVING:
             what = "draining; send to another replica" if snap.state == STATE_DRAINING else "still loading; retry shortly"
             reason = "draining" if snap.state == STATE_DRAINING else "loading"
@@ -381,7 +398,10 @@ class FrontGate:
     def backlog_hint_s(self) -> float:
         """The retry hint of a request refused before the gate (too many RPCs at once at this
         front): the time to work off what the engine has queued and in flight."""
-        snap = self.read()
+        try:
+            snap = self.read()
+        except SnapshotBusy:
+            return self._hint(Snapshot(), Snapshot().unavailable_retry_s)
         queued = sum(lane.work_s for lane in snap.lanes)
         return self._hint(snap, (snap.inflight_s + queued) / max(snap.parallelism, 1e-9))
 

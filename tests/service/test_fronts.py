@@ -79,6 +79,35 @@ def test_snapshot_round_trip(shared, tmp_path):
         SharedState(str(tmp_path / "bad"))
 
 
+def test_a_writer_descheduled_mid_write_never_fails_a_reader(shared):
+    """The engine can be descheduled between marking its snapshot as being written and finishing
+    it (seen on the H200 with 8 fronts: a front's handler failed, its caller got UNKNOWN). A reader
+    then uses the last snapshot it read; with none, the gate forwards (the engine decides)."""
+    import struct
+    from service.serving.front_state import SnapshotBusy
+    shared.write(Snapshot(state=STATE_SERVING, max_retry_s=1.5, limits=LIMITS))
+    reader = SharedState(shared.path)
+    fresh = SharedState(shared.path)  # has read nothing yet
+    try:
+        first = reader.read()
+        shared.write(Snapshot(state=STATE_DRAINING, limits=LIMITS))
+        seq = struct.unpack_from("<Q", shared.mm, 0)[0]
+        struct.pack_into("<Q", shared.mm, 0, seq + 1)  # odd: a write begun, never finished
+        t = time.monotonic()
+        assert reader.read(patience_s=0.01) is first  # one publish old
+        assert 0.01 <= time.monotonic() - t < 0.5
+        with pytest.raises(SnapshotBusy):
+            fresh.read(patience_s=0.002)
+        gate = FrontGate(lambda: fresh.read(patience_s=0.002))
+        assert gate.check("score", SCORE_MSG, None, "c") is None  # forwarded
+        assert 0.005 <= gate.backlog_hint_s() <= 2.0
+        struct.pack_into("<Q", shared.mm, 0, seq + 2)  # the write finished
+        assert reader.read().state == STATE_DRAINING and fresh.read().state == STATE_DRAINING
+    finally:
+        reader.close()
+        fresh.close()
+
+
 # ---- the gate against the engine's admission --------------------------------------------------------
 
 S = [BucketInfo(f"score.r{n}", "score", n * 1e9) for n in (1, 2, 4, 8)]
@@ -446,3 +475,49 @@ def test_a_forwarded_request_s_span_carries_its_hop_from_the_front(model):
         assert 0 < hop_ms < 1000
     finally:
         srv.stop()
+
+
+def test_an_answer_after_the_caller_s_deadline_ends_the_front_s_handler_quietly(shared):
+    """The engine's answer reaching a front as its caller's deadline passes is not sent into the
+    ended RPC (gRPC's core would log an ExecuteBatchError traceback): the handler ends as
+    cancelled. An answer in time is returned as it is."""
+    import argparse
+    from service.serving.front import Front
+
+    shared.write(Snapshot(state=STATE_SERVING, limits=LIMITS))
+    args = argparse.Namespace(state=shared.path, slot=0, fronts=1, client_id_metadata="x-client-id",
+                              max_inflight=8)
+    front = Front(args)
+
+    class Context:
+        def __init__(self, remaining_s):
+            self.remaining_s = remaining_s
+
+        def time_remaining(self):
+            return self.remaining_s
+
+        def invocation_metadata(self):
+            return ()
+
+        def peer(self):
+            return "ipv4:127.0.0.1:5000"
+
+    def engine(delay_s):
+        async def call(raw, timeout, metadata):
+            await asyncio.sleep(delay_s)
+            return b"answer:" + raw
+        return call
+
+    raw = SCORE_MSG.SerializeToString()
+
+    async def go(delay_s, remaining_s):
+        front._unary = {"Score": engine(delay_s)}
+        return await front._ranker(raw, Context(remaining_s), "Score", "score")
+
+    try:
+        assert asyncio.run(go(0.0, 1.0)) == b"answer:" + raw
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(go(0.05, 0.02))
+        assert front.inflight == 0
+    finally:
+        front.shared.close()

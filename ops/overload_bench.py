@@ -158,24 +158,34 @@ async def open_loop(call: Any, make: MakeRequest, rate_per_s: float, duration_s:
     return out
 
 
-async def health_probe(channel: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
-    """grpc.health.v1 Check every interval_s on the channel the load uses: the latency of an RPC the
-    server answers with no work of its own (gRPC and the event loop only), under the same load. A
-    refusal cannot be faster than this floor; the gap between them is what refusing costs."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    stub = health_pb2_grpc.HealthStub(channel)
+async def _probe(call: Callable[[], Any], counted: grpc.StatusCode, duration_s: float,
+                 interval_s: float) -> list[float]:
+    """call() every interval_s for duration_s: the latencies of the calls that ended with `counted`
+    (a probe lost to the load is not a latency)."""
     out: list[float] = []
     end = time.perf_counter() + duration_s
     while time.perf_counter() < end:
         t = time.perf_counter()
         try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            await call()
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        if code == counted:
             out.append(time.perf_counter() - t)
-        except grpc.aio.AioRpcError:
-            pass  # a probe lost to the load is not a latency
         await asyncio.sleep(interval_s)
     return out
+
+
+async def health_probe(channel: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
+    """grpc.health.v1 Check every interval_s on the channel the load uses: the latency of an RPC the
+    engine answers with no work of its own (gRPC and its event loop only; relayed through a front
+    with `--fronts N`), under the same load."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    return await _probe(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0), grpc.StatusCode.OK,
+                        duration_s, interval_s)
 
 
 async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, interval_s: float = 0.05) -> list[float]:
@@ -184,17 +194,7 @@ async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, in
     that does nothing else. No refusal through Python gRPC on this host can be faster; the gap
     between it and slmrank's refusals is what slmrank's refusing costs."""
     call = channel.unary_unary(method, request_serializer=type(msg).SerializeToString)
-    out: list[float] = []
-    end = time.perf_counter() + duration_s
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        try:
-            await call(msg, timeout=1.0)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                out.append(time.perf_counter() - t)
-        await asyncio.sleep(interval_s)
-    return out
+    return await _probe(lambda: call(msg, timeout=1.0), grpc.StatusCode.UNAVAILABLE, duration_s, interval_s)
 
 
 def _floor_server(conn: Any) -> None:

@@ -120,12 +120,15 @@ def flops_per_request(cfg: Any, w: dict[str, Any]) -> int:
 class Proc:
     """A server subprocess; its bound port read from a 'listening on HOST:PORT' line of its stdout."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, start_timeout_s: float, root: Path = ROOT) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, start_timeout_s: float, root: Path = ROOT,
+                 cpus: set[int] | None = None) -> None:
+        """cpus: the CPUs it (and every process it starts) may run on; default all."""
         env = dict(os.environ, PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.name, self.log_path = name, log_path
         self.proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE,
-                                     stderr=log_path.open("w"), text=True)
+                                     stderr=log_path.open("w"), text=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.lines: queue.Queue[str] = queue.Queue()
         self.metrics_url: str | None = None  # slmrank's /metrics, from its announcement
         threading.Thread(target=self._read, daemon=True).start()

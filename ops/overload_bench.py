@@ -15,12 +15,21 @@
    `--fronts N` it is relayed), and the same Score/BeamSearch to a bare grpc.aio server on uvloop
    that refuses everything at once (`floor_probe`): the latency of a refusal with no work of
    slmrank's, under the same load, reported beside slmrank's refusal latency.
-6. Every 10 s each client process prints what it sent and what came back; calls still unanswered
+6. The quiet caller (`quiet_loop`, one more process, on by default): one call at a time, every
+   --quiet-interval-ms, the load's requests to slmrank and the same request to the bare server.
+   The load's own clients send hundreds of calls a second each, so their latencies include their
+   own event loop's queue; a caller in production is one of many, each sending few. This one
+   shows how fast slmrank refuses (and serves) when the caller is not itself the bottleneck.
+7. --client-cpus N: the load's client processes run on the last N CPUs, slmrank (its fronts too),
+   the bare server and the quiet caller on the others, as a replica whose callers run elsewhere
+   (or in containers with CPU limits) would. Default: every process may run anywhere.
+8. Every 10 s each client process prints what it sent and what came back; calls still unanswered
    the longest deadline + 10 s after its last send are cancelled (CLIENT_CANCELLED), and a client
    process that sends nothing back is counted as lost: the run ends and reports whatever happens.
 
 Report (DIR/overload.json, and a table): served QPS as a share of capacity (issue 11: >= 0.9),
-ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms), status codes, admitted
+ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms) seen by the load's
+clients and by the quiet caller, with the bare server's beside each, status codes, admitted
 requests that ended DEADLINE_EXCEEDED (0), the largest retry hint (<= the cap), and RSS / device
 memory over the first and the last 10 s (flat).
 
@@ -197,10 +206,33 @@ async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, in
     return await _probe(lambda: call(msg, timeout=1.0), grpc.StatusCode.UNAVAILABLE, duration_s, interval_s)
 
 
-def _floor_server(conn: Any) -> None:
+async def quiet_loop(call: Any, floor_call: Any | None, make: MakeRequest, duration_s: float,
+                     interval_s: float) -> tuple[list[Outcome], list[float]]:
+    """One call at a time: make(i) to call, then (when given) the same message to floor_call, then
+    a pause of interval_s; for duration_s. Returns call's outcomes and the latencies of floor_call's
+    refusals (UNAVAILABLE)."""
+    out: list[Outcome] = []
+    floor: list[float] = []
+    t0 = time.perf_counter()
+    i = 0
+    while time.perf_counter() - t0 < duration_s:
+        msg, priority, deadline_s = make(i)
+        i += 1
+        out.append(await call_once(call, msg, priority, deadline_s, t0))
+        if floor_call is not None:
+            o = await call_once(floor_call, msg, priority, 1.0, t0)
+            if o.code == "UNAVAILABLE":
+                floor.append(o.latency_s)
+        await asyncio.sleep(interval_s)
+    return out, floor
+
+
+def _floor_server(cpus: set[int] | None, conn: Any) -> None:
     """A process: a grpc.aio server on uvloop (as a front) that refuses every call at once, as a
     front refuses (UNAVAILABLE, a message, a retry-after-ms trailer); sends its port, then serves
     until terminated."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     class Refuse(grpc.GenericRpcHandler):
         def service(self, details: grpc.HandlerCallDetails) -> Any:
             async def refuse(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -254,22 +286,73 @@ def summarize(outcomes: Sequence[Outcome], window_s: float) -> dict[str, Any]:
 
 # ---- the H200 run -------------------------------------------------------------------------------------
 
+def _requests(w: dict[str, Any], high: int, seed: int, online_share: float, online_deadline_s: float,
+              deadline_s: float) -> tuple[list[Any], MakeRequest]:
+    """The workload's requests (a pool of 256, built ahead: building a message costs more than
+    sending it) and make(i): the i-th, ONLINE with online_share's probability, else NORMAL."""
+    reqs = Requests(w, high, seed=seed)
+    pool = [reqs.next() for _ in range(256)]
+    rng = random.Random(seed)
+
+    def make(i: int) -> tuple[Any, int, float | None]:
+        msg = type(pool[0])()
+        msg.CopyFrom(pool[i % len(pool)])
+        online = rng.random() < online_share
+        msg.priority = ONLINE if online else NORMAL
+        return msg, msg.priority, online_deadline_s if online else deadline_s
+
+    return pool, make
+
+
+def _method(w: dict[str, Any]) -> str:
+    return "/slmrank.v1.Ranker/" + ("Score" if w["kind"] == "score" else "BeamSearch")
+
+
+def _quiet_worker(target: str, floor_target: str | None, w: dict[str, Any], high: int, seed: int, duration_s: float,
+                  interval_s: float, online_share: float, online_deadline_s: float, deadline_s: float,
+                  cpus: set[int] | None, conn: Any) -> None:
+    """The quiet caller's process (quiet_loop): sends back its outcomes and its floor refusals."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+    async def main() -> tuple[list[Outcome], list[float]]:
+        pool, make = _requests(w, high, seed, online_share, online_deadline_s, deadline_s)
+        ser = type(pool[0]).SerializeToString
+        chans = [grpc.aio.insecure_channel(t, options=[("grpc.use_local_subchannel_pool", 1)])
+                 for t in (target, floor_target) if t]
+        try:
+            await asyncio.gather(*(ch.channel_ready() for ch in chans))
+            calls = [ch.unary_unary(_method(w), request_serializer=ser) for ch in chans]
+            return await quiet_loop(calls[0], calls[1] if floor_target else None, make, duration_s, interval_s)
+        finally:
+            await asyncio.gather(*(ch.close() for ch in chans))
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        outcomes, floor = runner.run(main())
+    conn.send({"outcomes": [asdict(o) for o in outcomes], "floor": floor})
+    conn.close()
+
+
+def split_cpus(cpus: Sequence[int], clients: int) -> tuple[set[int], set[int]]:
+    """--client-cpus: (the server's CPUs, the load clients' CPUs): the last `clients` of cpus for
+    the clients, the rest for the server."""
+    ordered = sorted(cpus)
+    if not 1 <= clients < len(ordered):
+        raise SystemExit(f"--client-cpus {clients}: between 1 and {len(ordered) - 1} (this process may use "
+                         f"{len(ordered)} CPUs)")
+    return set(ordered[:-clients]), set(ordered[-clients:])
+
+
 def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: float, duration_s: float,
             online_share: float, online_deadline_s: float, deadline_s: float, channels: int, floor_target: str | None,
-            conn: Any) -> None:
+            cpus: set[int] | None, conn: Any) -> None:
     """One client process: its share of the open loop; sends back its outcomes."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
     async def main() -> list[Any]:  # outcomes, health probes[, floor probes]
         stubs = load_stubs()
-        reqs = Requests(w, high, seed=seed)
-        pool = [reqs.next() for _ in range(256)]  # building a message costs more than sending it
-        rng = random.Random(seed)
-
-        def make(i: int) -> tuple[Any, int, float | None]:
-            msg = type(pool[0])()
-            msg.CopyFrom(pool[i % len(pool)])
-            online = rng.random() < online_share
-            msg.priority = ONLINE if online else NORMAL
-            return msg, msg.priority, online_deadline_s if online else deadline_s
+        pool, make = _requests(w, high, seed, online_share, online_deadline_s, deadline_s)
 
         def progress(t_s: float, outcomes: list[Outcome], sent: int) -> None:  # a run cut short still shows this
             codes = Counter(o.code for o in outcomes)
@@ -296,8 +379,7 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
                 floor = grpc.aio.insecure_channel(floor_target, options=[("grpc.use_local_subchannel_pool", 1)])
                 chans.append(floor)
                 await floor.channel_ready()
-                method = "/slmrank.v1.Ranker/" + ("Score" if w["kind"] == "score" else "BeamSearch")
-                probes.append(floor_probe(floor, method, pool[0], duration_s))
+                probes.append(floor_probe(floor, _method(w), pool[0], duration_s))
             return await asyncio.gather(open_loop(call, make, rate_per_s, duration_s, seed=seed, grace_s=grace_s,
                                                   progress=progress), *probes)
         finally:
@@ -390,10 +472,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "channels_per_proc": args.channels_per_proc,
         "deadlines_ms": {"ONLINE": args.online_deadline_ms, "NORMAL": args.deadline_ms},
         "logical_flops_per_request": flops_per_request(artifact.config, w)}
+    server_cpus, client_cpus = (split_cpus(os.sched_getaffinity(0), args.client_cpus) if args.client_cpus
+                                else (None, None))
+    result["cpus"] = ({"server": sorted(server_cpus), "clients": sorted(client_cpus)} if server_cpus
+                      else {"all": len(os.sched_getaffinity(0))})
     server = Proc("slmrank", [
         sys.executable, "-m", "service.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
         "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "10",
-        "--kernels", args.kernels, *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s)
+        "--kernels", args.kernels, *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s,
+        cpus=server_cpus)
     try:
         await wait_serving(server.target, args.start_timeout_s)
         if args.capacity:
@@ -415,7 +502,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         floor_target, floor_proc = None, None
         if args.floor:  # the bare refusal's latency beside the load (floor_probe)
             parent, child = ctx.Pipe(duplex=False)
-            floor_proc = ctx.Process(target=_floor_server, args=(child,), daemon=True)
+            floor_proc = ctx.Process(target=_floor_server, args=(server_cpus, child), daemon=True)
             floor_proc.start()
             if await asyncio.to_thread(parent.poll, 30.0):
                 floor_target = f"127.0.0.1:{parent.recv()}"
@@ -424,9 +511,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p = ctx.Process(target=_worker, args=(server.target, w, high, 100 + k, rate / args.client_procs,
                                                   args.duration_s, args.online_share, args.online_deadline_ms / 1e3,
                                                   args.deadline_ms / 1e3, args.channels_per_proc, floor_target,
-                                                  child))
+                                                  client_cpus, child))
             p.start()
             pipes.append(parent)
+            procs.append(p)
+        quiet = None
+        if args.quiet_interval_ms > 0:
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_quiet_worker, args=(server.target, floor_target, w, high, 99, args.duration_s,
+                                                        args.quiet_interval_ms / 1e3, args.online_share,
+                                                        args.online_deadline_ms / 1e3, args.deadline_ms / 1e3,
+                                                        server_cpus, child))
+            p.start()
+            quiet = parent
             procs.append(p)
         # each worker ends by itself (its unanswered calls cancelled after a grace): this bounds a
         # worker that died or hung without answering, so the rest of the run is still reported
@@ -439,6 +536,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 sent.append(parent.recv())
             except (EOFError, OSError):
                 lost += 1
+        quiet_sent = None
+        if quiet is not None:
+            try:
+                if await asyncio.to_thread(quiet.poll, max(end - time.monotonic(), 0.0)):
+                    quiet_sent = quiet.recv()
+            except (EOFError, OSError):
+                pass
         outcomes = [Outcome(**o) for part in sent for o in part["outcomes"]]
         probes = [t for part in sent for t in part["probes"]]
         floor = [t for part in sent for t in part["floor"]]
@@ -451,7 +555,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             floor_proc.join(10)
         if scraped is not None:
             result["server"] = server_view(scraped, await asyncio.to_thread(scrape, server.metrics_url),
-                                           time.perf_counter() - t_clients, len(outcomes))
+                                           time.perf_counter() - t_clients,
+                                           len(outcomes) + len((quiet_sent or {}).get("outcomes", ())))
         result["memory"] = {"samples": sampler.stop()}
         result["memory"]["rss"] = flatness(result["memory"]["samples"], "rss_mb")
         result["memory"]["gpu"] = flatness(result["memory"]["samples"], "gpu_mb")
@@ -461,6 +566,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         s.update(health_probes=len(probes), probe_p50_ms=pct_ms(probes, 50), probe_p99_ms=pct_ms(probes, 99),
                  floor_probes=len(floor), floor_p50_ms=pct_ms(floor, 50), floor_p99_ms=pct_ms(floor, 99),
                  client_procs_lost=lost)
+        if quiet_sent is not None:
+            q = [Outcome(**o) for o in quiet_sent["outcomes"]]
+            refused = [o.latency_s for o in q if o.code == "UNAVAILABLE"]
+            served = [o.latency_s for o in q if o.code == "OK"]
+            s["quiet"] = {"interval_ms": args.quiet_interval_ms, "sent": len(q), "codes": dict(Counter(o.code for o in q)),
+                          "refused": len(refused), "refusal_p50_ms": pct_ms(refused, 50),
+                          "refusal_p99_ms": pct_ms(refused, 99), "refusal_max_ms": pct_ms(refused, 100),
+                          "served": len(served), "ok_p50_ms": pct_ms(served, 50), "ok_p99_ms": pct_ms(served, 99),
+                          "floor_probes": len(quiet_sent["floor"]), "floor_p50_ms": pct_ms(quiet_sent["floor"], 50),
+                          "floor_p99_ms": pct_ms(quiet_sent["floor"], 99)}
+        elif quiet is not None:
+            s["quiet"] = {"lost": True}
         result["overload"] = s
     finally:
         result["server_exit_code"] = server.stop()
@@ -507,6 +624,16 @@ def print_report(result: dict[str, Any]) -> None:
     if s.get("floor_probes"):
         print(f"a bare grpc.aio server's refusal beside the load (the floor) {s['floor_probes']}: "
               f"p50 {s['floor_p50_ms']:.3f} ms, p99 {s['floor_p99_ms']:.3f} ms")
+    if q := s.get("quiet"):
+        if q.get("lost"):
+            print("the quiet caller sent nothing back")
+        else:
+            print(f"the quiet caller (one call at a time, every {q['interval_ms']:g} ms) sent {q['sent']} {q['codes']}: "
+                  f"refusals p50 {q['refusal_p50_ms']:.3f} ms, p99 {q['refusal_p99_ms']:.3f} ms, max "
+                  f"{q['refusal_max_ms']:.3f} ms; served p50 {q['ok_p50_ms']:.2f} ms, p99 {q['ok_p99_ms']:.2f} ms; "
+                  f"the bare server's refusals p50 {q['floor_p50_ms']:.3f} ms, p99 {q['floor_p99_ms']:.3f} ms")
+    if c := result.get("cpus", {}).get("clients"):
+        print(f"CPUs: load clients on {c[0]}-{c[-1]}, the rest on {result['cpus']['server']}")
     if s.get("client_procs_lost"):
         print(f"client processes lost (no outcomes back): {s['client_procs_lost']} of {result['client_procs']}")
     print(f"codes {s['codes']}; admitted but late (DEADLINE_EXCEEDED): {s['late_deadline_exceeded']} (target 0); "
@@ -545,6 +672,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="connections per client process, the calls dealt round-robin over them")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="no bare-refusal probe (floor_probe) beside the load")
+    p.add_argument("--quiet-interval-ms", type=float, default=20.0,
+                   help="the quiet caller's pause between its calls (quiet_loop); 0: no quiet caller")
+    p.add_argument("--client-cpus", type=int, default=0,
+                   help="run the load's client processes on the last N CPUs, everything else on the rest "
+                        "(default 0: no pinning)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/overload_bench"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None)
@@ -557,9 +689,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
     if (args.factor <= 0 or args.duration_s <= 0 or args.client_procs < 1 or args.channels_per_proc < 1
-            or not 0 <= args.online_share <= 1):
+            or not 0 <= args.online_share <= 1 or args.quiet_interval_ms < 0 or args.client_cpus < 0):
         raise SystemExit("--factor > 0, --duration-s > 0, --client-procs >= 1, --channels-per-proc >= 1, "
-                         "0 <= --online-share <= 1")
+                         "0 <= --online-share <= 1, --quiet-interval-ms >= 0, --client-cpus >= 0")
     result = asyncio.run(run(args))
     print_report(result)
     return result

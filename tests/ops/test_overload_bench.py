@@ -79,3 +79,50 @@ def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
     # serve --fronts: what the fronts refused never reached the engine's RPC counts, and is not
     # counted as never finished
     assert view["front_refused"] == 30 and view["never_finished"] == 100 - 30
+
+
+def test_the_quiet_caller_has_one_call_out_at_a_time_and_keeps_only_the_floors_refusals() -> None:
+    """The quiet caller stands for one of many light callers: its latencies must not include a
+    queue of its own, so it never has two calls out at once (its call, then the floor's, then a
+    pause); a floor call that is not refused is not a refusal latency."""
+    out_now = 0
+    most = 0
+    floor_answers = iter(["refuse", "ok"] * 1000)
+
+    async def call(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
+        nonlocal out_now, most
+        out_now += 1
+        most = max(most, out_now)
+        await asyncio.sleep(0.002)
+        out_now -= 1
+        if msg % 3 == 0:
+            raise _refusal()
+
+    async def floor(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
+        await call(1)  # counted with the caller's own calls
+        if next(floor_answers) == "refuse":
+            raise _refusal()
+
+    outcomes, floor_latencies = asyncio.run(ob.quiet_loop(call, floor, lambda i: (i, ob.NORMAL, 1.0),
+                                                          duration_s=0.3, interval_s=0.005))
+    assert most == 1
+    assert len(outcomes) > 10
+    assert [o.code for o in outcomes] == ["UNAVAILABLE" if i % 3 == 0 else "OK" for i in range(len(outcomes))]
+    assert len(floor_latencies) == (len(outcomes) + 1) // 2  # every other floor call was refused
+    assert all(0.002 <= t < 0.1 for t in floor_latencies)
+
+
+def _refusal() -> Any:
+    import grpc
+
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(("retry-after-ms", "5")), "overloaded")
+
+
+def test_split_cpus_gives_the_clients_the_last_cpus_and_the_server_the_rest() -> None:
+    import pytest
+
+    assert ob.split_cpus([3, 0, 2, 1, 5, 4], 2) == ({0, 1, 2, 3}, {4, 5})
+    for bad in (0, 6, 7):
+        with pytest.raises(SystemExit, match="--client-cpus"):
+            ob.split_cpus(range(6), bad)

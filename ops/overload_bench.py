@@ -15,11 +15,14 @@
    `--fronts N` it is relayed), and the same Score/BeamSearch to a bare grpc.aio server on uvloop
    that refuses everything at once (`floor_probe`): the latency of a refusal with no work of
    slmrank's, under the same load, reported beside slmrank's refusal latency.
-6. The quiet caller (`quiet_loop`, one more process, on by default): one call at a time, every
-   --quiet-interval-ms, the load's requests to slmrank and the same request to the bare server.
-   The load's own clients send hundreds of calls a second each, so their latencies include their
-   own event loop's queue; a caller in production is one of many, each sending few. This one
-   shows how fast slmrank refuses (and serves) when the caller is not itself the bottleneck.
+6. Quiet callers (`quiet_loop`, --quiet-callers more processes): each one call at a time, every
+   --quiet-interval-ms, a request of the load's to slmrank and the same request to the bare
+   server, through ops/h2call.py (HTTP/2 over a blocking socket: no gRPC client threads, no event
+   loop). The load's clients are grpc.aio ones, sending hundreds of calls a second each: their
+   latencies include their own event loop's queue and grpc.aio's hop from its polling thread to
+   the loop. A caller in production is one of many, and is usually C++, Go or Java (no such
+   hop). The quiet callers show how fast slmrank refuses (and serves) with the client's share
+   taken out; the bare server beside them is the floor of a Python gRPC server's refusal.
 7. --client-cpus N: the load's client processes run on the last N CPUs, slmrank (its fronts too),
    the bare server and the quiet caller on the others, as a replica whose callers run elsewhere
    (or in containers with CPU limits) would. Default: every process may run anywhere.
@@ -206,24 +209,35 @@ async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, in
     return await _probe(lambda: call(msg, timeout=1.0), grpc.StatusCode.UNAVAILABLE, duration_s, interval_s)
 
 
-async def quiet_loop(call: Any, floor_call: Any | None, make: MakeRequest, duration_s: float,
-                     interval_s: float) -> tuple[list[Outcome], list[float]]:
-    """One call at a time: make(i) to call, then (when given) the same message to floor_call, then
-    a pause of interval_s; for duration_s. Returns call's outcomes and the latencies of floor_call's
-    refusals (UNAVAILABLE)."""
+def outcome_of(answer: Any, sent_s: float, priority: int) -> Outcome:
+    """An h2call.Answer as an Outcome (call_once's, for a grpc.aio call)."""
+    code = grpc.StatusCode.OK.name
+    for c in grpc.StatusCode:
+        if c.value[0] == answer.status:
+            code = c.name
+    retry = answer.trailers.get("retry-after-ms")
+    return Outcome(sent_s, answer.latency_s, code, priority, int(retry) if retry and retry.isdigit() else None,
+                   code == "DEADLINE_EXCEEDED" and "no retry can meet it" in answer.message)
+
+
+def quiet_loop(call: Callable[[Any, float | None], Any], floor_call: Callable[[Any, float | None], Any] | None,
+               make: MakeRequest, duration_s: float, interval_s: float) -> tuple[list[Outcome], list[float]]:
+    """One call at a time, blocking: make(i) to call(msg, deadline_s) (an h2call.Answer back), then
+    (when given) the same message to floor_call, then a pause of interval_s; for duration_s.
+    Returns call's outcomes and the latencies of floor_call's refusals (UNAVAILABLE)."""
     out: list[Outcome] = []
     floor: list[float] = []
     t0 = time.perf_counter()
     i = 0
-    while time.perf_counter() - t0 < duration_s:
+    while (sent := time.perf_counter() - t0) < duration_s:
         msg, priority, deadline_s = make(i)
         i += 1
-        out.append(await call_once(call, msg, priority, deadline_s, t0))
+        out.append(outcome_of(call(msg, deadline_s), sent, priority))
         if floor_call is not None:
-            o = await call_once(floor_call, msg, priority, 1.0, t0)
-            if o.code == "UNAVAILABLE":
-                floor.append(o.latency_s)
-        await asyncio.sleep(interval_s)
+            answer = floor_call(msg, 1.0)
+            if answer.status == grpc.StatusCode.UNAVAILABLE.value[0]:
+                floor.append(answer.latency_s)
+        time.sleep(interval_s)
     return out, floor
 
 
@@ -311,24 +325,25 @@ def _method(w: dict[str, Any]) -> str:
 def _quiet_worker(target: str, floor_target: str | None, w: dict[str, Any], high: int, seed: int, duration_s: float,
                   interval_s: float, online_share: float, online_deadline_s: float, deadline_s: float,
                   cpus: set[int] | None, conn: Any) -> None:
-    """The quiet caller's process (quiet_loop): sends back its outcomes and its floor refusals."""
+    """A quiet caller's process (quiet_loop, through ops/h2call.py): sends back its outcomes and
+    its floor refusals."""
+    from h2call import H2Caller
+
     if cpus:
         os.sched_setaffinity(0, cpus)
-
-    async def main() -> tuple[list[Outcome], list[float]]:
-        pool, make = _requests(w, high, seed, online_share, online_deadline_s, deadline_s)
-        ser = type(pool[0]).SerializeToString
-        chans = [grpc.aio.insecure_channel(t, options=[("grpc.use_local_subchannel_pool", 1)])
-                 for t in (target, floor_target) if t]
-        try:
-            await asyncio.gather(*(ch.channel_ready() for ch in chans))
-            calls = [ch.unary_unary(_method(w), request_serializer=ser) for ch in chans]
-            return await quiet_loop(calls[0], calls[1] if floor_target else None, make, duration_s, interval_s)
-        finally:
-            await asyncio.gather(*(ch.close() for ch in chans))
-
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        outcomes, floor = runner.run(main())
+    _, make = _requests(w, high, seed, online_share, online_deadline_s, deadline_s)
+    method = _method(w)
+    callers = []
+    for t in (target, floor_target):
+        if t:
+            host, port = t.rsplit(":", 1)
+            callers.append(H2Caller(host, int(port)))
+    try:
+        calls = [lambda msg, d, c=c: c.call(method, msg.SerializeToString(), timeout_s=d) for c in callers]
+        outcomes, floor = quiet_loop(calls[0], calls[1] if floor_target else None, make, duration_s, interval_s)
+    finally:
+        for c in callers:
+            c.close()
     conn.send({"outcomes": [asdict(o) for o in outcomes], "floor": floor})
     conn.close()
 
@@ -515,15 +530,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
             pipes.append(parent)
             procs.append(p)
-        quiet = None
-        if args.quiet_interval_ms > 0:
+        quiet = []
+        for k in range(args.quiet_callers):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_quiet_worker, args=(server.target, floor_target, w, high, 99, args.duration_s,
-                                                        args.quiet_interval_ms / 1e3, args.online_share,
-                                                        args.online_deadline_ms / 1e3, args.deadline_ms / 1e3,
-                                                        server_cpus, child))
+            p = ctx.Process(target=_quiet_worker, args=(server.target, floor_target, w, high, 900 + k,
+                                                        args.duration_s, args.quiet_interval_ms / 1e3,
+                                                        args.online_share, args.online_deadline_ms / 1e3,
+                                                        args.deadline_ms / 1e3, server_cpus, child))
             p.start()
-            quiet = parent
+            quiet.append(parent)
             procs.append(p)
         # each worker ends by itself (its unanswered calls cancelled after a grace): this bounds a
         # worker that died or hung without answering, so the rest of the run is still reported
@@ -536,13 +551,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 sent.append(parent.recv())
             except (EOFError, OSError):
                 lost += 1
-        quiet_sent = None
-        if quiet is not None:
+        quiet_sent, quiet_lost = ({"outcomes": [], "floor": []} if quiet else None), 0
+        for parent in quiet:
             try:
-                if await asyncio.to_thread(quiet.poll, max(end - time.monotonic(), 0.0)):
-                    quiet_sent = quiet.recv()
+                if not await asyncio.to_thread(parent.poll, max(end - time.monotonic(), 0.0)):
+                    raise EOFError
+                part = parent.recv()
+                quiet_sent["outcomes"] += part["outcomes"]
+                quiet_sent["floor"] += part["floor"]
             except (EOFError, OSError):
-                pass
+                quiet_lost += 1
         outcomes = [Outcome(**o) for part in sent for o in part["outcomes"]]
         probes = [t for part in sent for t in part["probes"]]
         floor = [t for part in sent for t in part["floor"]]
@@ -570,14 +588,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             q = [Outcome(**o) for o in quiet_sent["outcomes"]]
             refused = [o.latency_s for o in q if o.code == "UNAVAILABLE"]
             served = [o.latency_s for o in q if o.code == "OK"]
-            s["quiet"] = {"interval_ms": args.quiet_interval_ms, "sent": len(q), "codes": dict(Counter(o.code for o in q)),
+            s["quiet"] = {"callers": args.quiet_callers, "lost": quiet_lost, "interval_ms": args.quiet_interval_ms,
+                          "sent": len(q), "codes": dict(Counter(o.code for o in q)),
                           "refused": len(refused), "refusal_p50_ms": pct_ms(refused, 50),
                           "refusal_p99_ms": pct_ms(refused, 99), "refusal_max_ms": pct_ms(refused, 100),
                           "served": len(served), "ok_p50_ms": pct_ms(served, 50), "ok_p99_ms": pct_ms(served, 99),
                           "floor_probes": len(quiet_sent["floor"]), "floor_p50_ms": pct_ms(quiet_sent["floor"], 50),
                           "floor_p99_ms": pct_ms(quiet_sent["floor"], 99)}
-        elif quiet is not None:
-            s["quiet"] = {"lost": True}
         result["overload"] = s
     finally:
         result["server_exit_code"] = server.stop()
@@ -625,10 +642,11 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"a bare grpc.aio server's refusal beside the load (the floor) {s['floor_probes']}: "
               f"p50 {s['floor_p50_ms']:.3f} ms, p99 {s['floor_p99_ms']:.3f} ms")
     if q := s.get("quiet"):
-        if q.get("lost"):
-            print("the quiet caller sent nothing back")
-        else:
-            print(f"the quiet caller (one call at a time, every {q['interval_ms']:g} ms) sent {q['sent']} {q['codes']}: "
+        if q["lost"]:
+            print(f"quiet callers lost (no outcomes back): {q['lost']} of {q['callers']}")
+        if q["sent"]:
+            print(f"{q['callers']} quiet callers (HTTP/2 by hand, one call at a time each, every {q['interval_ms']:g} ms) "
+                  f"sent {q['sent']} {q['codes']}: "
                   f"refusals p50 {q['refusal_p50_ms']:.3f} ms, p99 {q['refusal_p99_ms']:.3f} ms, max "
                   f"{q['refusal_max_ms']:.3f} ms; served p50 {q['ok_p50_ms']:.2f} ms, p99 {q['ok_p99_ms']:.2f} ms; "
                   f"the bare server's refusals p50 {q['floor_p50_ms']:.3f} ms, p99 {q['floor_p99_ms']:.3f} ms")
@@ -672,8 +690,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="connections per client process, the calls dealt round-robin over them")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="no bare-refusal probe (floor_probe) beside the load")
-    p.add_argument("--quiet-interval-ms", type=float, default=20.0,
-                   help="the quiet caller's pause between its calls (quiet_loop); 0: no quiet caller")
+    p.add_argument("--quiet-callers", type=int, default=2, help="quiet callers (quiet_loop); 0: none")
+    p.add_argument("--quiet-interval-ms", type=float, default=20.0, help="a quiet caller's pause between its calls")
     p.add_argument("--client-cpus", type=int, default=0,
                    help="run the load's client processes on the last N CPUs, everything else on the rest "
                         "(default 0: no pinning)")
@@ -689,9 +707,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
     if (args.factor <= 0 or args.duration_s <= 0 or args.client_procs < 1 or args.channels_per_proc < 1
-            or not 0 <= args.online_share <= 1 or args.quiet_interval_ms < 0 or args.client_cpus < 0):
+            or not 0 <= args.online_share <= 1 or args.quiet_interval_ms < 0 or args.client_cpus < 0
+            or args.quiet_callers < 0):
         raise SystemExit("--factor > 0, --duration-s > 0, --client-procs >= 1, --channels-per-proc >= 1, "
-                         "0 <= --online-share <= 1, --quiet-interval-ms >= 0, --client-cpus >= 0")
+                         "0 <= --online-share <= 1, --quiet-interval-ms >= 0, --client-cpus >= 0, --quiet-callers >= 0")
     result = asyncio.run(run(args))
     print_report(result)
     return result

@@ -81,42 +81,40 @@ def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
     assert view["front_refused"] == 30 and view["never_finished"] == 100 - 30
 
 
-def test_the_quiet_caller_has_one_call_out_at_a_time_and_keeps_only_the_floors_refusals() -> None:
-    """The quiet caller stands for one of many light callers: its latencies must not include a
-    queue of its own, so it never has two calls out at once (its call, then the floor's, then a
-    pause); a floor call that is not refused is not a refusal latency."""
-    out_now = 0
-    most = 0
-    floor_answers = iter(["refuse", "ok"] * 1000)
+def test_the_quiet_caller_calls_one_at_a_time_and_keeps_only_the_floors_refusals() -> None:
+    """A quiet caller stands for one of many light callers: it calls slmrank, then the floor, then
+    pauses, one call at a time (its latencies hold no queue of its own); its outcomes carry the
+    status, the retry hint and the impossible-deadline mark as a grpc.aio caller's do, and a floor
+    call that is not refused is not a refusal latency."""
+    from h2call import Answer
 
-    async def call(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
-        nonlocal out_now, most
-        out_now += 1
-        most = max(most, out_now)
-        await asyncio.sleep(0.002)
-        out_now -= 1
+    calls: list[tuple[str, int, float | None]] = []
+    unavailable, ok, late = 14, 0, 4
+
+    def call(msg: int, deadline_s: float | None) -> Answer:
+        calls.append(("slmrank", msg, deadline_s))
         if msg % 3 == 0:
-            raise _refusal()
+            return Answer(unavailable, "overloaded (deadline): x; retry after 7 ms", {"retry-after-ms": "7"},
+                          latency_s=0.001)
+        if msg % 3 == 1:
+            return Answer(late, "the deadline in 0.0010 s is shorter ...; no retry can meet it", latency_s=0.002)
+        return Answer(ok, "", {}, b"", latency_s=0.02)
 
-    async def floor(msg: Any, timeout: float | None = None, metadata: Any = None) -> None:
-        await call(1)  # counted with the caller's own calls
-        if next(floor_answers) == "refuse":
-            raise _refusal()
+    def floor(msg: int, deadline_s: float | None) -> Answer:
+        calls.append(("floor", msg, deadline_s))
+        return Answer(unavailable if msg % 2 else ok, "", latency_s=0.0005 + msg * 1e-6)
 
-    outcomes, floor_latencies = asyncio.run(ob.quiet_loop(call, floor, lambda i: (i, ob.NORMAL, 1.0),
-                                                          duration_s=0.3, interval_s=0.005))
-    assert most == 1
-    assert len(outcomes) > 10
-    assert [o.code for o in outcomes] == ["UNAVAILABLE" if i % 3 == 0 else "OK" for i in range(len(outcomes))]
-    assert len(floor_latencies) == (len(outcomes) + 1) // 2  # every other floor call was refused
-    assert all(0.002 <= t < 0.1 for t in floor_latencies)
-
-
-def _refusal() -> Any:
-    import grpc
-
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(("retry-after-ms", "5")), "overloaded")
+    outcomes, floor_latencies = ob.quiet_loop(call, floor, lambda i: (i, ob.NORMAL, 0.5), duration_s=0.2,
+                                              interval_s=0.005)
+    n = len(outcomes)
+    assert n > 10
+    assert calls == [c for i in range(n) for c in (("slmrank", i, 0.5), ("floor", i, 1.0))]
+    assert [o.code for o in outcomes] == [("UNAVAILABLE", "DEADLINE_EXCEEDED", "OK")[i % 3] for i in range(n)]
+    assert [o.retry_after_ms for o in outcomes[:3]] == [7, None, None]
+    assert [o.impossible for o in outcomes[:3]] == [False, True, False]
+    assert [o.latency_s for o in outcomes[:3]] == [0.001, 0.002, 0.02]
+    assert floor_latencies == [0.0005 + i * 1e-6 for i in range(n) if i % 2]
+    assert all(b.sent_s - a.sent_s >= 0.005 for a, b in zip(outcomes, outcomes[1:]))
 
 
 def test_split_cpus_gives_the_clients_the_last_cpus_and_the_server_the_rest() -> None:

@@ -186,11 +186,14 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 
 _SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
                      r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total|slmrank_dropped_total|'
-                     r'slmrank_answered_late_total|slmrank_refused_total)(?:\{([^}]*)\})? (\S+)$')
+                     r'slmrank_answered_late_total|slmrank_refused_total|slmrank_admission_calibration|'
+                     r'slmrank_admission_parallelism|slmrank_front_ingress_delay_seconds|slmrank_queue_depth)'
+                     r'(?:\{([^}]*)\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
-    """(series, labels) -> value for the stage histograms' sums/counts and the batch counter."""
+    """(series, labels) -> value for the series _SAMPLE names (the stage histograms' sums and
+    counts, the RPC, refusal and batch counters, admission's gauges)."""
     import urllib.request
 
     out: dict[tuple[str, str], float] = {}

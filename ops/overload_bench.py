@@ -407,10 +407,14 @@ def _worker(target: str, w: dict[str, Any], high: int, seed: int, rate_per_s: fl
 
 
 class Sampler:
-    """The server's RSS and device memory, once a second, on a thread."""
+    """The server's RSS and device memory, once a second, on a thread; with metrics_url, also its
+    admission state (calibration, the fronts' ingress delay, queue depths, refusals by reason so far)."""
 
-    def __init__(self, pid: int, gpu: bool) -> None:
-        self.pid, self.gpu = pid, gpu
+    GAUGES = {"slmrank_admission_calibration": "calibration", "slmrank_front_ingress_delay_seconds": "ingress_s",
+              "slmrank_admission_parallelism": "parallelism"}
+
+    def __init__(self, pid: int, gpu: bool, metrics_url: str | None = None) -> None:
+        self.pid, self.gpu, self.metrics_url = pid, gpu, metrics_url
         self.rows: list[dict[str, float]] = []
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
@@ -422,7 +426,22 @@ class Sampler:
             row = {"t_s": round(time.perf_counter() - self._t0, 2), "rss_mb": self._rss_mb()}
             if self.gpu:
                 row["gpu_mb"] = self._gpu_mb()
+            if self.metrics_url:
+                row.update(self._admission())
             self.rows.append(row)
+
+    def _admission(self) -> dict[str, Any]:
+        try:
+            m = scrape(self.metrics_url)
+        except OSError:
+            return {}
+        row: dict[str, Any] = {key: m[(series, "")] for series, key in self.GAUGES.items() if (series, "") in m}
+        for (series, labels), v in m.items():
+            if series == "slmrank_queue_depth" and (lane := re.search(r'lane="([^"]+)"', labels)):
+                row[f"queued_{lane.group(1)}"] = v
+            elif series == "slmrank_refused_total" and v and (reason := re.search(r'reason="([^"]+)"', labels)):
+                row.setdefault("refused", {})[reason.group(1)] = v
+        return row
 
     def _rss_mb(self) -> float:
         """The server's RSS, with its front processes' (serve --fronts N: its children)."""
@@ -456,6 +475,30 @@ class Sampler:
         self._stop.set()
         self.thread.join(5)
         return self.rows
+
+
+def admission_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The sampled admission state over the run: calibration and the fronts' ingress delay (mean,
+    max), and the refusals by reason in each 10 s of it (where a run turned more cautious shows)."""
+    cal = [r["calibration"] for r in rows if "calibration" in r]
+    if not cal:
+        return None
+    ing = [r["ingress_s"] * 1e3 for r in rows if "ingress_s" in r]
+    periods: dict[int, Counter] = {}
+    before: dict[str, float] | None = None
+    for r in rows:
+        if "calibration" not in r:  # the scrape failed
+            continue
+        now = r.get("refused", {})
+        if before is not None:
+            grew = periods.setdefault(int(r["t_s"] // 10), Counter())
+            for reason, v in now.items():
+                if v > before.get(reason, 0.0):
+                    grew[reason] += int(v - before.get(reason, 0.0))
+        before = now
+    return {"calibration_mean": float(np.mean(cal)), "calibration_max": max(cal),
+            "ingress_ms_mean": float(np.mean(ing)) if ing else None, "ingress_ms_max": max(ing) if ing else None,
+            "refused_per_10s": [{"from_s": 10 * k, "refused": dict(c)} for k, c in sorted(periods.items())]}
 
 
 def flatness(rows: list[dict[str, float]], key: str, edge_s: float = 10.0) -> dict[str, float] | None:
@@ -509,7 +552,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rate = args.factor * result["capacity"]["qps"]
         print(f"capacity {result['capacity']['qps']:.1f} req/s; offering {rate:.1f} req/s for {args.duration_s:.0f} s "
               f"from {args.client_procs} processes", flush=True)
-        sampler = Sampler(server.proc.pid, args.device == "cuda")
+        sampler = Sampler(server.proc.pid, args.device == "cuda", server.metrics_url)
         scraped = await asyncio.to_thread(scrape, server.metrics_url) if server.metrics_url else None
         t_clients = time.perf_counter()
         ctx = mp.get_context("spawn")
@@ -578,6 +621,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["memory"] = {"samples": sampler.stop()}
         result["memory"]["rss"] = flatness(result["memory"]["samples"], "rss_mb")
         result["memory"]["gpu"] = flatness(result["memory"]["samples"], "gpu_mb")
+        result["admission"] = admission_summary(result["memory"]["samples"])
         s = summarize(outcomes, args.duration_s)
         s["offered_qps"] = len(outcomes) / args.duration_s
         s["served_share_of_capacity"] = s["served_qps"] / result["capacity"]["qps"]
@@ -618,9 +662,11 @@ def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[s
                      for reason in ("expired", "cancelled")}
     admitted_late["answered_late"] = int(d.get(("slmrank_answered_late_total", ""), 0))
     # serve --fronts N: what the fronts refused never reached the engine's RPC counts
-    front_refused = sum(int(v) for (series, labels), v in d.items()
-                        if series == "slmrank_refused_total" and 'reason="front_' in labels)
-    return {"codes": codes, "finished": sum(codes.values()), "front_refused": front_refused,
+    refused = {m.group(1): int(v) for (series, labels), v in d.items()
+               if series == "slmrank_refused_total" and v and (m := re.search(r'reason="([^"]+)"', labels))}
+    front_refused = sum(v for reason, v in refused.items() if reason.startswith("front_"))
+    return {"codes": codes, "finished": sum(codes.values()), "refused_by_reason": refused,
+            "front_refused": front_refused,
             "never_finished": sent - sum(codes.values()) - front_refused, "admitted_late": admitted_late,
             "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
 
@@ -665,6 +711,12 @@ def print_report(result: dict[str, Any]) -> None:
         late = sv["admitted_late"]
         print(f"server: admitted, then expired in its queue {late['expired']}, cancelled in its queue "
               f"{late['cancelled']}, run and answered late {late['answered_late']} (target 0)")
+    if a := result.get("admission"):
+        ing = "" if a["ingress_ms_max"] is None else (f"; the fronts' ingress delay mean {a['ingress_ms_mean']:.2f} ms, "
+                                                     f"max {a['ingress_ms_max']:.1f} ms")
+        print(f"admission: calibration mean {a['calibration_mean']:.2f}, max {a['calibration_max']:.2f}{ing}")
+        if sv := result.get("server"):
+            print(f"server: refused by reason {sv.get('refused_by_reason')}")
     for key in ("rss", "gpu"):
         f = result["memory"][key]
         if f:

@@ -307,6 +307,19 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                          [("", model["tau_s"])]))
         out.append(gauge("slmrank_utilisation", "Executor busy share over the admission window (ρ), counting the "
                          "given priority and above.", "priority", model["rho_by_priority"].items()))
+        out.append(gauge("slmrank_admission_calibration", "The factor admission stretches its latency predictions "
+                         "by (the worst actual/predicted seen, decaying; 1: its predictions hold).", None,
+                         [("", model["calibration"])]))
+        out.append(gauge("slmrank_admission_parallelism", "Batches admission counts as running at once.", None,
+                         [("", model["parallelism"])]))
+    if "queue_work_s" in stats:
+        out.append(gauge("slmrank_queue_work_seconds", "Predicted executor seconds of the requests queued, by "
+                         "priority lane.", "lane", stats["queue_work_s"].items()))
+    if "front_ingress_s" in stats:
+        out.append(gauge("slmrank_front_ingress_delay_seconds", "serve --fronts: how far the engine's event loop is "
+                         "behind with the requests the fronts forward (the latest one's wait, decaying); past "
+                         "admission.front_max_backlog_s the fronts refuse (reason front_backlog).", None,
+                         [("", stats["front_ingress_s"])]))
     return out
 
 

@@ -57,10 +57,14 @@ class FrontPublisher:
         one clock for all processes of the host). Published when it moved by more than 0.5 ms."""
         now = self.clock()
         delay = max(now - sent_s, 0.0)
-        moved = abs(delay - max(self.ingress_s - (now - self.ingress_at), 0.0)) > 5e-4
+        moved = abs(delay - self.ingress_delay_s()) > 5e-4
         self.ingress_s, self.ingress_at = delay, now
         if moved:
             self.changed()
+
+    def ingress_delay_s(self) -> float:
+        """The ingress delay as the fronts read it now: the latest one, less the time since."""
+        return max(self.ingress_s - max(self.clock() - self.ingress_at, 0.0), 0.0)
 
     def set_state(self, state: int) -> None:
         self.state = state

@@ -516,7 +516,8 @@ def _with_front_counts(stats: dict[str, Any], fronts: FrontSupervisor) -> dict[s
     counts = fronts.counts()
     refused = {**stats["refused"], **{f"front_{k[len('refused_'):]}": v for k, v in counts.items()
                                       if k.startswith("refused_")}}
-    return {**stats, "refused": refused, "front_forwarded": counts["forwarded"]}
+    return {**stats, "refused": refused, "front_forwarded": counts["forwarded"],
+            "front_ingress_s": fronts.publisher.ingress_delay_s()}
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,

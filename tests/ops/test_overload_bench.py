@@ -124,3 +124,22 @@ def test_split_cpus_gives_the_clients_the_last_cpus_and_the_server_the_rest() ->
     for bad in (0, 6, 7):
         with pytest.raises(SystemExit, match="--client-cpus"):
             ob.split_cpus(range(6), bad)
+
+
+def test_the_admission_summary_shows_when_and_why_a_run_refused() -> None:
+    """A run that serves less than its capacity must say why: the sampled calibration and ingress
+    delay, and the refusals by reason in each 10 s (counters sampled each second, a failed scrape
+    skipped)."""
+    rows = [{"t_s": 1.0, "calibration": 1.0, "ingress_s": 0.001},
+            {"t_s": 2.0, "calibration": 1.5, "ingress_s": 0.003, "refused": {"front_deadline": 5.0}},
+            {"t_s": 3.0},  # no answer from /metrics
+            {"t_s": 11.0, "calibration": 2.0, "ingress_s": 0.002,
+             "refused": {"front_deadline": 9.0, "front_backlog": 4.0}},
+            {"t_s": 12.0, "calibration": 1.5, "ingress_s": 0.0,
+             "refused": {"front_deadline": 9.0, "front_backlog": 10.0}}]
+    a = ob.admission_summary(rows)
+    assert a["calibration_mean"] == 1.5 and a["calibration_max"] == 2.0
+    assert a["ingress_ms_mean"] == 1.5 and a["ingress_ms_max"] == 3.0
+    assert a["refused_per_10s"] == [{"from_s": 0, "refused": {"front_deadline": 5}},
+                                    {"from_s": 10, "refused": {"front_deadline": 4, "front_backlog": 10}}]
+    assert ob.admission_summary([{"t_s": 1.0, "rss_mb": 5.0}]) is None  # no metrics: nothing to say

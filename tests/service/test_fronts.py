@@ -255,8 +255,12 @@ def test_a_backlogged_engine_is_shed_at_the_fronts(shared):
     publisher.publish()
     r = gate.check("beam", BEAM_MSG, None, "c")
     assert r.reason == "backlog" and 0.025 <= r.retry_after_s <= 2.0 and "30.0 ms behind" in r.detail
+    assert publisher.ingress_delay_s() == pytest.approx(0.030)  # as the metrics show it
     clock.t += 0.028  # nothing measured since: the backlog is worked off as time passes
     assert gate.check("beam", BEAM_MSG, None, "c") is None
+    assert publisher.ingress_delay_s() == pytest.approx(0.002)
+    clock.t += 1.0
+    assert publisher.ingress_delay_s() == 0.0
 
 
 # ---- over gRPC --------------------------------------------------------------------------------------

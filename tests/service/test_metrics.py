@@ -227,6 +227,25 @@ def test_scheduler_families_count_refusals() -> None:
     assert value_of(fam, "slmrank_batch_size_sum") == 2 + 6 + 64
 
 
+def test_admission_state_gauges() -> None:
+    """What an operator needs to see why a replica refuses: admission's calibration and
+    parallelism, the work queued per lane, and (with fronts) how far the engine's loop is behind."""
+    stats = {"queue_depth": {"ONLINE": 1, "NORMAL": 4, "BACKGROUND": 0}, "inflight": 1,
+             "admitted_by_priority": {"ONLINE": 1, "NORMAL": 4, "BACKGROUND": 0}, "refused": {},
+             "expired": 0, "cancelled": 0, "drained": 0, "answered_late": 0, "batches": 0, "batches_failed": 0,
+             "batch_sizes": {}, "buckets": {},
+             "queue_work_s": {"ONLINE": 0.004, "NORMAL": 0.25, "BACKGROUND": 0.0},
+             "model": {"tau_s": 0.01, "rho_by_priority": {"ONLINE": 0.5}, "calibration": 1.37, "parallelism": 2.0},
+             "front_ingress_s": 0.0031}
+    fam = parse(render(scheduler_families(stats)))
+    assert value_of(fam, "slmrank_admission_calibration") == 1.37
+    assert value_of(fam, "slmrank_admission_parallelism") == 2.0
+    assert value_of(fam, "slmrank_queue_work_seconds", {"lane": "NORMAL"}) == 0.25
+    assert value_of(fam, "slmrank_front_ingress_delay_seconds") == 0.0031
+    del stats["front_ingress_s"]  # no fronts: no such gauge
+    assert "slmrank_front_ingress_delay_seconds" not in render(scheduler_families(stats))
+
+
 async def _get(port: int, path: str, method: str = "GET") -> tuple[str, dict[str, str], bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())

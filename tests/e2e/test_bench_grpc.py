@@ -174,6 +174,8 @@ def test_server_breakdown_is_the_window_delta() -> None:
     assert sv["batches"] == 10 and sv["requests_per_batch"] == 4.0
     assert sv["loop_cpu_ms_per_request"] == pytest.approx(50.0) and sv["loop_busy"] == pytest.approx(0.5)
     text = "\n".join(["# HELP x", 'slmrank_request_stage_seconds_sum{kind="Score",stage="execute"} 1.5',
-                      "slmrank_event_loop_cpu_seconds_total 3.25", 'slmrank_queue_depth{lane="NORMAL"} 3'])
-    assert bench_grpc._SAMPLE.match(text.splitlines()[1]) and bench_grpc._SAMPLE.match(text.splitlines()[2])
-    assert bench_grpc._SAMPLE.match(text.splitlines()[3]) is None
+                      "slmrank_event_loop_cpu_seconds_total 3.25", 'slmrank_queue_depth{lane="NORMAL"} 3',
+                      'slmrank_batch_size_bucket{le="2"} 7'])
+    lines = text.splitlines()
+    assert all(bench_grpc._SAMPLE.match(line) for line in lines[1:4])
+    assert bench_grpc._SAMPLE.match(lines[4]) is None  # a series no bench reads

@@ -187,7 +187,8 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 _SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
                      r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total|slmrank_dropped_total|'
                      r'slmrank_answered_late_total|slmrank_refused_total|slmrank_admission_calibration|'
-                     r'slmrank_admission_parallelism|slmrank_front_ingress_delay_seconds|slmrank_queue_depth)'
+                     r'slmrank_admission_parallelism|slmrank_admission_lane_error|slmrank_front_ingress_delay_seconds|'
+                     r'slmrank_queue_depth)'
                      r'(?:\{([^}]*)\})? (\S+)$')
 
 

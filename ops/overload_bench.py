@@ -439,6 +439,8 @@ class Sampler:
         for (series, labels), v in m.items():
             if series == "slmrank_queue_depth" and (lane := re.search(r'lane="([^"]+)"', labels)):
                 row[f"queued_{lane.group(1)}"] = v
+            elif series == "slmrank_admission_lane_error" and (lane := re.search(r'priority="([^"]+)"', labels)):
+                row.setdefault("lane_error", {})[lane.group(1)] = v
             elif series == "slmrank_refused_total" and v and (reason := re.search(r'reason="([^"]+)"', labels)):
                 row.setdefault("refused", {})[reason.group(1)] = v
         return row
@@ -478,8 +480,9 @@ class Sampler:
 
 
 def admission_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The sampled admission state over the run: calibration and the fronts' ingress delay (mean,
-    max), and the refusals by reason in each 10 s of it (where a run turned more cautious shows)."""
+    """The sampled admission state over the run: calibration, each lane's own error and the fronts'
+    ingress delay (mean, max), and the refusals by reason in each 10 s of it (where a run turned
+    more cautious shows)."""
     cal = [r["calibration"] for r in rows if "calibration" in r]
     if not cal:
         return None
@@ -496,7 +499,10 @@ def admission_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                 if v > before.get(reason, 0.0):
                     grew[reason] += int(v - before.get(reason, 0.0))
         before = now
-    return {"calibration_mean": float(np.mean(cal)), "calibration_max": max(cal),
+    lanes = sorted({lane for r in rows for lane in r.get("lane_error", {})})
+    lane_error = {lane: float(np.mean([r["lane_error"][lane] for r in rows if lane in r.get("lane_error", {})]))
+                  for lane in lanes}
+    return {"calibration_mean": float(np.mean(cal)), "calibration_max": max(cal), "lane_error_mean": lane_error,
             "ingress_ms_mean": float(np.mean(ing)) if ing else None, "ingress_ms_max": max(ing) if ing else None,
             "refused_per_10s": [{"from_s": 10 * k, "refused": dict(c)} for k, c in sorted(periods.items())]}
 
@@ -714,7 +720,9 @@ def print_report(result: dict[str, Any]) -> None:
     if a := result.get("admission"):
         ing = "" if a["ingress_ms_max"] is None else (f"; the fronts' ingress delay mean {a['ingress_ms_mean']:.2f} ms, "
                                                      f"max {a['ingress_ms_max']:.1f} ms")
-        print(f"admission: calibration mean {a['calibration_mean']:.2f}, max {a['calibration_max']:.2f}{ing}")
+        lanes = ", ".join(f"{lane} {v:.2f}" for lane, v in a["lane_error_mean"].items())
+        print(f"admission: calibration mean {a['calibration_mean']:.2f}, max {a['calibration_max']:.2f} "
+              f"(each lane's own error, mean: {lanes or 'none'}){ing}")
         if sv := result.get("server"):
             print(f"server: refused by reason {sv.get('refused_by_reason')}")
     for key in ("rss", "gpu"):

@@ -312,6 +312,10 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                          [("", model["calibration"])]))
         out.append(gauge("slmrank_admission_parallelism", "Batches admission counts as running at once.", None,
                          [("", model["parallelism"])]))
+        if "error_by_priority" in model:
+            out.append(gauge("slmrank_admission_lane_error", "The worst actual/predicted latency seen in a priority "
+                             "lane, decaying as the calibration does (which is the worst over all lanes).",
+                             "priority", model["error_by_priority"].items()))
     if "queue_work_s" in stats:
         out.append(gauge("slmrank_queue_work_seconds", "Predicted executor seconds of the requests queued, by "
                          "priority lane.", "lane", stats["queue_work_s"].items()))

@@ -567,6 +567,7 @@ class AdmissionController:
         now = self.clock()
         model = self.model.snapshot(now)
         model["rho_by_priority"] = {p.name: self.model.utilisation(int(p), now) for p in PRIORITIES}
+        model["error_by_priority"] = {p.name: self.model.lane_error_at(int(p), now) for p in PRIORITIES}
         return {
             "admitted": sum(self._admitted.values()),
             "admitted_by_priority": {p.name: n for p, n in self._admitted.items()},

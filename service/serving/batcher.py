@@ -672,7 +672,8 @@ class Scheduler:
                 self._residence.add(t.kind, answered_s - t.enqueued)
                 self._num_answered_late += t.deadline is not None and answered_s > t.deadline
                 if t.predicted_s and t.measured:  # whether or not its caller is still there to hear it
-                    self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s)
+                    self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s,
+                                                  int(t.priority))
                 _settle(t.future, Completed(result, RequestTimings(
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,
                     batch.bucket.key, timings)))
@@ -726,7 +727,7 @@ class Scheduler:
             waited_s = now - ticket.enqueued
             fastest_s = self._fastest_s(ticket)
             if ticket.predicted_s:  # it would have taken longer still: the least of its error
-                self.model.observe_prediction(ticket.predicted_s, waited_s + fastest_s, now)
+                self.model.observe_prediction(ticket.predicted_s, waited_s + fastest_s, now, int(ticket.priority))
             left_s = (ticket.deadline or now) - now
             why = (f"could no longer finish by its deadline ({left_s:.4f} s left; its own run took at least "
                    f"{fastest_s:.4f} s lately)" if left_s > 0 else "deadline passed")

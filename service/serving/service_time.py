@@ -74,6 +74,7 @@ class ServiceTimeModel:
         self._lag_s = 0.0
         self.calibration_decay_s, self.max_calibration = calibration_decay_s, max_calibration
         self._peak_error, self._peak_at = 1.0, 0.0  # the worst actual / predicted latency, and when
+        self._lane_peaks: dict[int, tuple[float, float]] = {}  # the same, each priority lane's own
         self._now = 0.0  # the latest time seen, for the decay
         self.num_batches = 0
         self.last_run_s = 0.0
@@ -194,22 +195,34 @@ class ServiceTimeModel:
     def lag_s(self) -> float:
         return self._lag_s
 
-    def observe_prediction(self, predicted_s: float, actual_s: float, now: float) -> None:
-        """A request's latency as admission predicted it (uncalibrated) and as it came to be."""
+    def observe_prediction(self, predicted_s: float, actual_s: float, now: float, lane: int | None = None) -> None:
+        """A request's latency as admission predicted it (uncalibrated) and as it came to be; lane:
+        its priority lane (its own error is kept too: lane_error_at)."""
         if predicted_s > 0 and self.calibration_decay_s > 0:
             self._now = max(self._now, now)
             error = min(actual_s / predicted_s, self.max_calibration)
             if error >= self.calibration_at(now):
                 self._peak_error, self._peak_at = error, now
+            if lane is not None and error >= self.lane_error_at(lane, now):
+                self._lane_peaks[lane] = (error, now)
+
+    def _decayed(self, peak: float, at: float, now: float) -> float:
+        if peak <= 1.0:
+            return 1.0
+        return 1.0 + (peak - 1.0) * math.exp(-max(now - at, 0.0) / self.calibration_decay_s)
 
     def calibration_at(self, now: float) -> float:
         """Predictions are stretched by the worst ratio of actual to predicted latency seen, its
         excess over 1 decaying with time constant calibration_decay_s (1 to max_calibration):
         whatever the model misses (a busy event loop, lanes sharing a CPU, another process taking
         the cores) it learns from its own errors, and keeps in mind for a while."""
-        if self._peak_error <= 1.0:
-            return 1.0
-        return 1.0 + (self._peak_error - 1.0) * math.exp(-max(now - self._peak_at, 0.0) / self.calibration_decay_s)
+        return self._decayed(self._peak_error, self._peak_at, now)
+
+    def lane_error_at(self, lane: int, now: float) -> float:
+        """As calibration_at, from one priority lane's requests alone: where the worst errors come
+        from (a lower lane's requests are overtaken by higher ones that arrive after them). Not
+        used to predict; shown in the metrics."""
+        return self._decayed(*self._lane_peaks.get(lane, (1.0, 0.0)), now)
 
     @property
     def calibration(self) -> float:

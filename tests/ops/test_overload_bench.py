@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ops"))
 import overload_bench as ob  # noqa: E402
@@ -118,8 +120,6 @@ def test_the_quiet_caller_calls_one_at_a_time_and_keeps_only_the_floors_refusals
 
 
 def test_split_cpus_gives_the_clients_the_last_cpus_and_the_server_the_rest() -> None:
-    import pytest
-
     assert ob.split_cpus([3, 0, 2, 1, 5, 4], 2) == ({0, 1, 2, 3}, {4, 5})
     for bad in (0, 6, 7):
         with pytest.raises(SystemExit, match="--client-cpus"):
@@ -133,13 +133,14 @@ def test_the_admission_summary_shows_when_and_why_a_run_refused() -> None:
     rows = [{"t_s": 1.0, "calibration": 1.0, "ingress_s": 0.001},
             {"t_s": 2.0, "calibration": 1.5, "ingress_s": 0.003, "refused": {"front_deadline": 5.0}},
             {"t_s": 3.0},  # no answer from /metrics
-            {"t_s": 11.0, "calibration": 2.0, "ingress_s": 0.002,
+            {"t_s": 11.0, "calibration": 2.0, "ingress_s": 0.002, "lane_error": {"ONLINE": 1.2, "NORMAL": 2.0},
              "refused": {"front_deadline": 9.0, "front_backlog": 4.0}},
-            {"t_s": 12.0, "calibration": 1.5, "ingress_s": 0.0,
+            {"t_s": 12.0, "calibration": 1.5, "ingress_s": 0.0, "lane_error": {"ONLINE": 1.0, "NORMAL": 1.5},
              "refused": {"front_deadline": 9.0, "front_backlog": 10.0}}]
     a = ob.admission_summary(rows)
     assert a["calibration_mean"] == 1.5 and a["calibration_max"] == 2.0
     assert a["ingress_ms_mean"] == 1.5 and a["ingress_ms_max"] == 3.0
+    assert a["lane_error_mean"] == {"NORMAL": 1.75, "ONLINE": pytest.approx(1.1)}
     assert a["refused_per_10s"] == [{"from_s": 0, "refused": {"front_deadline": 5}},
                                     {"from_s": 10, "refused": {"front_deadline": 4, "front_backlog": 10}}]
     assert ob.admission_summary([{"t_s": 1.0, "rss_mb": 5.0}]) is None  # no metrics: nothing to say

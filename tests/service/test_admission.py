@@ -465,6 +465,27 @@ def test_predictions_learn_from_their_own_errors():
     assert ctl.response_margin_s() == pytest.approx(0.03) and ctl.predict_latency_s(t) == pytest.approx(0.13)
 
 
+def test_each_lane_s_own_error_is_kept_beside_the_calibration():
+    """The calibration is the worst error of any lane; each lane's own is kept too, decaying the
+    same way, so the metrics show which lane's predictions miss (a lower lane's requests are
+    overtaken by higher ones that come after them)."""
+    ctl, clock, _ = make(calibration_decay_s=10.0, max_calibration=2.0)
+    m = ctl.model
+    m.observe_prediction(0.1, 0.11, clock.t, lane=int(Priority.ONLINE))
+    m.observe_prediction(0.1, 0.18, clock.t, lane=int(Priority.NORMAL))
+    m.observe_prediction(0.1, 0.5, clock.t)  # no lane given: the calibration only
+    assert m.calibration_at(clock.t) == 2.0
+    assert m.lane_error_at(int(Priority.ONLINE), clock.t) == pytest.approx(1.1)
+    assert m.lane_error_at(int(Priority.NORMAL), clock.t) == pytest.approx(1.8)
+    assert m.lane_error_at(int(Priority.BACKGROUND), clock.t) == 1.0  # nothing seen
+    m.observe_prediction(0.1, 0.105, clock.t, lane=int(Priority.ONLINE))  # smaller: kept the worst
+    clock.t += 10.0
+    assert m.lane_error_at(int(Priority.NORMAL), clock.t) == pytest.approx(1 + 0.8 / 2.718281828, rel=1e-6)
+    assert ctl.stats()["model"]["error_by_priority"] == {
+        "ONLINE": pytest.approx(1 + 0.1 / 2.718281828, rel=1e-6),
+        "NORMAL": pytest.approx(1 + 0.8 / 2.718281828, rel=1e-6), "BACKGROUND": 1.0}
+
+
 def test_admission_gate_shape_is_never_larger_than_the_decoded_request(model):
     """The server's gate admits on Codec.shape_of before decoding; refusing on it is right only if
     it is no larger than what decoding makes (ids exact, text at its fewest possible tokens), with

@@ -235,11 +235,14 @@ def test_admission_state_gauges() -> None:
              "expired": 0, "cancelled": 0, "drained": 0, "answered_late": 0, "batches": 0, "batches_failed": 0,
              "batch_sizes": {}, "buckets": {},
              "queue_work_s": {"ONLINE": 0.004, "NORMAL": 0.25, "BACKGROUND": 0.0},
-             "model": {"tau_s": 0.01, "rho_by_priority": {"ONLINE": 0.5}, "calibration": 1.37, "parallelism": 2.0},
+             "model": {"tau_s": 0.01, "rho_by_priority": {"ONLINE": 0.5}, "calibration": 1.37, "parallelism": 2.0,
+                       "error_by_priority": {"ONLINE": 1.05, "NORMAL": 1.37, "BACKGROUND": 1.0}},
              "front_ingress_s": 0.0031}
     fam = parse(render(scheduler_families(stats)))
     assert value_of(fam, "slmrank_admission_calibration") == 1.37
     assert value_of(fam, "slmrank_admission_parallelism") == 2.0
+    assert value_of(fam, "slmrank_admission_lane_error", {"priority": "ONLINE"}) == 1.05
+    assert value_of(fam, "slmrank_admission_lane_error", {"priority": "NORMAL"}) == 1.37
     assert value_of(fam, "slmrank_queue_work_seconds", {"lane": "NORMAL"}) == 0.25
     assert value_of(fam, "slmrank_front_ingress_delay_seconds") == 0.0031
     del stats["front_ingress_s"]  # no fronts: no such gauge

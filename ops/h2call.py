@@ -25,6 +25,7 @@ the headers of a trailers-only answer (how servers refuse).
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import time
@@ -53,6 +54,15 @@ class Answer:
     trailers: dict[str, str] = field(default_factory=dict)  # the response's headers and trailers, less pseudo-headers
     body: bytes | None = None  # the response message (gRPC's length prefix removed); None if there was none
     latency_s: float = 0.0  # from just before the first byte is written to the call's last frame read in
+
+
+def grpc_timeout(seconds: float) -> str:
+    """The grpc-timeout header's value: at most 8 digits, in the finest unit that holds them."""
+    for unit, scale in (("u", 1e6), ("m", 1e3), ("S", 1.0), ("M", 1 / 60), ("H", 1 / 3600)):
+        value = math.ceil(max(seconds, 0.0) * scale)
+        if value < 10 ** 8:
+            return f"{max(value, 1)}{unit}"
+    raise ValueError(f"a timeout of {seconds} s does not fit grpc-timeout")
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -101,7 +111,7 @@ class H2Caller:
         headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self.authority),
                    ("content-type", "application/grpc"), ("te", "trailers")]
         if timeout_s is not None:
-            headers.append(("grpc-timeout", f"{max(int(timeout_s * 1e6), 1)}u"))
+            headers.append(("grpc-timeout", grpc_timeout(timeout_s)))
         headers += list(metadata)
         block = self.enc.encode(headers)
         if len(block) > self.peer_max_frame:

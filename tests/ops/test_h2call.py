@@ -91,3 +91,13 @@ def test_messages_past_the_default_windows_both_ways_many_calls_on_one_connectio
             assert c.call("/t/Echo", request + bytes([i]), timeout_s=10.0).body == bytes([i]) + request[::-1]
             n = 200_000 + 256 * i
             assert c.call("/t/Big", str(n).encode(), timeout_s=10.0).body == bytes(range(256)) * (n // 256)
+
+
+def test_the_timeout_header_fits_its_eight_digits() -> None:
+    """The gRPC spec's TimeoutValue is at most 8 digits (grpc's own server takes more; others need not)."""
+    assert h2call.grpc_timeout(0.08) == "80000u"
+    assert h2call.grpc_timeout(1e-9) == "1u"
+    assert h2call.grpc_timeout(99.0) == "99000000u"
+    assert h2call.grpc_timeout(1000.0) == "1000000m"  # 10^9 µs: too many digits
+    assert h2call.grpc_timeout(10 ** 6) == "1000000S"
+

@@ -10,7 +10,9 @@
    --client-procs processes (on uvloop, --channels-per-proc connections each, the calls dealt
    round-robin over them); --online-share of the requests are ONLINE with --online-deadline-ms,
    the others NORMAL with --deadline-ms. A refused request is not retried: it is the excess.
-4. Every second: the server's RSS (/proc/PID/status) and, on a GPU, its device memory (nvidia-smi).
+4. Every second: the server's RSS (/proc/PID/status), on a GPU its device memory (nvidia-smi),
+   and its admission state from /metrics (the calibration, each lane's own error, the fronts'
+   ingress delay, the refusals by reason; reported as means, maxima and refusals per 10 s).
 5. Every 50 ms, from each client process: a grpc.health.v1 Check (the engine answers it; through
    `--fronts N` it is relayed), and the same Score/BeamSearch to a bare grpc.aio server on uvloop
    that refuses everything at once (`floor_probe`): the latency of a refusal with no work of
@@ -24,7 +26,7 @@
    hop). The quiet callers show how fast slmrank refuses (and serves) with the client's share
    taken out; the bare server beside them is the floor of a Python gRPC server's refusal.
 7. --client-cpus N: the load's client processes run on the last N CPUs, slmrank (its fronts too),
-   the bare server and the quiet caller on the others, as a replica whose callers run elsewhere
+   the bare server and the quiet callers on the others, as a replica whose callers run elsewhere
    (or in containers with CPU limits) would. Default: every process may run anywhere.
 8. Every 10 s each client process prints what it sent and what came back; calls still unanswered
    the longest deadline + 10 s after its last send are cancelled (CLIENT_CANCELLED), and a client
@@ -32,7 +34,7 @@
 
 Report (DIR/overload.json, and a table): served QPS as a share of capacity (issue 11: >= 0.9),
 ONLINE P50/P99 of the served (< 80 ms), refusal latency P50/P99 (< 1 ms) seen by the load's
-clients and by the quiet caller, with the bare server's beside each, status codes, admitted
+clients and by the quiet callers, with the bare server's beside each, status codes, admitted
 requests that ended DEADLINE_EXCEEDED (0), the largest retry hint (<= the cap), and RSS / device
 memory over the first and the last 10 s (flat).
 

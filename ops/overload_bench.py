@@ -211,12 +211,12 @@ async def floor_probe(channel: Any, method: str, msg: Any, duration_s: float, in
     return await _probe(lambda: call(msg, timeout=1.0), grpc.StatusCode.UNAVAILABLE, duration_s, interval_s)
 
 
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
 def outcome_of(answer: Any, sent_s: float, priority: int) -> Outcome:
     """An h2call.Answer as an Outcome (call_once's, for a grpc.aio call)."""
-    code = grpc.StatusCode.OK.name
-    for c in grpc.StatusCode:
-        if c.value[0] == answer.status:
-            code = c.name
+    code = _CODE_NAMES.get(answer.status, grpc.StatusCode.UNKNOWN.name)
     retry = answer.trailers.get("retry-after-ms")
     return Outcome(sent_s, answer.latency_s, code, priority, int(retry) if retry and retry.isdigit() else None,
                    code == "DEADLINE_EXCEEDED" and "no retry can meet it" in answer.message)

@@ -184,6 +184,12 @@ class Snapshot:
     shapes: dict[int, tuple[float, float]] = field(default_factory=dict)  # shape key -> (own_s, share_s)
 
 
+def ingress_delay_s(ingress_s: float, ingress_at: float, now: float) -> float:
+    """The engine's ingress delay as it stands at `now`: the latest measured (ingress_s, at
+    ingress_at), less the time since (nothing measured since: the backlog is being worked off)."""
+    return max(ingress_s - max(now - ingress_at, 0.0), 0.0)
+
+
 class SnapshotBusy(RuntimeError):
     """No consistent snapshot could be read, and none was read before."""
 
@@ -372,7 +378,7 @@ class FrontGate:
         # the engine's event loop behind: forwarded requests wait in its gRPC queue before admission
         # sees them (its lanes look short while the loop drowns). Past max_backlog_s the fronts shed
         # the excess themselves, so that the engine's loop keeps up with what it is sent
-        ingress_s = max(snap.ingress_s - max(now - snap.ingress_at, 0.0), 0.0)
+        ingress_s = ingress_delay_s(snap.ingress_s, snap.ingress_at, now)
         if ingress_s > snap.max_backlog_s:
             return Refusal("backlog", self._appointment(snap, priority, ingress_s, share_s, now),
                            f"the engine is {ingress_s * 1e3:.1f} ms behind with the requests forwarded to it "
@@ -401,7 +407,8 @@ class FrontGate:
         try:
             snap = self.read()
         except SnapshotBusy:
-            return self._hint(Snapshot(), Snapshot().unavailable_retry_s)
+            snap = Snapshot()
+            return self._hint(snap, snap.unavailable_retry_s)
         queued = sum(lane.work_s for lane in snap.lanes)
         return self._hint(snap, (snap.inflight_s + queued) / max(snap.parallelism, 1e-9))
 

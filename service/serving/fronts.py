@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .front_state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_FIELDS, STATE_DRAINING, STATE_LOADING,
-                          STATE_SERVING, LaneView, Limits, SharedState, Snapshot, client_key, request_dims, shape_key)
+                          STATE_SERVING, LaneView, Limits, SharedState, Snapshot, client_key, ingress_delay_s,
+                          request_dims, shape_key)
 
 log = logging.getLogger("slmrank.fronts")
 
@@ -52,19 +53,21 @@ class FrontPublisher:
         self.max_backlog_s = admission.config.front_max_backlog_s
         admission.on_change = self.changed
 
-    def note_ingress(self, sent_s: float) -> None:
+    def note_ingress(self, sent_s: float) -> float:
         """A forwarded request reached its handler: it left its front at sent_s (time.monotonic(),
-        one clock for all processes of the host). Published when it moved by more than 0.5 ms."""
+        one clock for all processes of the host). Published when it moved by more than 0.5 ms.
+        Returns this request's delay."""
         now = self.clock()
         delay = max(now - sent_s, 0.0)
         moved = abs(delay - self.ingress_delay_s()) > 5e-4
         self.ingress_s, self.ingress_at = delay, now
         if moved:
             self.changed()
+        return delay
 
     def ingress_delay_s(self) -> float:
-        """The ingress delay as the fronts read it now: the latest one, less the time since."""
-        return max(self.ingress_s - max(self.clock() - self.ingress_at, 0.0), 0.0)
+        """The ingress delay as the fronts read it now (front_state.ingress_delay_s)."""
+        return ingress_delay_s(self.ingress_s, self.ingress_at, self.clock())
 
     def set_state(self, state: int) -> None:
         self.state = state

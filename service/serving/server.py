@@ -282,9 +282,8 @@ class RankerServicer:
         codec, scheduler = self._serving()
         trace = current_trace()
         if self.front_publisher is not None and (sent_s := _front_sent_s(context)) is not None:
-            self.front_publisher.note_ingress(sent_s)
             # the hop from the front to this handler, on the request's span (before its start: an attribute)
-            trace.set(front_ingress_ms=round(max(time.monotonic() - sent_s, 0.0) * 1e3, 3))
+            trace.set(front_ingress_ms=round(self.front_publisher.note_ingress(sent_s) * 1e3, 3))
         deadline, client = _deadline(context), client_of(context, self.admission.client_id_metadata)
         # admission's gate first, on the message's shape alone: under overload most requests are
         # refused, and a refusal must cost the event loop little (no validation, no tokenization),

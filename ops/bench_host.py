@@ -49,9 +49,9 @@ from service.model.tokenizer import load_tokenizer  # noqa: E402
 from service.observe.metrics import ServerMetrics  # noqa: E402
 from service.observe.records import RequestTrace, build_records  # noqa: E402
 from service.runtime.batch import ScoreBatch  # noqa: E402
-from service.serving.admission import Priority, Ticket  # noqa: E402
-from service.serving.batcher import BatcherConfig, Scheduler  # noqa: E402
-from service.serving.cost import request_kind  # noqa: E402
+from service.sched.admission import Priority, Ticket  # noqa: E402
+from service.sched.batcher import BatcherConfig, Scheduler  # noqa: E402
+from service.sched.cost import request_kind  # noqa: E402
 from service.serving.grpc_codec import Codec  # noqa: E402
 
 STAGES = ("parse", "gate", "decode", "plan", "pack", "unpack", "encode", "observe")

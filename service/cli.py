@@ -116,8 +116,8 @@ def _server_config(values: dict):
     import logging
 
     from .observe.tracing import OTLP_PACKAGES
-    from .serving.admission import AdmissionConfig
-    from .serving.batcher import BatcherConfig
+    from .sched.admission import AdmissionConfig
+    from .sched.batcher import BatcherConfig
     from .serving.server import ServerConfig
     from .serving.settings import section
 

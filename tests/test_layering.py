@@ -1,5 +1,5 @@
 """The packages depend one way: kernels / cpp_dag -> service.model -> service.artifact ->
-service.runtime -> service.observe -> service.serving -> service.cli, and no module imports itself
+service.runtime -> service.observe -> service.sched -> service.serving -> service.cli, and no module imports itself
 back through others.
 
 Read from the source with `ast`: every import counts, at module level, inside a function, or under
@@ -24,8 +24,9 @@ LAYERS = {
     "service.artifact": 2,
     "service.runtime": 3,
     "service.observe": 4,
-    "service.serving": 5,
-    "service.cli": 6,
+    "service.sched": 5,
+    "service.serving": 6,
+    "service.cli": 7,
 }
 
 

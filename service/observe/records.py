@@ -38,7 +38,7 @@ class RequestTimings:
     (device_ms -1 when not measured). For a runtime without `submit`, h2d/launch equal start and
     d2h equals done: the copies are inside the node times."""
 
-    priority: enum.Enum  # the request's admission priority (service.serving.admission.Priority)
+    priority: enum.Enum  # the request's admission priority (service.sched.admission.Priority)
     enqueued_s: float  # admitted
     dequeued_s: float  # taken into a batch
     batch_start_s: float  # handed to the executor

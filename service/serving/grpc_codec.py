@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .admission import Priority
+from ..sched.admission import Priority
 from ..artifact.artifact import Artifact
 from .proto_gen import load as load_stubs
 from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
                        validate_score)
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
-from .front_state import TEXT_SLACK, message_dims
+from .fronts.state import TEXT_SLACK, message_dims
 
 
 # PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.

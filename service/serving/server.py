@@ -35,10 +35,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .admission import AdmissionConfig, Overloaded
+from ..sched.admission import AdmissionConfig, Overloaded
 from ..artifact.artifact import Artifact
 from ..artifact.resolve import resolve_artifact
-from .batcher import BatcherConfig, DeadlineExpired, Scheduler
+from ..sched.batcher import BatcherConfig, DeadlineExpired, Scheduler
 from .grpc_codec import Codec
 from ..observe.metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
@@ -52,8 +52,8 @@ from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
 from .wire import invalid_utf8_field
-from .front_state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
-from .fronts import FrontOptions, FrontSupervisor
+from .fronts.state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
+from .fronts.supervisor import FrontOptions, FrontSupervisor
 
 log = logging.getLogger("slmrank.server")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..observe.tracing import TracingConfig
-from .admission import AdmissionConfig
-from .batcher import BatcherConfig
+from ..sched.admission import AdmissionConfig
+from ..sched.batcher import BatcherConfig
 
 ENV_PREFIX = "SLMRANK_"
 NOT_GIVEN = argparse.SUPPRESS  # a flag's default: absent from the namespace unless given

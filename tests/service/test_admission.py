@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from service.serving.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
+from service.sched.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
                                        Ticket)
-from service.serving.cost import BucketInfo, RequestCost
-from service.serving.service_time import ServiceTimeModel
+from service.sched.cost import BucketInfo, RequestCost
+from service.sched.service_time import ServiceTimeModel
 
 O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
 

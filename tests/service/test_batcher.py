@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.serving.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded, Priority, Ticket
+from service.sched.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded, Priority, Ticket
 from service.runtime.batch import BeamBatch, ScoreBatch
 from service.observe.records import Completed
-from service.serving.batcher import BatcherConfig, DeadlineExpired, Scheduler
+from service.sched.batcher import BatcherConfig, DeadlineExpired, Scheduler
 from service.runtime.engine import execute
 from service.runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
@@ -330,7 +330,7 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art, overlap_s):
 
 
 def test_a_heavy_batch_pauses_between_nodes_while_a_light_one_runs():
-    from service.serving.batcher import _LightFirst
+    from service.sched.batcher import _LightFirst
 
     gate, nodes, stop = _LightFirst(), [], threading.Event()
 
@@ -581,7 +581,7 @@ def test_a_drain_that_times_out_answers_the_queued_requests(art):
 def _first_batch(art: Any, reqs: list, before: Any = None) -> list:
     """The ids of the batch a fresh Scheduler would form first from `reqs` queued in this order
     (NORMAL priority, one client); before() runs just before the plan."""
-    from service.serving.cost import request_kind
+    from service.sched.cost import request_kind
 
     async def plan() -> list:
         s = Scheduler(art, FakeRuntime(), None, BatcherConfig())
@@ -603,7 +603,7 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
     loop for every batch): it stops once the batch holds as many requests as the kind's largest
     bucket, and it looks at MAX_MISSES requests that do not join at most for one further back that
     would."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     calls = [0]
     fit = bm._Fill.fit
@@ -640,7 +640,7 @@ def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(
     waiting behind it joins. A queue of the largest bucket's worth goes as one batch (measured on
     the H200: W2 at 8 in flight ran in batches of exactly 2, two at a time sharing the GPU); with
     only 3 waiting, the batch stays at 2 (a bucket of 4 would be a third idle)."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.max_requests * b.beam_width)
 
@@ -658,7 +658,7 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
     """The batcher packs a batch into the bucket it formed it in (no second search over ~400 buckets
     on the event loop): that bucket must be the one pick_score_bucket / pick_beam_bucket choose."""
     from service.runtime.batch import pick_beam_bucket, pick_score_bucket
-    from service.serving.batcher import _Fill, buckets_by_kind
+    from service.sched.batcher import _Fill, buckets_by_kind
 
     by_kind, rng, lim = buckets_by_kind(art), random.Random(3), art.limits
     for _ in range(300):
@@ -686,7 +686,7 @@ def test_with_overlap_s_a_batch_gathers_behind_the_running_one_and_keeps_its_dea
     within overlap_s; what arrives meanwhile joins it (one batch of 3 instead of 1 + 2 beside the
     running one). A member's deadline caps the wait. Without it (the default) the second slot is
     used at once, by what is there."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     # every batch predicted to take 0.2 s: without a deadline the hold lasts until r1's predicted end
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.2)
@@ -726,7 +726,7 @@ def test_under_load_a_batch_waits_a_share_of_its_cost_for_company(art, monkeypat
     a batch not yet full waits up to that share of that time, so the next arrival joins it (one
     batch of 2 instead of 1 + 1). At a lighter load, or with the share 0, it goes at once. A
     deadline caps the wait."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
 
@@ -764,7 +764,7 @@ def test_a_load_wait_ends_once_the_batch_holds_the_requests_expected_in_the_serv
     """Little's law: with 10 requests a second staying 0.2 s in the server (outside time 0), 2 are
     expected there. A batch of one waits for the second and goes the moment it joins, not at the end
     of its wait; a batch that already holds them, or whose company is in flight, goes at once."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
     monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
@@ -804,7 +804,7 @@ def test_behind_a_busy_executor_the_load_wait_counts_from_the_slot_freeing(art, 
     there), so r2 still waits for company, counted from that moment, and r3 (r1's caller coming
     back) joins it: one batch of 2, not two of 1 that alternate. Without expected company it goes
     the moment the slot frees."""
-    from service.serving import batcher as bm
+    from service.sched import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.4)
     monkeypatch.setattr(bm.Scheduler, "_solo_s", lambda self, ticket, now: 0.4)
@@ -841,7 +841,7 @@ def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
     """_Fill searches on from its current bucket (a request only adds to the totals): after every
     request it must still name the first bucket in the kind's order that holds the whole batch."""
     from service.artifact.buckets import BeamBucket, ScoreBucket
-    from service.serving.batcher import _Fill
+    from service.sched.batcher import _Fill
 
     rng = random.Random(5)
     score_buckets = tuple(sorted({ScoreBucket(r * rng.choice([64, 128, 256, 512]), rng.choice([16, 32, 64, 128, 512]), r)
@@ -877,7 +877,7 @@ def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
 
 
 def test_residence_is_a_weighted_mean_per_kind():
-    from service.serving.batcher import Residence
+    from service.sched.batcher import Residence
 
     r = Residence(alpha=0.5)
     assert r.mean("score") is None
@@ -888,7 +888,7 @@ def test_residence_is_a_weighted_mean_per_kind():
 
 
 def test_arrival_rates_read_a_steady_rate_and_decay():
-    from service.serving.batcher import ArrivalRates
+    from service.sched.batcher import ArrivalRates
 
     rates = ArrivalRates(tau_s=0.5)
     t = 0.0

@@ -25,12 +25,12 @@ import grpc
 import pytest
 
 from service.runtime.requests import BeamRequest, ScoreRequest
-from service.serving.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
+from service.sched.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
                                        Ticket)
-from service.serving.cost import BucketInfo, RequestCost
-from service.serving.front_state import (STATE_DRAINING, STATE_SERVING, FrontGate, LaneView, Limits, SharedState,
+from service.sched.cost import BucketInfo, RequestCost
+from service.serving.fronts.state import (STATE_DRAINING, STATE_SERVING, FrontGate, LaneView, Limits, SharedState,
                                          Snapshot, message_dims)
-from service.serving.fronts import FrontPublisher
+from service.serving.fronts.supervisor import FrontPublisher
 from service.serving.proto_gen import load as load_stubs
 
 pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
@@ -84,7 +84,7 @@ def test_a_writer_descheduled_mid_write_never_fails_a_reader(shared):
     it (seen on the H200 with 8 fronts: a front's handler failed, its caller got UNKNOWN). A reader
     then uses the last snapshot it read; with none, the gate forwards (the engine decides)."""
     import struct
-    from service.serving.front_state import SnapshotBusy
+    from service.serving.fronts.state import SnapshotBusy
     shared.write(Snapshot(state=STATE_SERVING, max_retry_s=1.5, limits=LIMITS))
     reader = SharedState(shared.path)
     fresh = SharedState(shared.path)  # has read nothing yet
@@ -267,7 +267,7 @@ def test_a_backlogged_engine_is_shed_at_the_fronts(shared):
 
 @pytest.fixture(scope="module")
 def servers(model):
-    from service.serving.batcher import BatcherConfig
+    from service.sched.batcher import BatcherConfig
     from service.serving.server import RankerServer, ServerConfig
     from service.serving.server_thread import ServerThread
 
@@ -449,7 +449,7 @@ def test_a_draining_server_s_fronts_say_so(servers):
 def test_a_taken_port_is_an_error_with_fronts_too(servers):
     """SO_REUSEPORT must not let a second server join the listeners of a port already served."""
     from service.runtime.requests import BindError
-    from service.serving.fronts import reserve_port
+    from service.serving.fronts.supervisor import reserve_port
 
     _, plain = servers
     with pytest.raises(BindError, match="in use"):
@@ -486,7 +486,7 @@ def test_an_answer_after_the_caller_s_deadline_ends_the_front_s_handler_quietly(
     ended RPC (gRPC's core would log an ExecuteBatchError traceback): the handler ends as
     cancelled. An answer in time is returned as it is."""
     import argparse
-    from service.serving.front import Front
+    from service.serving.fronts.front import Front
 
     shared.write(Snapshot(state=STATE_SERVING, limits=LIMITS))
     args = argparse.Namespace(state=shared.path, slot=0, fronts=1, client_id_metadata="x-client-id",

@@ -29,8 +29,8 @@ import grpc
 import numpy as np
 import pytest
 
-from service.serving.admission import AdmissionConfig
-from service.serving.batcher import BatcherConfig
+from service.sched.admission import AdmissionConfig
+from service.sched.batcher import BatcherConfig
 from service.serving.client import RankerClient
 from service.runtime.engine import execute
 from service.serving.proto_gen import load as load_stubs

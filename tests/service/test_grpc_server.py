@@ -21,8 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.serving.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded
-from service.serving.batcher import DeadlineExpired
+from service.sched.admission import AdmissionConfig, DeadlineUnmeetable, Overloaded
+from service.sched.batcher import DeadlineExpired
 from service.serving.client import RankerClient
 from service.runtime.engine import execute
 from service.serving.proto_gen import load as load_stubs

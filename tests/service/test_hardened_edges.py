@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from service.artifact.artifact import ArtifactError, load_artifact
-from service.serving.admission import AdmissionConfig
-from service.serving.batcher import BatcherConfig
+from service.sched.admission import AdmissionConfig
+from service.sched.batcher import BatcherConfig
 from service.serving.proto_gen import load as load_stubs
 from service.serving.server import Model, RankerServer, ServerConfig, client_of
 from service.serving.server_thread import ServerThread

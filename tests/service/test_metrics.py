@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from service.serving.admission import Priority
+from service.sched.admission import Priority
 from service.observe.chrome_trace import ChromeTraceWriter
 from service.observe.metrics import LATENCY_BUCKETS_S, MetricsServer, ServerMetrics, render, scheduler_families
 from service.runtime.requests import BindError
@@ -170,7 +170,7 @@ def test_process_build_and_model_identity() -> None:
 
 
 async def _run_scheduler(art: Any, runtime: Any) -> dict[str, Any]:
-    from service.serving.batcher import Scheduler
+    from service.sched.batcher import Scheduler
     from service.runtime.requests import ScoreRequest
 
     sched = Scheduler(art, runtime)

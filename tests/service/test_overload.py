@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 import pytest
 
-from service.serving.admission import AdmissionConfig
-from service.serving.batcher import BatcherConfig
+from service.sched.admission import AdmissionConfig
+from service.sched.batcher import BatcherConfig
 from service.serving.proto_gen import load as load_stubs
 from service.serving.server import Model, RankerServer, ServerConfig
 from service.serving.server_thread import ServerThread

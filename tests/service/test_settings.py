@@ -14,8 +14,8 @@ import pytest
 from service.cli import _server_config
 from service.cli import main as cli_main
 from service.observe.tracing import TracingConfig
-from service.serving.admission import AdmissionConfig
-from service.serving.batcher import BatcherConfig
+from service.sched.admission import AdmissionConfig
+from service.sched.batcher import BatcherConfig
 from service.serving.settings import SERVE_SETTINGS, SettingsError, add_arguments, resolve
 
 

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from service.serving.admission import Priority
+from service.sched.admission import Priority
 from service.observe.chrome_trace import ChromeTraceWriter
 from service.cli import main as cli_main
 from service.observe.metrics import ServerMetrics
@@ -404,7 +404,7 @@ def test_interceptor_traces_rpcs_with_their_status(inner_parses: bool) -> None:
 # ---- a real scheduler ----------------------------------------------------------------------------
 
 def test_real_scheduler_request_traced_from_its_timings(embedded_tiny, embedded_tiny_runtime) -> None:
-    from service.serving.batcher import Scheduler
+    from service.sched.batcher import Scheduler
     from service.runtime.requests import BeamRequest, ScoreRequest
 
     art = embedded_tiny[1]

@@ -2,7 +2,7 @@
 
 FrontPublisher writes admission's state into the shared file after every change of the queues
 (at most once per event-loop iteration) and keeps the service time of the request shapes seen
-lately. FrontSupervisor starts the N front processes (`python -m service.serving.front`), waits
+lately. FrontSupervisor starts the N front processes (`python -m service.serving.fronts.front`), waits
 until each is listening, restarts one that exits (with a growing pause), reads their counters,
 and stops them when the engine stops.
 """
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .front_state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_FIELDS, STATE_DRAINING, STATE_LOADING,
+from .state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_FIELDS, STATE_DRAINING, STATE_LOADING,
                           STATE_SERVING, LaneView, Limits, SharedState, Snapshot, client_key, ingress_delay_s,
                           request_dims, shape_key)
 
@@ -131,7 +131,7 @@ class FrontPublisher:
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     """A socket bound (not listening) to host:port with SO_REUSEPORT, held while the fronts bind
     the same port beside it: port 0 becomes one free port that all of them share."""
-    from ..runtime.requests import BindError
+    from ...runtime.requests import BindError
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     if port:  # SO_REUSEPORT would let this join another server's listeners on the port: refuse a taken one
         probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host.strip("[]"))
@@ -197,12 +197,12 @@ class FrontSupervisor:
 
     def _command(self, index: int) -> list[str]:
         o = self.options
-        cmd = [sys.executable, "-m", "service.serving.front", "--engine", self.engine_target,
+        cmd = [sys.executable, "-m", "service.serving.fronts.front", "--engine", self.engine_target,
                "--state", self.shared.path, "--slot", str(index), "--fronts", str(self.num_fronts),
                "--host", o.host, "--port", str(self.port), "--client-id-metadata", o.client_id_metadata,
                "--max-receive-message-bytes", str(o.max_receive_message_bytes),
                "--max-send-message-bytes", str(o.max_send_message_bytes), "--max-inflight", str(o.max_inflight)]
-        from ..observe.logs import current_settings
+        from ...observe.logs import current_settings
         level, fmt = current_settings()
         cmd += ["--log-level", level, "--log-format", fmt]
         for flag, value in (("--tls-cert", o.tls_cert), ("--tls-key", o.tls_key), ("--tls-client-ca", o.tls_client_ca)):

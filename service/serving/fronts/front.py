@@ -1,6 +1,6 @@
 """One front process of `slmrank serve --fronts N` (front_state.py says what fronts are for).
 
-    python -m service.serving.front --engine unix:PATH --state PATH --slot I --fronts N --host H --port P
+    python -m service.serving.fronts.front --engine unix:PATH --state PATH --slot I --fronts N --host H --port P
 
 Started by the engine (FrontSupervisor), never by hand. It listens on the public port beside the
 other fronts (SO_REUSEPORT: the kernel spreads connections over them). A Score or BeamSearch is
@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from .front_state import SENT_KEY, FrontGate, Refusal, SharedState, client_id
-from .proto_gen import load as load_stubs
+from .state import SENT_KEY, FrontGate, Refusal, SharedState, client_id
+from ..proto_gen import load as load_stubs
 
 log = logging.getLogger("slmrank.front")
 
@@ -171,7 +171,7 @@ class Front:
         address = f"{a.host}:{a.port}"
         try:
             if a.tls_cert and a.tls_key:
-                from .tls import server_credentials
+                from ..tls import server_credentials
                 self.server.add_secure_port(address, server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca))
             else:
                 self.server.add_insecure_port(address)
@@ -201,7 +201,7 @@ class Front:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.serving.front", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m service.serving.fronts.front", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="the engine's gRPC target (unix:PATH)")
     p.add_argument("--state", required=True, help="the engine's shared state file")
     p.add_argument("--slot", type=int, required=True)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     args = p.parse_args(argv)
-    from ..observe.logs import configure_logging
+    from ...observe.logs import configure_logging
     configure_logging(args.log_level, args.log_format)  # as the engine logs
     try:
         import uvloop

@@ -105,7 +105,7 @@ Manifest read_manifest(const std::string& dir) {
   return m;
 }
 
-// service/config.py::ModelConfig, including its checks.
+// service/model/config.py::ModelConfig, including its checks.
 ModelConfig model_config(const Manifest& m) {
   ModelConfig c;
   const std::string arch = m.str("model.arch");
@@ -141,7 +141,7 @@ std::vector<std::string> strings(const Manifest& m, const Value& v, const std::s
   return out;
 }
 
-// service/dag.py::Node.to_dict -> NodeSpec.
+// service/artifact/dag.py::Node.to_dict -> NodeSpec.
 std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
   const std::string field = "dags." + which;
   std::vector<NodeSpec> nodes;
@@ -173,7 +173,7 @@ std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
   return nodes;
 }
 
-// service/checkpoint.py::expected_shapes.
+// service/model/checkpoint.py::expected_shapes.
 std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c, bool tied, bool bias) {
   const int64_t d = c.hidden_size, f = c.intermediate_size, qkv = c.q_size() + 2 * c.kv_size();
   std::map<std::string, std::vector<int64_t>> shapes = {{"embed", {c.vocab_size, d}}, {"final_norm", {d}}};
@@ -294,7 +294,7 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
   check_weights(weights_path, a.weights,
                 expected_shapes(a.cfg, m.boolean("model.tie_word_embeddings"), m.boolean("model.attention_bias")));
 
-  // The positions any request can reach (service/cpp_runtime.py computed the same).
+  // The positions any request can reach (service/runtime/python_runtime.py computes the same).
   const int64_t prompt = m.integer("limits.max_prompt_tokens"), new_tokens = m.integer("limits.max_new_tokens");
   a.num_positions = std::max(prompt + new_tokens, m.integer("limits.max_score_tokens"));
   auto [cos, sin] = rope_table(a.cfg.head_dim, a.rope_theta, a.num_positions, device);

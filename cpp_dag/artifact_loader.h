@@ -1,6 +1,6 @@
-// Loads an artifact directory (service/artifact.py writes it) with no Python: the msgpack
+// Loads an artifact directory (service/artifact/artifact.py writes it) with no Python: the msgpack
 // manifest, the model config and both DAGs, the safetensors weights (sha256-verified on request)
-// and the RoPE tables, computed with the same ATen ops as service/layers.py::rope_table so that
+// and the RoPE tables, computed with the same ATen ops as service/model/layers.py::rope_table so that
 // they are byte-identical to the Python runtime's.
 #pragma once
 
@@ -38,7 +38,7 @@ struct LoadedArtifact {
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
                              bool verify);
 
-// service/layers.py::rope_table, op for op: cos, sin [num_positions, head_dim] float32.
+// service/model/layers.py::rope_table, op for op: cos, sin [num_positions, head_dim] float32.
 std::pair<at::Tensor, at::Tensor> rope_table(int64_t head_dim, const at::Scalar& theta, int64_t num_positions,
                                              at::Device device);
 

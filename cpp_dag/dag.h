@@ -21,7 +21,7 @@ struct ModelConfig {
   int64_t kv_size() const { return num_kv_heads * head_dim; }
 };
 
-// One node of the manifest's DAG (service/dag.py writes them).
+// One node of the manifest's DAG (service/artifact/dag.py writes them).
 struct NodeSpec {
   std::string name, type;
   std::vector<std::string> inputs, outputs;

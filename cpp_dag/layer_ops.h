@@ -1,5 +1,5 @@
 // The decoder's building blocks over ATen. Each mirrors, op for op, its Python reference
-// (service/layers.py, kernels/attention.py) so the two runtimes agree byte for byte.
+// (service/model/layers.py, kernels/attention.py) so the two runtimes agree byte for byte.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// embedding: token ids -> hidden rows. Mirrors service/nodes.py::embedding.
+// embedding: token ids -> hidden rows. Mirrors service/runtime/nodes.py::embedding.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/embedding.h>
 

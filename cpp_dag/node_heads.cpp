@@ -1,5 +1,5 @@
 // lm_head, cls_head, label_logprobs: from the last hidden rows to a request's scores.
-// Mirrors service/nodes.py::lm_head / cls_head / label_logprobs.
+// Mirrors service/runtime/nodes.py::lm_head / cls_head / label_logprobs.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/linear.h>
 

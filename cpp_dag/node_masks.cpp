@@ -1,5 +1,5 @@
 // score_masks / beam_masks: the attention visibility of a batch, from its segment ids.
-// Mirrors service/nodes.py::score_masks / beam_masks.
+// Mirrors service/runtime/nodes.py::score_masks / beam_masks.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
 

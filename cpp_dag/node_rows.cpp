@@ -1,5 +1,5 @@
 // rms_norm and gather_rows: the model's final norm and the pick of each sequence's last row.
-// Mirrors service/nodes.py::rms_norm_node / gather_rows.
+// Mirrors service/runtime/nodes.py::rms_norm_node / gather_rows.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "layer_ops.h"
 #include "node_types.h"

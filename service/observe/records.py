@@ -163,7 +163,7 @@ class SpanRecord:
 
 
 def node_category(node: str) -> str:
-    """layer.3 -> layers, step2.lm_head -> decode lm_head (as ops/bench_executor.py groups them)."""
+    """layer.3 -> layers, step2.lm_head -> decode lm_head (as ops/bench/bench_executor.py groups them)."""
     category = _CATEGORIES.get(node)
     if category is None:
         if len(_CATEGORIES) >= 4096:  # node names come from the artifact's DAGs: a few hundred

@@ -1,4 +1,4 @@
-"""ops/bench_grpc.py end to end on the CPU: `slmrank serve` and the Hugging Face peer as
+"""ops/bench/bench_grpc.py end to end on the CPU: `slmrank serve` and the Hugging Face peer as
 subprocesses on loopback, a tiny random Qwen2 checkpoint (vocab 512) that both load, a small Score
 workload, levels 1 and 2. The numbers are not judged, only that the report is whole and sane; and
 the two systems' answers on the same requests agree within 1e-4 (same weights, float32).
@@ -9,14 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +31,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("workload", ["score,prefix=5,samples=3,len=7,labels=2"])
 def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               workload: str) -> None:
-    import bench_grpc
+    from ops.bench import bench_grpc
 
     monkeypatch.setenv("SLMRANK_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
@@ -84,8 +80,8 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
 def test_a_run_cut_during_the_peer_keeps_slmranks_figures(tiny_checkpoint: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """bench_grpc.json is written after each system, marked partial until the run ends: a run cut
-    while the peer is measured (ops/device_capacity's time limit) still holds slmrank's levels."""
-    import bench_grpc
+    while the peer is measured (ops/device/capacity's time limit) still holds slmrank's levels."""
+    from ops.bench import bench_grpc
 
     real = bench_grpc.bench_system
 
@@ -110,7 +106,7 @@ def test_a_run_cut_during_the_peer_keeps_slmranks_figures(tiny_checkpoint: Path,
 def test_strong_peer_batches_agree_with_one_at_a_time(tiny_checkpoint: Path) -> None:
     """The strong peer's batched calls (several requests in one forward / one generate, padded)
     answer each request as the one-at-a-time calls do."""
-    from hf_peer import HFModel
+    from ops.bench.hf_peer import HFModel
 
     model = HFModel(str(tiny_checkpoint), "cpu")
     g = torch.Generator().manual_seed(11)
@@ -133,7 +129,7 @@ def test_the_strong_peer_warms_each_padded_score_shape_once(tiny_checkpoint: Pat
     samples of 64) pads to 16, 32, 64 (3 and 4 requests) and 128 rows (5 to 8): four batches, of 1,
     2, 3 and 5 requests; unpadded (not compiled) every count is its own shape. Bad values name the
     option."""
-    from hf_peer import HFModel, _warm_shape, start_peer
+    from ops.bench.hf_peer import HFModel, _warm_shape, start_peer
 
     model = HFModel(str(tiny_checkpoint), "cpu")
     assert [r["requests"] for r in model.warm_score(3, 5, 2, 4)] == [1, 2, 3, 4]
@@ -158,7 +154,7 @@ def test_the_strong_peer_warms_each_padded_score_shape_once(tiny_checkpoint: Pat
 def test_server_breakdown_is_the_window_delta() -> None:
     """Stage means, requests per batch and the loop's share come from the difference of two
     scrapes, not from the totals since start."""
-    import bench_grpc
+    from ops.bench import bench_grpc
 
     stage = 'kind="Score",stage="execute"'
     before = {("slmrank_request_stage_seconds_sum", stage): 10.0, ("slmrank_request_stage_seconds_count", stage): 1000,

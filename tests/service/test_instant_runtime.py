@@ -1,21 +1,17 @@
-"""ops/loop_cost.py --instant: the load instrument that takes the executor's time out of slmrank's
+"""ops/bench/loop_cost.py --instant: the load instrument that takes the executor's time out of slmrank's
 server. Its runtime must run each bucket for real once and answer every later batch of that bucket
 from a worker thread through the loop, with the first batch's outputs."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops"))
-import loop_cost  # noqa: E402
-
-from service.runtime.batch import pack_score, pick_score_bucket  # noqa: E402
-from service.runtime.requests import ScoreRequest  # noqa: E402
+from ops.bench import loop_cost
+from service.runtime.batch import pack_score, pick_score_bucket
+from service.runtime.requests import ScoreRequest
 
 
 class Counting:

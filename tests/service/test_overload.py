@@ -1,8 +1,8 @@
-"""The CPU overload suite of issue 11 (short; the long one is ops/overload_bench.py on the H200).
+"""The CPU overload suite of issue 11 (short; the long one is ops/bench/overload_bench.py on the H200).
 
 Over real gRPC on loopback, the server in this process on its own event loop, the tiny random Qwen2
 (vocabulary 512: a light Score takes milliseconds, a maximal BeamSearch a second), clients from
-ops/overload_bench.py (closed loops that honour retry-after-ms):
+ops/bench/overload_bench.py (closed loops that honour retry-after-ms):
 
 - after a burst of maximal requests, a small request with a generous deadline is served;
 - with deadlines, goodput >= 0.7x goodput without (same run, 32 and 64 clients honouring the
@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ops.bench import overload_bench as ob
 from service.sched.admission import AdmissionConfig
 from service.sched.batcher import BatcherConfig
 from service.serving.proto_gen import load as load_stubs
@@ -39,8 +40,6 @@ from service.serving.server import Model, RankerServer, ServerConfig
 from service.serving.server_thread import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-import overload_bench as ob  # noqa: E402
 
 pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
 NORMAL = 2
@@ -115,8 +114,8 @@ def test_after_a_burst_of_maximal_requests_a_small_request_is_served(small_model
 _CLIENTS = """
 import asyncio, json, random, sys
 import grpc
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/ops")
-import overload_bench as ob
+sys.path.insert(0, sys.argv[1])
+from ops.bench import overload_bench as ob
 from service.serving.proto_gen import load
 stubs = load()
 pb2 = stubs.pb2
@@ -169,7 +168,7 @@ def test_deadlines_keep_goodput_and_admitted_work_is_never_late(small_model, cli
               CPU reads its answer late: at most 10% of those admitted end late, on the server
               (expired in the queue, or answered after the deadline) or as the clients see it,
               and goodput >= 0.6x (0.7-0.85x here, by the run). On a machine of its own
-              (ops/overload_bench.py on the H200) the target is no late answer at all."""
+              (ops/bench/overload_bench.py on the H200) the target is no late answer at all."""
     srv = _serve(small_model)
     window_s = 2.0
     try:

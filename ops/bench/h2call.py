@@ -1,6 +1,6 @@
 """gRPC unary calls over a plain blocking socket: HTTP/2 framed by hand, headers by `hpack`.
 
-ops/overload_bench.py's quiet callers use it to time a server's answers without a Python gRPC
+ops/bench/overload_bench.py's quiet callers use it to time a server's answers without a Python gRPC
 client in the way. A grpc.aio client hands every completion from gRPC's polling thread to its
 event loop, and on a loaded host that hop is a good part of a call's latency; a caller in C++, Go
 or Java (as ranking systems usually are) has no such hop. This client has no threads and no

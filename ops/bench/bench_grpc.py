@@ -1,11 +1,11 @@
 """Closed-loop gRPC benchmark of `slmrank serve`, and of the Hugging Face peer on the same weights
 (BENCHMARKS.md's procedure).
 
-  python ops/bench_grpc.py --workload W1 --levels 1,2,4,8,16,32 --warmup-s 2 --measure-s 10 --out DIR \
+  python -m ops.bench.bench_grpc --workload W1 --levels 1,2,4,8,16,32 --warmup-s 2 --measure-s 10 --out DIR \
       [--peer] [--device cuda|cpu] [--model embedded:qwen3-0.6b | CHECKPOINT_DIR | ARTIFACT_DIR]
 
 Each system runs as its own subprocess on 127.0.0.1 (`python -m service.cli serve --port 0 ...`,
-`python ops/hf_peer.py ...`): its bound port is read from its output, then health is polled
+`python -m ops.bench.hf_peer ...`): its bound port is read from its output, then health is polled
 until SERVING. Per level N: N asyncio tasks on one grpc.aio channel, each sending its next request
 as soon as its last one completes; warm-up, then a measured window: QPS = RPCs completed OK in the
 window / its length; latency = client send -> response, of those RPCs; errors counted by status.
@@ -13,7 +13,7 @@ Capacity = the highest QPS of a level with mean < 20 ms and P99 < 80 ms; effecti
 FLOPs per request (service/model/flops.py) x capacity / 989e12 (H200 dense BF16).
 
 With --peer and an embedded spec, the artifact's weights are written as an HF checkpoint
-(ops/bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
+(ops.bench.bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
 slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
 every system (their largest difference is reported: "agreement"), and the peers are measured.
 
@@ -46,11 +46,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from service.model.flops import beam_flops, score_flops
+from service.serving.proto_gen import load as load_stubs
 
-from service.model.flops import beam_flops, score_flops  # noqa: E402
-from service.serving.proto_gen import load as load_stubs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 PEAK_BF16 = 989e12
 SLO_MEAN_MS, SLO_P99_MS = 20.0, 80.0
@@ -390,8 +389,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if ckpt_path.is_dir() and (ckpt_path / "config.json").exists():
             ckpt = str(ckpt_path)  # an HF checkpoint already: both systems load it
         else:
-            sys.path.insert(0, str(ROOT / "ops"))
-            from bench_executor import save_hf_checkpoint
+            from ops.bench.bench_executor import save_hf_checkpoint
 
             ckpt = save_hf_checkpoint(artifact, str(tmp / "hf"))
             served_model = ckpt  # slmrank serves the checkpoint too: the same (bf16-rounded) weights
@@ -417,7 +415,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         _save_partial(out, result)
         for name, extra in peers.items():
             procs[name] = Proc(name, [
-                sys.executable, str(Path(__file__).with_name("hf_peer.py")), "--checkpoint", ckpt, "--host", "127.0.0.1",
+                sys.executable, "-m", "ops.bench.hf_peer", "--checkpoint", ckpt, "--host", "127.0.0.1",
                 "--port", "0", "--device", args.device, *extra], out / f"{name}.log", args.start_timeout_s)
             await wait_serving(procs[name].target, args.start_timeout_s)
         if peers:
@@ -481,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also the naive Hugging Face peer (one request at a time), on the same weights")
     p.add_argument("--strong-peer", type=int, default=0, metavar="N",
                    help="also the strong peer: up to N waiting requests in one batched call, Score under "
-                        "torch.compile (ops/hf_peer.py --max-batch N --compile)")
+                        "torch.compile (ops.bench.hf_peer --max-batch N --compile)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None, help="embedded spec, HF checkpoint or artifact dir (default: the workload's)")
     p.add_argument("--runtime", default=None, choices=["python", "cpp"], help="default: cpp on cuda, python on cpu")
@@ -491,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"], help="slmrank serve --kernels")
     p.add_argument("--server-root", default=str(ROOT),
                    help="the source tree slmrank's server runs from (default: this one); an A/B run measures "
-                        "another version of the server with the same client (ops/device_capacity AB_ROUNDS)")
+                        "another version of the server with the same client (ops/device/capacity AB_ROUNDS)")
     p.add_argument("--serve-args", default="",
                    help="more `slmrank serve` flags, one string (e.g. '--lanes 1 --batcher-max-inflight 1')")
     p.add_argument("--seed", type=int, default=7)

@@ -1,4 +1,4 @@
-"""ops/k8s: every overlay renders with kustomize (kubectl's built-in one) and validates strictly
+"""ops/deploy/k8s: every overlay renders with kustomize (kubectl's built-in one) and validates strictly
 against the schemas of every Kubernetes version with native sidecars (1.29+); and what the
 manifests promise holds: slmrank is a native sidecar probed over grpc.health.v1 on the health
 port its config file opens, the pod's grace period outlasts the drain, the GPU overlays ask for
@@ -17,8 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "ops" / "k8s"
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "ops" / "deploy" / "k8s"
 OVERLAYS = ("base", "overlays/gpu", "overlays/replicas")
 # restartPolicy on an init container: alpha in 1.28 (feature gate), on by default from 1.29.
 SIDECAR_VERSIONS = [v for v in kubernetes_validate.utils.all_versions()
@@ -29,7 +29,7 @@ def _kubectl() -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         if os.environ.get("CI"):
-            pytest.fail("kubectl (its built-in kustomize renders ops/k8s) is not installed on the CI machine")
+            pytest.fail("kubectl (its built-in kustomize renders ops/deploy/k8s) is not installed on the CI machine")
         pytest.skip("kubectl is not installed")
     return kubectl
 

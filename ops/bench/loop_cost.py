@@ -1,7 +1,7 @@
 """CPU time of `slmrank serve`'s event-loop thread per request: the serial part of the server.
 
-  python ops/loop_cost.py --kind score --requests 200 [--samples 15 --len 64] [--deadline-s 0.004]
-  python ops/loop_cost.py --kind beam --requests 40 --beam 100
+  python -m ops.bench.loop_cost --kind score --requests 200 [--samples 15 --len 64] [--deadline-s 0.004]
+  python -m ops.bench.loop_cost --kind beam --requests 40 --beam 100
 
 Every request passes through the one event loop (gRPC, parsing, admission, packing, the response),
 so its CPU per request bounds the requests per second the process can take at all, whatever the
@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from service.observe.metrics import thread_cpu_seconds
+from service.serving.client import RankerClient
 
-from service.observe.metrics import thread_cpu_seconds  # noqa: E402
-from service.serving.client import RankerClient  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: the servers' cwd
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
@@ -86,8 +85,9 @@ def main() -> None:
     if not Path("/proc/self/task").is_dir():
         raise SystemExit("loop_cost: needs Linux /proc for per-thread CPU time")
 
-    argv = [sys.executable, __file__, "--serve-bare"] if args.bare else [
-        sys.executable, __file__, "--serve-instant", "--model", args.model, "--device", args.device] if args.instant else [
+    this = [sys.executable, "-m", "ops.bench.loop_cost"]  # the --bare / --instant server: this module
+    argv = [*this, "--serve-bare"] if args.bare else [
+        *this, "--serve-instant", "--model", args.model, "--device", args.device] if args.instant else [
         sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--port", "0", "--metrics-port", "0",
         "--runtime", args.runtime, "--device", args.device, "--grace-s", "2"]
     env = dict(os.environ)

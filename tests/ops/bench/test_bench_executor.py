@@ -1,16 +1,12 @@
-"""ops/bench_executor.py's per-phase split of a graph batch's wall time (stage, launch, device
+"""ops/bench/bench_executor.py's per-phase split of a graph batch's wall time (stage, launch, device
 wait, finish, the Python around the call): the phases add up to the wall time, and only a graph
 replay (where the executor's clock marks the phases) is split."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops"))
-import bench_executor as be  # noqa: E402
+from ops.bench import bench_executor as be
 
 
 def test_host_phases_split_a_graph_batch_and_add_up_to_its_wall_time() -> None:

@@ -1,20 +1,16 @@
-"""ops/overload_bench.py's open loop ends on its own: an overload run on the H200 once ran past
+"""ops/bench/overload_bench.py's open loop ends on its own: an overload run on the H200 once ran past
 its time limit and its clients' outcomes were lost. Calls still unanswered a grace after the
 last send are cancelled and reported (CLIENT_CANCELLED); progress is reported while it runs."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-import overload_bench as ob  # noqa: E402
+from ops.bench import overload_bench as ob
 
 
 def test_open_loop_cancels_what_is_never_answered_and_reports_the_rest() -> None:
@@ -66,7 +62,7 @@ def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
     """The H200 overload run must show that no admitted request ends late: the server's metrics,
     scraped before and after the window, separate the requests that expired or were cancelled in
     its queue (never run) from those run and answered after their deadline."""
-    from bench_grpc import _SAMPLE
+    from ops.bench.bench_grpc import _SAMPLE
     from service.observe.metrics import render, scheduler_families
 
     def scraped(stats: dict[str, Any]) -> dict[tuple[str, str], float]:
@@ -88,7 +84,7 @@ def test_the_quiet_caller_calls_one_at_a_time_and_keeps_only_the_floors_refusals
     pauses, one call at a time (its latencies hold no queue of its own); its outcomes carry the
     status, the retry hint and the impossible-deadline mark as a grpc.aio caller's do, and a floor
     call that is not refused is not a refusal latency."""
-    from h2call import Answer
+    from ops.bench.h2call import Answer
 
     calls: list[tuple[str, int, float | None]] = []
     unavailable, ok, late = 14, 0, 4

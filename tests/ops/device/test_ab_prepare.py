@@ -1,6 +1,6 @@
-"""ops/ab_prepare: REF's version of every tracked path that differs from the working tree, for the
-GPU machine's copy (no git there) to run the old server beside the new one (ops/device_capacity
-AB_ROUNDS)."""
+"""ops/device/ab_prepare: REF's version of every tracked path that differs from the working tree,
+for the GPU machine's copy (no git there) to run the old server beside the new one
+(ops/device/capacity AB_ROUNDS)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def git(repo: Path, *args: str) -> str:
@@ -22,9 +22,9 @@ def git(repo: Path, *args: str) -> str:
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     r = tmp_path / "repo"
-    (r / "ops").mkdir(parents=True)
+    (r / "ops" / "device").mkdir(parents=True)
     (r / "service").mkdir()
-    shutil.copy(ROOT / "ops" / "ab_prepare", r / "ops" / "ab_prepare")
+    shutil.copy(ROOT / "ops" / "device" / "ab_prepare", r / "ops" / "device" / "ab_prepare")
     (r / "service" / "batcher.py").write_text("WAIT = 'old'\n")
     (r / "service" / "gone.py").write_text("old only\n")
     (r / "run.sh").write_text("#!/bin/sh\necho old\n")
@@ -36,7 +36,8 @@ def repo(tmp_path: Path) -> Path:
 
 
 def prepare(repo: Path, ref: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(repo / "ops" / "ab_prepare"), ref], cwd=repo, capture_output=True, text=True)
+    return subprocess.run(["bash", str(repo / "ops" / "device" / "ab_prepare"), ref], cwd=repo, capture_output=True,
+                          text=True)
 
 
 def test_old_versions_deleted_paths_and_the_ref_are_written(repo: Path) -> None:

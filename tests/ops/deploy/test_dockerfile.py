@@ -1,4 +1,4 @@
-"""ops/Dockerfile and the Kubernetes manifests name only what exists: the entry point is the
+"""ops/deploy/Dockerfile and the Kubernetes manifests name only what exists: the entry point is the
 `slmrank` console script's `serve`, every SLMRANK_* variable the image or the manifests set is a
 setting of `slmrank serve` (or SLMRANK_CONFIG / SLMRANK_CACHE), every key of the config file is
 one, the stages the README and docs name are there, and the build script the stages run exists.
@@ -18,8 +18,9 @@ import yaml
 
 from service.serving.settings import ENV_PREFIX, SERVE_SETTINGS
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = ROOT / "ops" / "Dockerfile"
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "ops" / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
 OTHER_VARIABLES = {"SLMRANK_CONFIG", "SLMRANK_CACHE"}  # the config file; where embedded artifacts are built
 SETTING_VARIABLES = {s.env for s in SERVE_SETTINGS}
 
@@ -79,16 +80,16 @@ def test_every_variable_the_image_sets_is_a_setting() -> None:
 
 
 def test_the_build_script_and_its_knobs_exist() -> None:
-    build = ROOT / "ops" / "image_build"
-    assert build.stat().st_mode & 0o111, "ops/image_build is not executable"
+    build = DEPLOY / "image_build"
+    assert build.stat().st_mode & 0o111, "ops/deploy/image_build is not executable"
     text = DOCKERFILE.read_text()
-    assert text.count("ops/image_build /opt/slmrank") == 2
+    assert text.count("ops/deploy/image_build /opt/slmrank") == 2
     assert 'SLMRANK_CUDA_ARCHITECTURES="80;90a"' in text  # Ampere and Hopper
     assert "SLMRANK_CUDA_ARCHITECTURES" in (ROOT / "CMakeLists.txt").read_text()
-    assert (ROOT / "ops" / "Dockerfile.dockerignore").read_text().count(".venv/") == 1
+    assert (DEPLOY / "Dockerfile.dockerignore").read_text().count(".venv/") == 1
 
 
-@pytest.mark.parametrize("manifest", sorted((ROOT / "ops" / "k8s").rglob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("manifest", sorted((DEPLOY / "k8s").rglob("*.yaml")), ids=lambda p: p.name)
 def test_manifests_set_only_known_variables(manifest: Path) -> None:
     variables = set(re.findall(r"name: (SLMRANK_\w+)", manifest.read_text()))
     assert not variables - SETTING_VARIABLES - OTHER_VARIABLES, variables - SETTING_VARIABLES - OTHER_VARIABLES
@@ -97,7 +98,7 @@ def test_manifests_set_only_known_variables(manifest: Path) -> None:
 
 
 def test_the_config_file_has_only_known_keys() -> None:
-    config = tomllib.loads((ROOT / "ops" / "k8s" / "base" / "slmrank.toml").read_text())
+    config = tomllib.loads((DEPLOY / "k8s" / "base" / "slmrank.toml").read_text())
     assert set(config) <= {s.name for s in SERVE_SETTINGS}, set(config) - {s.name for s in SERVE_SETTINGS}
 
 
@@ -108,11 +109,11 @@ def test_the_sidecars_settings_resolve_to_a_valid_server_config() -> None:
     from service.cli import _server_config
     from service.serving.settings import add_arguments, resolve
 
-    deployment = next(d for d in yaml.safe_load_all((ROOT / "ops" / "k8s" / "base" / "ranker.yaml").read_text())
+    deployment = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "base" / "ranker.yaml").read_text())
                       if d and d["kind"] == "Deployment")
     (sidecar,) = [c for c in deployment["spec"]["template"]["spec"]["initContainers"] if c["name"] == "slmrank"]
     environ = {e["name"]: e["value"] for e in sidecar["env"] if e["name"].startswith(ENV_PREFIX)}
-    environ["SLMRANK_CONFIG"] = str(ROOT / "ops" / "k8s" / "base" / "slmrank.toml")
+    environ["SLMRANK_CONFIG"] = str(DEPLOY / "k8s" / "base" / "slmrank.toml")
     parser = argparse.ArgumentParser()
     add_arguments(parser, SERVE_SETTINGS)
     values = resolve(SERVE_SETTINGS, parser.parse_args([]), environ)

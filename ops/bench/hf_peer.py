@@ -18,8 +18,8 @@ The model runs in one worker thread so the event loop keeps answering; token-id 
   beams best first with sequences_scores (B=1, greedy: the sum of the log-softmax of the chosen
   tokens). Beam.text is left empty.
 
-    python ops/hf_peer.py --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
-                          [--max-batch N] [--compile] [--warm-score SAMPLES:LEN:PREFIX]
+    python -m ops.bench.hf_peer --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
+                                [--max-batch N] [--compile] [--warm-score SAMPLES:LEN:PREFIX]
 
 prints "listening on HOST:PORT" once the model is loaded and health says SERVING.
 """
@@ -29,17 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.serving.proto_gen import load as load_stubs  # noqa: E402
+from service.serving.proto_gen import load as load_stubs
 
 RANKER = "slmrank.v1.Ranker"
 

@@ -1,10 +1,10 @@
 """Overload of `slmrank serve` (issue 11): its capacity measured, then load offered well past it.
 
-  python ops/overload_bench.py --workload W1 --factor 3 --duration-s 60 --out DIR \
+  python -m ops.bench.overload_bench --workload W1 --factor 3 --duration-s 60 --out DIR \
       [--capacity QPS] [--device cuda|cpu] [--model SPEC] [--client-procs 4]
 
-1. `slmrank serve` runs as a subprocess on 127.0.0.1 (as ops/bench_grpc.py runs it).
-2. Capacity: --capacity, else ops/bench_grpc.py's closed loop over --levels: the highest QPS of a
+1. `slmrank serve` runs as a subprocess on 127.0.0.1 (as ops/bench/bench_grpc.py runs it).
+2. Capacity: --capacity, else ops/bench/bench_grpc.py's closed loop over --levels: the highest QPS of a
    level within the SLO (mean < 20 ms, P99 < 80 ms), else the highest QPS measured.
 3. Overload: an open loop, Poisson arrivals at --factor x capacity for --duration-s, spread over
    --client-procs processes (on uvloop, --channels-per-proc connections each, the calls dealt
@@ -19,7 +19,7 @@
    slmrank's, under the same load, reported beside slmrank's refusal latency.
 6. Quiet callers (`quiet_loop`, --quiet-callers more processes): each one call at a time, every
    --quiet-interval-ms, a request of the load's to slmrank and the same request to the bare
-   server, through ops/h2call.py (HTTP/2 over a blocking socket: no gRPC client threads, no event
+   server, through ops/bench/h2call.py (HTTP/2 over a blocking socket: no gRPC client threads, no event
    loop). The load's clients are grpc.aio ones, sending hundreds of calls a second each: their
    latencies include their own event loop's queue and grpc.aio's hop from its polling thread to
    the loop. A caller in production is one of many, and is usually C++, Go or Java (no such
@@ -65,13 +65,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ops"))
-
-from bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,  # noqa: E402
-                        scrape, wait_serving, window_delta)
-from service.serving.proto_gen import load as load_stubs  # noqa: E402
+from ops.bench.bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,
+                                  scrape, wait_serving, window_delta)
+from service.serving.proto_gen import load as load_stubs
 
 ONLINE, NORMAL = 1, 2
 SLO_ONLINE_P99_MS = 80.0
@@ -327,9 +323,9 @@ def _method(w: dict[str, Any]) -> str:
 def _quiet_worker(target: str, floor_target: str | None, w: dict[str, Any], high: int, seed: int, duration_s: float,
                   interval_s: float, online_share: float, online_deadline_s: float, deadline_s: float,
                   cpus: set[int] | None, conn: Any) -> None:
-    """A quiet caller's process (quiet_loop, through ops/h2call.py): sends back its outcomes and
+    """A quiet caller's process (quiet_loop, through ops/bench/h2call.py): sends back its outcomes and
     its floor refusals."""
-    from h2call import H2Caller
+    from ops.bench.h2call import H2Caller
 
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -737,7 +733,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", required=True, help="W1..W6, or a custom one as in ops/bench_grpc.py")
+    p.add_argument("--workload", required=True, help="W1..W6, or a custom one as in ops/bench/bench_grpc.py")
     p.add_argument("--factor", type=float, default=3.0, help="offered load, in multiples of the capacity")
     p.add_argument("--duration-s", type=float, default=60.0)
     p.add_argument("--capacity", type=float, default=0.0, help="req/s; default: measured first")

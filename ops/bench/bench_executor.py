@@ -1,6 +1,6 @@
 """Executor-only benchmark and correctness check (no RPC), for the GPU machine.
 
-  python ops/bench_executor.py --out DIR [--quick]
+  python -m ops.bench.bench_executor --out DIR [--quick]
 
 1. identity: the same request set through the Python runtime, the C++ runtime node by node
    ("eager") and the C++ runtime from captured CUDA graphs: output lines must be equal byte for byte;
@@ -19,23 +19,20 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.artifact.artifact import build_artifact, load_artifact  # noqa: E402
-from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket  # noqa: E402
-from service.runtime.cpp_runtime import CppRuntime  # noqa: E402
-from service.runtime.engine import execute  # noqa: E402
-from service.model.checkpoint import hf_config_kwargs, hf_state_dict  # noqa: E402
-from service.model.flops import beam_flops, score_flops  # noqa: E402
-from service.runtime.jsonl import format_result  # noqa: E402
-from service.runtime.python_runtime import PythonRuntime  # noqa: E402
-from service.runtime.requests import BeamRequest, ScoreRequest  # noqa: E402
+from service.artifact.artifact import build_artifact, load_artifact
+from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
+from service.runtime.cpp_runtime import CppRuntime
+from service.runtime.engine import execute
+from service.model.checkpoint import hf_config_kwargs, hf_state_dict
+from service.model.flops import beam_flops, score_flops
+from service.runtime.jsonl import format_result
+from service.runtime.python_runtime import PythonRuntime
+from service.runtime.requests import BeamRequest, ScoreRequest
 
 PEAK_BF16 = 989e12
 LOG: list[str] = []

@@ -1,10 +1,10 @@
 """Host work on the serving event loop, per request and stage, for a workload's shape.
 
-  python ops/bench_host.py [--workloads W1,W2,W3,W5] [--batch 8] [--queued 64] [--model embedded:tiny] [--busy N]
+  python -m ops.bench.bench_host [--workloads W1,W2,W3,W5] [--batch 8] [--queued 64] [--model embedded:tiny] [--busy N]
 
 Every request `slmrank serve` answers passes through one event loop; this times, on this machine's
 CPU and without a GPU, the pieces of it that are slmrank's own (gRPC's share, and the loop's total,
-are ops/loop_cost.py's): the real codec, scheduler, packing and metrics of the workload's artifact
+are ops/bench/loop_cost.py's): the real codec, scheduler, packing and metrics of the workload's artifact
 and tokenizer, on requests of the workload's shape (bench_grpc.py's generator):
 
   parse      the request message from its bytes (gRPC's deserializer)
@@ -31,28 +31,22 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ops"))
-
-from bench_grpc import WORKLOADS, Requests, parse_workload  # noqa: E402
-from service.artifact.resolve import resolve_artifact  # noqa: E402
-from service.model.tokenizer import load_tokenizer  # noqa: E402
-from service.observe.metrics import ServerMetrics  # noqa: E402
-from service.observe.records import RequestTrace, build_records  # noqa: E402
-from service.runtime.batch import ScoreBatch  # noqa: E402
-from service.sched.admission import Priority, Ticket  # noqa: E402
-from service.sched.batcher import BatcherConfig, Scheduler  # noqa: E402
-from service.sched.cost import request_kind  # noqa: E402
-from service.serving.grpc_codec import Codec  # noqa: E402
+from ops.bench.bench_grpc import WORKLOADS, Requests, parse_workload
+from service.artifact.resolve import resolve_artifact
+from service.model.tokenizer import load_tokenizer
+from service.observe.metrics import ServerMetrics
+from service.observe.records import RequestTrace, build_records
+from service.runtime.batch import ScoreBatch
+from service.sched.admission import Priority, Ticket
+from service.sched.batcher import BatcherConfig, Scheduler
+from service.sched.cost import request_kind
+from service.serving.grpc_codec import Codec
 
 STAGES = ("parse", "gate", "decode", "plan", "pack", "unpack", "encode", "observe")
 

@@ -1,21 +1,17 @@
-"""ops/h2call.py against a real grpc.aio server: the answers a grpc client gets (status, message,
+"""ops/bench/h2call.py against a real grpc.aio server: the answers a grpc client gets (status, message,
 trailers, body), deadlines, and messages larger than HTTP/2's default windows both ways, many
 calls on one connection."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-import h2call  # noqa: E402
+from ops.bench import h2call
 
 
 class _Handlers(grpc.GenericRpcHandler):

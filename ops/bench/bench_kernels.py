@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks at the workloads' shapes (BENCHMARKS.md), for the GPU machine.
 
-  python ops/bench_kernels.py [--only decode_attention ...] [--out DIR]
+  python -m ops.bench.bench_kernels [--only decode_attention ...] [--out DIR]
 
 Every kernel is checked against its reference on the same inputs before it is timed. Times are
 device times of CUDA-graph replays (CALLS back-to-back calls per graph, the median of REPS
@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.attention import masked_attention_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref

@@ -1,4 +1,4 @@
-"""Logical matrix FLOPs of a request (BENCHMARKS.md's effective-MFU numerator).
+"""Logical matrix FLOPs of a request (docs/benchmarks.md's effective-MFU numerator).
 
 Counted: linear layers, LM head (only at positions whose logits are used) and attention
 (each query token against the keys it may see, itself included); FMA = 2 FLOPs. No padding,

@@ -146,7 +146,7 @@ class Tile:
 def default_tile(head_dim: int, is_float32: bool) -> Tile:
     """bf16/fp16: 64-row MMA tiles (one warpgroup's wgmma). float32 multiplies in IEEE float32 on the
     FMA units: its larger tiles spill registers (ptxas, sm_90a), 16 x 32 does not. To tune on the H200
-    (ops/bench_kernels.py)."""
+    (python -m ops.bench.bench_kernels)."""
     if is_float32:
         return Tile(16, 32, 4 if head_dim <= 64 else 8, 2)
     return Tile(64, 64, 4, 3)

@@ -110,7 +110,7 @@ def segment_attention_kernel(q_ptr, k_ptr, v_ptr, ranges_ptr, out_ptr, num_rows,
 
 
 def default_tile(head_dim: int, is_float32: bool) -> Tile:
-    """bf16/fp16: 64-row tiles (one warpgroup's wgmma), 32 keys a step: on the H200 (ops/bench_kernels.py,
+    """bf16/fp16: 64-row tiles (one warpgroup's wgmma), 32 keys a step: on the H200 (ops/bench/bench_kernels.py,
     prefill_attention) 40 us a layer at W1x8 and 79 at W4x8 against 49 and 82 for 64 keys a step and
     77 and 110 for 128 x 64 tiles of 8 warps; within 10% of the best at the BeamSearch prefills.
     float32 multiplies in IEEE float32 on the FMA units: 16 x 32 (decode_attention's float32 tile,

@@ -149,7 +149,7 @@ def _expand_runs(run_len: list[int], run_pos0: list[int], run_seg: list[int], ru
 
     numpy, not torch: torch.repeat_interleave on the CPU fans even an 8,192-row expansion out over
     every intra-op thread, and on the 16-core H200 host each call took ~1.4 ms of the event loop
-    (3 a batch: half the loop's CPU at W1 in a cProfile of ops/loop_cost.py); numpy's repeat stays
+    (3 a batch: half the loop's CPU at W1 in a cProfile of ops/bench/loop_cost.py); numpy's repeat stays
     on the calling thread."""
     lens = np.array(run_len, dtype=np.int64)
     seg = np.repeat(np.array(run_seg, dtype=np.int64), lens)

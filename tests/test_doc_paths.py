@@ -8,7 +8,8 @@ their comments and docstrings (other strings are data: a test may make up a path
 code that opens a missing file fails when it runs). Each token must name a file or directory of
 the checkout: a glob (`cpp_dag/node_*.cpp`) at least one, a brace form (`executor.{h,cpp}`) each
 alternative. A token ends at the first character no path has (`:12`, `::test_x`, a space) and
-loses trailing punctuation.
+loses trailing punctuation. A Markdown link's relative target (`[x](history/benchmarks.md)`) must
+exist from the linking file's directory.
 
 Not checked: docs/history/ (a dated record of what was true then) and paths git ignores (what a
 build or a run generates: `service/_gen/`, `cpp_dag/_core*.so`).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -44,6 +46,16 @@ def path_tokens(text: str) -> Iterator[str]:
         if ".*" in token or text[m.end():m.end() + 1] == "\\":
             continue  # a regular expression (`cpp_dag/.*\.cpp`), not a path
         yield token
+
+
+_LINK = re.compile(r"\]\(([^()\s#]+)(?:#[^()\s]*)?\)")
+
+
+def link_targets(text: str) -> Iterator[str]:
+    """The relative targets of Markdown links (not URLs, not a page's own anchors)."""
+    for m in _LINK.finditer(text):
+        if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(1)):
+            yield m.group(1)
 
 
 def expand_braces(token: str) -> list[str]:
@@ -136,8 +148,11 @@ def missing_paths() -> list[tuple[str, int, str]]:
     misses = [(f, n, token) for f in files if _is_scanned(f) for n, line in prose_of(f)
               for token in path_tokens(line) if not all(names_something(t, known) for t in expand_braces(token))]
     generated = ignored_by_git({t.rstrip("/") for _, _, token in misses for t in expand_braces(token)})
-    return [(f, n, token) for f, n, token in misses
-            if not all(t.rstrip("/") in generated for t in expand_braces(token))]
+    misses = [(f, n, token) for f, n, token in misses
+              if not all(t.rstrip("/") in generated for t in expand_braces(token))]
+    links = [(f, n, f"]({target})") for f in files if f.endswith(".md") and _is_scanned(f) for n, line in prose_of(f)
+             for target in link_targets(line) if os.path.normpath(Path(f).parent / target) not in known]
+    return sorted(misses + links)
 
 
 def test_every_path_a_comment_or_doc_names_exists():
@@ -158,6 +173,11 @@ def test_every_path_a_comment_or_doc_names_exists():
 ])
 def test_the_parser_finds_paths_in_prose(text, expected):
     assert list(path_tokens(text)) == expected
+
+
+def test_markdown_links_are_read_relative_to_their_page():
+    text = "[p](performance.md), [h](history/benchmarks.md#w1), [u](https://x.org/a.md), [a](#overload)"
+    assert list(link_targets(text)) == ["performance.md", "history/benchmarks.md"]
 
 
 def test_brace_forms_expand_and_globs_match():

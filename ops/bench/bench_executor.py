@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from ops.bench.workloads import EXECUTOR_BATCH, ID_HIGH, WORKLOADS, request_flops, runtime_request
 from service.artifact.artifact import build_artifact, load_artifact
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.cpp_runtime import CppRuntime
 from service.runtime.engine import execute
 from service.model.checkpoint import hf_config_kwargs, hf_state_dict
-from service.model.flops import beam_flops, score_flops
 from service.runtime.jsonl import format_result
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, ScoreRequest
@@ -52,34 +52,19 @@ def rss_mib() -> float:
 
 
 def ids(g: torch.Generator, n: int) -> tuple[int, ...]:
-    return tuple(torch.randint(0, 150000, (n,), generator=g).tolist())
+    return tuple(torch.randint(0, ID_HIGH, (n,), generator=g).tolist())
 
 
 def workload(name: str, g: torch.Generator):
-    if name == "W1":
-        return ScoreRequest(samples=tuple(ids(g, 64) for _ in range(15)), label_ids=(1000, 2000))
-    if name == "W2":
-        return BeamRequest(prompt_ids=ids(g, 128), beam_width=100, new_tokens=5)
-    if name == "W3":
-        return BeamRequest(prompt_ids=ids(g, 480), beam_width=100, new_tokens=5)
-    if name == "W4":
-        return ScoreRequest(samples=tuple(ids(g, 24) for _ in range(15)), label_ids=(1000, 2000), prefix_ids=ids(g, 384))
-    if name == "W5":
-        return BeamRequest(prompt_ids=ids(g, 480), beam_width=400, new_tokens=5)
-    if name == "W6":
-        return BeamRequest(prompt_ids=ids(g, 1000), beam_width=256, new_tokens=3)
-    raise ValueError(name)
+    """One request of W1..W6 (ops/bench/workloads.py), its ids from g."""
+    if name not in WORKLOADS:
+        raise ValueError(name)
+    return runtime_request(WORKLOADS[name], g)
 
 
-# BENCHMARKS.md: (model, requests per batch) of each workload; W6 is one request at a time (latency)
-WORKLOAD_MODELS = {"W1": ("qwen3-0.6b", 8), "W2": ("qwen2.5-0.5b", 8), "W3": ("qwen2.5-0.5b", 4),
-                   "W4": ("qwen3-0.6b", 8), "W5": ("qwen3-0.6b", 2), "W6": ("qwen3-1.7b", 1)}
-
-
-def flops_of(cfg, req) -> int:
-    if isinstance(req, ScoreRequest):
-        return score_flops(cfg, len(req.prefix_ids), [len(s) for s in req.samples])
-    return beam_flops(cfg, len(req.prompt_ids), req.beam_width, req.new_tokens)
+# (model, requests per batch) of each workload (ops/bench/workloads.py); W6 is one request at a time
+WORKLOAD_MODELS = {name: (w["model"].removeprefix("embedded:"), EXECUTOR_BATCH[name])
+                   for name, w in WORKLOADS.items()}
 
 
 def make_batch(art, reqs):
@@ -490,7 +475,7 @@ def main() -> None:
             spec, per_batch = WORKLOAD_MODELS[name]
             art = arts[spec]
             cfg = art.config
-            flops = flops_of(cfg, workload(name, g))
+            flops = request_flops(cfg, workload(name, g))
             for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
                                   ("cpp_graph_triton", lambda a: CppRuntime(a, device="cuda", use_graphs=True,
                                                                             kernels="triton")),

@@ -17,8 +17,9 @@ With --peer and an embedded spec, the artifact's weights are written as an HF ch
 slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
 every system (their largest difference is reported: "agreement"), and the peers are measured.
 
-Workloads: W1..W6 (BENCHMARKS.md), or custom: "score,prefix=0,samples=3,len=8,labels=2" /
-"beam,prompt=16,beam=4,new=3". Token ids are uniform in [0, min(150000, vocab)), fixed seed.
+Workloads, as ops/bench/workloads.py defines them: W1..W6 (BENCHMARKS.md), or custom:
+"score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3". Token ids are uniform
+in [0, min(150000, vocab)), fixed seed.
 Writes DIR/bench_grpc.json; prints a short table last.
 """
 
@@ -46,72 +47,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.model.flops import beam_flops, score_flops
+from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, parse_workload
 from service.serving.proto_gen import load as load_stubs
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 PEAK_BF16 = 989e12
 SLO_MEAN_MS, SLO_P99_MS = 20.0, 80.0
-ID_HIGH = 150000
-
-# BENCHMARKS.md's workload table
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "W1": dict(kind="score", prefix=0, samples=15, len=64, labels=2, model="embedded:qwen3-0.6b"),
-    "W2": dict(kind="beam", prompt=128, beam=100, new=5, model="embedded:qwen2.5-0.5b"),
-    "W3": dict(kind="beam", prompt=480, beam=100, new=5, model="embedded:qwen2.5-0.5b"),
-    "W4": dict(kind="score", prefix=384, samples=15, len=24, labels=2, model="embedded:qwen3-0.6b"),
-    "W5": dict(kind="beam", prompt=480, beam=400, new=5, model="embedded:qwen3-0.6b"),
-    "W6": dict(kind="beam", prompt=1000, beam=256, new=3, model="embedded:qwen3-1.7b", levels="1"),
-}
-
-
-def parse_workload(text: str) -> dict[str, Any]:
-    if text in WORKLOADS:
-        return dict(WORKLOADS[text], name=text)
-    kind, *parts = text.split(",")
-    if kind not in ("score", "beam"):
-        raise SystemExit(f"--workload: {text!r} is not W1..W6 nor 'score,...' / 'beam,...'")
-    w: dict[str, Any] = dict(kind="score", prefix=0, samples=15, len=64, labels=2) if kind == "score" \
-        else dict(kind="beam", prompt=128, beam=100, new=5)
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key not in w or key == "kind":
-            raise SystemExit(f"--workload: unknown key {key!r} for {kind}")
-        w[key] = int(value)
-    w["name"] = text
-    return w
-
-
-class Requests:
-    """Every request different: ids uniform in [0, high) from one seeded generator."""
-
-    def __init__(self, w: dict[str, Any], high: int, seed: int = 7) -> None:
-        self.w, self.high = w, high
-        self.rng = np.random.default_rng(seed)
-        self.pb2 = load_stubs().pb2
-        # label ids: fixed per run, as a ranking task's " yes"/" no" would be
-        self.label_ids = self.ids(w["labels"]) if w["kind"] == "score" else []
-
-    def ids(self, n: int) -> list[int]:
-        return self.rng.integers(0, self.high, n).tolist()
-
-    def next(self) -> Any:
-        w, pb2 = self.w, self.pb2
-        if w["kind"] == "score":
-            msg = pb2.ScoreRequest(samples=[pb2.Segment(ids=self.ids(w["len"])) for _ in range(w["samples"])],
-                                   label_ids=self.label_ids)
-            if w["prefix"]:
-                msg.prefix.CopyFrom(pb2.Segment(ids=self.ids(w["prefix"])))
-            return msg
-        return pb2.BeamSearchRequest(prompt=pb2.Segment(ids=self.ids(w["prompt"])), beam_width=w["beam"],
-                                     new_tokens=w["new"])
-
-
-def flops_per_request(cfg: Any, w: dict[str, Any]) -> int:
-    if w["kind"] == "score":
-        return score_flops(cfg, w["prefix"], [w["len"]] * w["samples"])
-    return beam_flops(cfg, w["prompt"], w["beam"], w["new"])
 
 
 # ---- the systems under test, as subprocesses -------------------------------------------------------

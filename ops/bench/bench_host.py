@@ -5,7 +5,7 @@
 Every request `slmrank serve` answers passes through one event loop; this times, on this machine's
 CPU and without a GPU, the pieces of it that are slmrank's own (gRPC's share, and the loop's total,
 are ops/bench/loop_cost.py's): the real codec, scheduler, packing and metrics of the workload's artifact
-and tokenizer, on requests of the workload's shape (bench_grpc.py's generator):
+and tokenizer, on requests of the workload's shape (ops/bench/workloads.py's generator):
 
   parse      the request message from its bytes (gRPC's deserializer)
   gate       admission's check on the message's shape, before decoding (Codec.shape_of, precheck)
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from ops.bench.bench_grpc import WORKLOADS, Requests, parse_workload
+from ops.bench.workloads import ID_HIGH, WORKLOADS, Requests, parse_workload
 from service.artifact.resolve import resolve_artifact
 from service.model.tokenizer import load_tokenizer
 from service.observe.metrics import ServerMetrics
@@ -96,7 +96,7 @@ async def measure(name: str, model: str | None, batch_size: int, queued: int) ->
     pb2 = codec.pb2
     kind = w["kind"]
     msg_type = pb2.ScoreRequest if kind == "score" else pb2.BeamSearchRequest
-    gen = Requests(w, min(150_000, tokenizer.vocab_size))
+    gen = Requests(w, min(ID_HIGH, tokenizer.vocab_size))
     msgs = [gen.next() for _ in range(max(batch_size, queued) + 1)]
     raw = msgs[0].SerializeToString()
     decode = codec.score_request if kind == "score" else codec.beam_request

@@ -26,10 +26,28 @@ import triton.language as tl
 from kernels.attention import masked_attention_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
 from kernels.segment_attention import segment_attention
+from ops.bench.workloads import WORKLOADS
 from service.model.layers import two_part_attention
 from service.runtime.nodes import varlen_layer_attention
 
 CALLS, REPS = 20, 30
+
+
+# the workloads' shapes, from ops/bench/workloads.py (the model dimensions in the tables below are the models')
+def _beam(name: str) -> tuple[int, int, int]:
+    """A BeamSearch workload's (prompt tokens, beams, new tokens)."""
+    w = WORKLOADS[name]
+    return w["prompt"], w["beam"], w["new"]
+
+
+def _score(name: str) -> list[int]:
+    """A Score workload's request: [prefix tokens, then each sample's tokens]."""
+    w = WORKLOADS[name]
+    return [w["prefix"]] + [w["len"]] * w["samples"]
+
+
+def _model(name: str) -> str:
+    return WORKLOADS[name]["model"].removeprefix("embedded:")
 
 
 def graph_time_ms(fn: Callable[[], Any], calls: int = CALLS, reps: int = REPS) -> float:
@@ -59,11 +77,11 @@ def graph_time_ms(fn: Callable[[], Any], calls: int = CALLS, reps: int = REPS) -
 
 # workload: (heads, kv heads, head dim, layers, requests, prompt tokens, beams, new tokens)
 DECODE_SHAPES = {
-    "W2x8": (14, 2, 64, 24, 8, 128, 100, 5),
-    "W3x4": (14, 2, 64, 24, 4, 480, 100, 5),
-    "W5x1": (16, 8, 128, 28, 1, 480, 400, 5),
-    "W5x2": (16, 8, 128, 28, 2, 480, 400, 5),
-    "W6x1": (16, 8, 128, 28, 1, 1000, 256, 3),
+    "W2x8": (14, 2, 64, 24, 8, *_beam("W2")),
+    "W3x4": (14, 2, 64, 24, 4, *_beam("W3")),
+    "W5x1": (16, 8, 128, 28, 1, *_beam("W5")),
+    "W5x2": (16, 8, 128, 28, 2, *_beam("W5")),
+    "W6x1": (16, 8, 128, 28, 1, *_beam("W6")),
 }
 DECODE_TILES = [None, Tile(64, 32, 4, 3), Tile(64, 64, 8, 3), Tile(64, 128, 4, 3), Tile(128, 64, 8, 3),
                 Tile(64, 64, 4, 2)]
@@ -129,8 +147,10 @@ def bench_decode_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[str
 HBM_TB_S = 4.8  # the H200's HBM3e peak: the floor of a kernel is its bytes / this
 # workload: (model, hidden, heads, kv heads, head dim, intermediate, layers, rows, q/k norm, decode)
 LAYER_SHAPES = {
-    "W1x8": ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 28, 7680, True, False),  # 8 x 15 samples x 64 tokens
-    "W2x8-decode": ("qwen2.5-0.5b", 896, 14, 2, 64, 4864, 24, 800, False, True),  # 8 x 100 beams, step t = 3
+    # 8 x 15 samples x 64 tokens
+    "W1x8": (_model("W1"), 1024, 16, 8, 128, 3072, 28, 8 * sum(_score("W1")), True, False),
+    # 8 x 100 beams, step t = 3
+    "W2x8-decode": (_model("W2"), 896, 14, 2, 64, 4864, 24, 8 * _beam("W2")[1], False, True),
 }
 EPS = 1e-6
 
@@ -377,14 +397,14 @@ def bench_layer_kernels(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, A
 
 # workload: (model, layers, kv heads, head dim, requests, beams, new tokens); vocabulary 151,936
 BEAM_SHAPES = {
-    "W2x1": ("qwen2.5-0.5b", 24, 2, 64, 1, 100, 5),
-    "W2x2": ("qwen2.5-0.5b", 24, 2, 64, 2, 100, 5),
-    "W2x8": ("qwen2.5-0.5b", 24, 2, 64, 8, 100, 5),
-    "W3x4": ("qwen2.5-0.5b", 24, 2, 64, 4, 100, 5),
-    "W5x1": ("qwen3-0.6b", 28, 8, 128, 1, 400, 5),
-    "W5x2": ("qwen3-0.6b", 28, 8, 128, 2, 400, 5),
-    "W5x4": ("qwen3-0.6b", 28, 8, 128, 4, 400, 5),
-    "W6x1": ("qwen3-1.7b", 28, 8, 128, 1, 256, 3),
+    "W2x1": (_model("W2"), 24, 2, 64, 1, *_beam("W2")[1:]),
+    "W2x2": (_model("W2"), 24, 2, 64, 2, *_beam("W2")[1:]),
+    "W2x8": (_model("W2"), 24, 2, 64, 8, *_beam("W2")[1:]),
+    "W3x4": (_model("W3"), 24, 2, 64, 4, *_beam("W3")[1:]),
+    "W5x1": (_model("W5"), 28, 8, 128, 1, *_beam("W5")[1:]),
+    "W5x2": (_model("W5"), 28, 8, 128, 2, *_beam("W5")[1:]),
+    "W5x4": (_model("W5"), 28, 8, 128, 4, *_beam("W5")[1:]),
+    "W6x1": (_model("W6"), 28, 8, 128, 1, *_beam("W6")[1:]),
 }
 VOCAB = 151936
 
@@ -524,12 +544,12 @@ def bench_beam_step() -> list[dict[str, Any]]:
 # Score: one block per request (prefix, then its samples, then padding); BeamSearch prefill: one
 # block for the whole batch (the prompts packed, then padding), a prompt being one "sample".
 PREFILL_SHAPES = {
-    "W1x8": (16, 8, 128, 28, 1024, 1, [0] + [64] * 15, 8),
-    "W4x8": (16, 8, 128, 28, 768, 1, [384] + [24] * 15, 8),
-    "W2x8-prefill": (14, 2, 64, 24, 1024, 8, [0, 128], 1),
-    "W3x4-prefill": (14, 2, 64, 24, 2048, 4, [0, 480], 1),
-    "W5x1-prefill": (16, 8, 128, 28, 512, 1, [0, 480], 1),
-    "W5x2-prefill": (16, 8, 128, 28, 1024, 2, [0, 480], 1),
+    "W1x8": (16, 8, 128, 28, 1024, 1, _score("W1"), 8),
+    "W4x8": (16, 8, 128, 28, 768, 1, _score("W4"), 8),
+    "W2x8-prefill": (14, 2, 64, 24, 1024, 8, [0, _beam("W2")[0]], 1),
+    "W3x4-prefill": (14, 2, 64, 24, 2048, 4, [0, _beam("W3")[0]], 1),
+    "W5x1-prefill": (16, 8, 128, 28, 512, 1, [0, _beam("W5")[0]], 1),
+    "W5x2-prefill": (16, 8, 128, 28, 1024, 2, [0, _beam("W5")[0]], 1),
 }
 
 

@@ -65,8 +65,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ops.bench.bench_grpc import (ID_HIGH, Proc, Requests, bench_system, flops_per_request, parse_workload,
-                                  scrape, wait_serving, window_delta)
+from ops.bench.bench_grpc import Proc, bench_system, scrape, wait_serving, window_delta
+from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, parse_workload
 from service.serving.proto_gen import load as load_stubs
 
 ONLINE, NORMAL = 1, 2
@@ -733,7 +733,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", required=True, help="W1..W6, or a custom one as in ops/bench/bench_grpc.py")
+    p.add_argument("--workload", required=True, help="W1..W6, or a custom one (ops/bench/workloads.py)")
     p.add_argument("--factor", type=float, default=3.0, help="offered load, in multiples of the capacity")
     p.add_argument("--duration-s", type=float, default=60.0)
     p.add_argument("--capacity", type=float, default=0.0, help="req/s; default: measured first")

@@ -9,6 +9,8 @@ Read from the source with `ast`: every import counts, at module level, inside a 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,40 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def external_imports(path: Path) -> set[tuple[str, int]]:
+    """(top-level name, line) of every absolute import in the file."""
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(a.name.split(".")[0], node.lineno) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add((node.module.split(".")[0], node.lineno))
+    return found
+
+
+# scheduling and everything below it knows nothing of the transport
+NO_GRPC = ("service.sched", "service.runtime", "service.artifact", "service.model")
+
+
+def test_no_grpc_below_serving():
+    offending = [f"{m} imports {name} at line {line}" for m, p in project_modules().items()
+                 if any(m == pkg or m.startswith(pkg + ".") for pkg in NO_GRPC)
+                 for name, line in sorted(external_imports(p)) if name == "grpc" or name.startswith("grpc_")]
+    assert not offending, "gRPC below service.serving:\n" + "\n".join(offending)
+
+
+def test_the_front_process_loads_no_torch():
+    """A front starts in well under a second: it and what it imports (the verdict, the shapes, the
+    status mapping) load no torch, checked in a fresh interpreter."""
+    code = ("import sys, service.serving.fronts.front\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert 'service.sched.verdict' in sys.modules and 'service.serving.status' in sys.modules\n"
+            "print(len(loaded))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", "the front process loads torch"
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -1,30 +1,30 @@
 """Admission control: bounded priority lanes, fair shares between clients, and refusal of work that
 cannot finish in time — decided at once, from the work actually queued ahead.
 
-A request is refused at once when the server is draining, when its lane is full (requests, or
-predicted seconds of work), when its client already has `max_client_work_s` outstanding, or when
-its predicted completion misses its deadline (Overloaded: UNAVAILABLE with a retry hint, never
-above `max_retry_after_s`). A deadline shorter than the request's own service time on an idle
-executor, or already passed, can never be met: DeadlineUnmeetable (DEADLINE_EXCEEDED, no retry).
-
-The prediction (ServiceTimeModel measures the executor, per bucket):
+Every request gets its verdict from verdict.decide (the one function the fronts call too) over
+this controller's exact view of the lanes (`outlook`): refused at once when the server is
+draining, when its lane is full (requests, or predicted seconds of work), when its client already
+has `max_client_work_s` outstanding, or when its predicted completion misses its deadline
+(Overloaded: UNAVAILABLE with a retry hint, never above `max_retry_after_s`); a deadline shorter
+than the request's own service time on an idle executor, or already passed, can never be met
+(DeadlineUnmeetable: DEADLINE_EXCEEDED, no retry). The terms this module prices
+(ServiceTimeModel measures the executor, per bucket):
 
   own      the request's bucket time when it runs alone
   share    its share of a batch: its kind's bucket for n requests / n, n the batch that the
            requests of its kind queued with it would make (1, 2, 4, ...)
-  ahead    executor time owed to the batches in flight + the shares queued in higher lanes +
-           the shares before it in its own lane
-  finish = now + ((ahead / parallelism · h + own) · (1 + safety_margin) + margin) · calibration
+  ahead    the shares before it in its own lane; with the shares queued in higher lanes and the
+           executor time owed to the batches in flight, its wait
+  stretch  a lower lane's wait stretched by the higher lanes' utilisation, 1/(1 − ρ_higher), at
+           most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits
+  response response_margin_s or the event loop's measured delay in answering, whichever is larger
+  calibration  the worst ratio of actual to predicted latency seen, its excess decaying over
+           calibration_decay_s (>= 1): what the model misses, it learns from its own errors
 
-where margin is response_margin_s or the event loop's measured delay in answering, whichever is
-larger, and h stretches a lower lane's wait by the higher lanes' utilisation, 1/(1 − ρ_higher),
-at most burst + 1 (the share a lower lane keeps), times 1 + 1/burst while a lower lane waits;
-calibration is the worst ratio of actual to predicted latency seen, its excess decaying over
-calibration_decay_s (>= 1): what the model misses, it learns from its own errors.
 A request refused for its deadline (or a full lane) is told to retry when it would fit (at least
 one run of its own later), and after the requests refused before it: retry appointments one share
-of the executor apart, so that requests refused together do not all return together.
-Nothing is clamped into a queueing formula: the queue ahead is known at admission.
+of the executor apart (verdict.RetryBook), so that requests refused together do not all return
+together. Nothing is clamped into a queueing formula: the queue ahead is known at admission.
 
 Within a lane, clients (a client-id metadata key, else the peer) are served in start-time fair
 queuing order by cost, in seconds of predicted executor share: a client's request starts its
@@ -44,10 +44,8 @@ Everything here runs on the event loop's thread; time comes from an injected clo
 from __future__ import annotations
 
 import bisect
-import enum
 import heapq
 import math
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,42 +53,15 @@ from typing import Any, Literal
 
 from .cost import RequestCost
 from .service_time import ServiceTimeModel
+from .verdict import (PRIORITIES, DeadlineExpired, DeadlineUnmeetable, Outlook, Overloaded, Priority, RefusalReason,
+                      RetryBook, RetryHints, decide)
 
 Clock = Callable[[], float]
-RefusalReason = Literal["queue_full", "client_limit", "deadline", "draining", "rpc_limit"]
 DropReason = Literal["cancelled", "expired", "drained"]
 
-
-class Priority(enum.IntEnum):
-    """Equal to the proto enum (PRIORITY_UNSPECIFIED = 0 is mapped to NORMAL by the server)."""
-
-    ONLINE = 1
-    NORMAL = 2
-    BACKGROUND = 3
-
-
-PRIORITIES = tuple(Priority)  # iterating the enum class itself is several times slower
 # A batch grows into a larger bucket only while its time per request stays within this factor of
 # the smaller bucket's (larger buckets are cheaper per request on a GPU; not always on a CPU).
 GROWTH_TOLERANCE = 1.1
-
-
-class Overloaded(Exception):
-    """A request refused by admission; retry after `retry_after_s` (here or on another replica)."""
-
-    def __init__(self, reason: RefusalReason, retry_after_s: float, detail: str = "") -> None:
-        super().__init__(f"overloaded ({reason}): {detail}" if detail else f"overloaded ({reason})")
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-class DeadlineExpired(Exception):
-    """The request's deadline passed before it ran; it was never executed (DEADLINE_EXCEEDED)."""
-
-
-class DeadlineUnmeetable(DeadlineExpired):
-    """A deadline no request could meet (already passed, or shorter than the request's own service
-    time on an idle executor): refused at admission; retrying does not help."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +82,9 @@ class AdmissionConfig:
     max_calibration: float = 2.0  # ... at most this much
     safety_margin: float = 0.1  # predicted wait + service is stretched by this fraction
     response_margin_s: float = 0.002  # unpacking, encoding and sending after the batch
-    max_retry_after_s: float = 2.0  # every retry hint is at most this
-    min_retry_after_s: float = 0.005  # ... and at least this
-    unavailable_retry_s: float = 0.5  # the hint while loading or draining
+    max_retry_after_s: float = RetryHints.max_s  # every retry hint is at most this
+    min_retry_after_s: float = RetryHints.min_s  # ... and at least this
+    unavailable_retry_s: float = RetryHints.unavailable_s  # the hint while loading or draining
     utilisation_window_s: float = 2.0  # busy time / wall time over this trailing window
     max_inflight_rpcs: int = 1024  # Ranker RPCs being handled at once; more: UNAVAILABLE at once
     client_id_metadata: str = "x-client-id"  # metadata key naming the client; absent: the peer's address
@@ -146,9 +117,13 @@ class AdmissionConfig:
             raise ValueError("admission.client_id_metadata: a lower-case metadata key, got "
                              f"{self.client_id_metadata!r}")
 
+    @property
+    def retry_hints(self) -> RetryHints:
+        return RetryHints(self.min_retry_after_s, self.max_retry_after_s, self.unavailable_retry_s)
+
     def retry_hint_s(self, seconds: float) -> float:
         """A retry hint: seconds, within [min_retry_after_s, max_retry_after_s]."""
-        return min(max(seconds, self.min_retry_after_s), self.max_retry_after_s)
+        return self.retry_hints.clamp(seconds)
 
     def max_queue(self, priority: Priority) -> int:
         return {Priority.ONLINE: self.max_queue_online, Priority.NORMAL: self.max_queue_normal,
@@ -255,70 +230,62 @@ class AdmissionController:
                                          "impossible": 0}
         self._dropped: dict[str, int] = {"expired": 0, "cancelled": 0, "drained": 0}
         self._taken = 0
-        self._next_retry = {p: -math.inf for p in PRIORITIES}  # the next free retry appointment per lane
-        self._jitter = random.Random()
+        self._retries = RetryBook()
+        self._hints = self.config.retry_hints
 
     # -- admission --
 
     def admit(self, ticket: Ticket, dry_run: bool = False) -> None:
-        """Queues the ticket, or raises Overloaded / DeadlineUnmeetable. dry_run: every check and
-        every refusal as admit would make them now, but nothing is queued (the server's gate before
-        decoding a request: a refusal there costs the event loop no validation or tokenization)."""
+        """Queues the ticket, or raises Overloaded / DeadlineUnmeetable (verdict.decide). dry_run:
+        every check and every refusal as admit would make them now, but nothing is queued (the
+        server's gate before decoding a request: a refusal there costs the event loop no validation
+        or tokenization)."""
         now = self.clock()
-        cfg, lane = self.config, self._lanes[ticket.priority]
-        if self.is_draining:
-            self._refuse("draining", cfg.unavailable_retry_s, "the server is draining; send to another replica")
-        ticket.own_s = own_s = self._bucket_s(ticket, 1, now)
-        ticket.measured = ticket.cost is not None and self.model.is_measured(ticket.cost.packings[0][1], now)
+        lane = self._lanes[ticket.priority]
+        index, tag, outlook = self.price(ticket, now)
+        work_s = ticket.work_s
+        verdict = decide(outlook)
+        ticket.predicted_s = verdict.predicted_s  # also calibrates, deadline or not
+        if verdict.reason is not None:
+            self._refused[verdict.reason] += 1
+            raise self._retries.refusal(verdict, outlook, self._hints)
         if ticket.deadline is not None:
-            self._check_meetable(ticket, own_s, now)
-        ticket.work_s = work_s = self._share_s(ticket, now)
-        parallelism = self.model.parallelism(now)
-        if len(lane) >= self._max_queue[ticket.priority]:
-            self._refuse("queue_full", self._appointment(ticket, lane.work_s / len(lane) / parallelism, now),
-                         f"{ticket.priority.name} lane holds {len(lane)} requests")
-        if lane.tickets and lane.work_s + work_s > cfg.max_lane_work_s:
-            excess_s = lane.work_s + work_s - cfg.max_lane_work_s
-            self._refuse("queue_full", self._appointment(ticket, excess_s / parallelism, now),
-                         f"{ticket.priority.name} lane holds {lane.work_s:.3f} s of work (at most "
-                         f"{cfg.max_lane_work_s:g} s)")
-        client_s = self._client_work.get(ticket.client, 0.0)
-        if cfg.max_client_work_s and client_s > 0 and client_s + work_s > cfg.max_client_work_s:
-            self._refuse("client_limit", (client_s + work_s - cfg.max_client_work_s) / parallelism,
-                         f"client {ticket.client!r} has {client_s:.3f} s of work outstanding (at most "
-                         f"{cfg.max_client_work_s:g} s)")
-        index, tag = self._place(lane, ticket)
-        ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
-        ticket.predicted_s = self._predict_s(ticket.priority, ahead_s, own_s, now)  # also calibrates, deadline or not
-        if ticket.deadline is not None:
-            finish = now + ticket.predicted_s * self.model.calibration_at(now)
-            if finish > ticket.deadline:  # back when it would fit, and at least one run of its own later
-                self._refuse("deadline", self._appointment(ticket, max(finish - ticket.deadline, own_s), now),
-                             f"predicted completion in {finish - now:.4f} s misses the deadline in "
-                             f"{ticket.deadline - now:.4f} s")
-            ticket.slack_s = ticket.deadline - finish
+            ticket.slack_s = ticket.deadline - verdict.finish
         if dry_run:
             return
         for t in lane.tickets[index:]:  # they now wait for this one's share too
-            t.slack_s -= work_s * (1 + cfg.safety_margin)
+            t.slack_s -= work_s * (1 + self.config.safety_margin)
         ticket.tag, ticket.enqueued, ticket.state = tag, now, "queued"
         lane.insert(ticket, index)
-        self._client_work[ticket.client] = client_s + work_s
+        self._client_work[ticket.client] = self._client_work.get(ticket.client, 0.0) + work_s
         self._client_count[ticket.client] = self._client_count.get(ticket.client, 0) + 1
         self._admitted[ticket.priority] += 1
         self.on_change()
 
-    def _check_meetable(self, ticket: Ticket, own_s: float, now: float) -> None:
-        cfg = self.config
-        left_s = ticket.deadline - now
-        if left_s <= 0:
-            self._refused["impossible"] += 1
-            raise DeadlineUnmeetable(f"the deadline passed {-left_s:.4f} s before the request was admitted")
-        need_s = own_s * (1 + cfg.safety_margin) + cfg.response_margin_s
-        if self.model.num_batches and left_s < need_s:  # measured, not the assumed default
-            self._refused["impossible"] += 1
-            raise DeadlineUnmeetable(f"the deadline in {left_s:.4f} s is shorter than this request's own "
-                                     f"service time ({need_s:.4f} s on an idle server); no retry can meet it")
+    def price(self, ticket: Ticket, now: float) -> tuple[int, float, Outlook]:
+        """Prices the ticket (own_s, measured, work_s), places it in its lane (index, fair-queuing
+        tag) and returns the engine's outlook for it; nothing is queued."""
+        ticket.own_s = self._bucket_s(ticket, 1, now)
+        ticket.measured = ticket.cost is not None and self.model.is_measured(ticket.cost.packings[0][1], now)
+        ticket.work_s = self._share_s(ticket, now)
+        index, tag = self._place(self._lanes[ticket.priority], ticket)
+        return index, tag, self.outlook(ticket, index, now)
+
+    def outlook(self, ticket: Ticket, index: int, now: float) -> Outlook:
+        """The engine's exact view for a priced ticket (own_s, work_s set) placed at `index` of its lane."""
+        cfg, model, p = self.config, self.model, ticket.priority
+        lane = self._lanes[p]
+        ahead_s = sum(t.work_s for t in lane.tickets[:index]) if index < len(lane) else lane.work_s
+        return Outlook(
+            now=now, deadline=ticket.deadline, priority=p, own_s=ticket.own_s, work_s=ticket.work_s,
+            is_measured=model.num_batches > 0, lane_length=len(lane), lane_max_queue=self._max_queue[p],
+            lane_work_s=lane.work_s, max_lane_work_s=cfg.max_lane_work_s, ahead_s=ahead_s,
+            higher_work_s=sum(self._lanes[q].work_s for q in PRIORITIES if q < p),
+            inflight_s=model.inflight_remaining_s(now), parallelism=model.parallelism(now),
+            stretch=self._stretch(p, now), calibration=model.calibration_at(now), safety_margin=cfg.safety_margin,
+            response_margin_s=cfg.response_margin_s, response_s=self.response_margin_s(), is_draining=self.is_draining,
+            client=ticket.client, client_work_s=self._client_work.get(ticket.client, 0.0),
+            max_client_work_s=cfg.max_client_work_s)
 
     def _place(self, lane: _Lane, ticket: Ticket) -> tuple[int, float]:
         """Start-time fair queuing: the index and tag of a new ticket in its lane. It does not go
@@ -332,15 +299,6 @@ class AdmissionController:
             if lane.tickets[i].slack_s < need_s:
                 return i + 1, max(tag, lane.tickets[i].tag)
         return index, tag
-
-    def _predict_s(self, priority: Priority, lane_ahead_s: float, own_s: float, now: float) -> float:
-        """Seconds from now to the predicted completion of a request with lane_ahead_s queued before
-        it in its own lane."""
-        cfg, model = self.config, self.model
-        ahead_s = model.inflight_remaining_s(now) + lane_ahead_s
-        ahead_s += sum(self._lanes[p].work_s for p in PRIORITIES if p < priority)
-        wait_s = ahead_s / model.parallelism(now) * self._stretch(priority, now)
-        return (wait_s + own_s) * (1 + cfg.safety_margin) + self.response_margin_s()
 
     def response_margin_s(self) -> float:
         """Time an answer needs after its batch: unpacking, encoding, sending (the configured
@@ -363,9 +321,10 @@ class AdmissionController:
     def predict_latency_s(self, ticket: Ticket, now: float | None = None) -> float:
         """Admission's prediction for this ticket if it came now, at the end of its lane."""
         now = self.clock() if now is None else now
-        own_s = self._bucket_s(ticket, 1, now)
-        return self._predict_s(ticket.priority, self._lanes[ticket.priority].work_s, own_s, now) * \
-            self.model.calibration_at(now)
+        priced = Ticket(ticket.payload, ticket.kind, ticket.priority, cost=ticket.cost, client=ticket.client)
+        priced.own_s = self._bucket_s(ticket, 1, now)
+        v = decide(self.outlook(priced, len(self._lanes[ticket.priority]), now))
+        return v.predicted_s * self.model.calibration_at(now)
 
     # -- costs --
 
@@ -393,20 +352,8 @@ class AdmissionController:
             share = per_request
         return share
 
-    def _appointment(self, ticket: Ticket, wait_s: float, now: float) -> float:
-        """The retry hint of a request refused for lack of room in its lane: no sooner than wait_s,
-        nor than the appointment after the last one given in its lane, appointments one share of
-        the executor apart — requests refused together come back one by one as room frees, not
-        all at once (each refusal costs the server too). Past the cap they are spread at random."""
-        cap, p = self.config.max_retry_after_s, ticket.priority
-        at = max(now + wait_s, self._next_retry[p])
-        self._next_retry[p] = min(at + ticket.work_s / self.model.parallelism(now), now + cap)
-        if at - now >= cap:
-            return cap * (1 - 0.25 * self._jitter.random())
-        return at - now
-
     def _hint(self, seconds: float) -> float:
-        return self.config.retry_hint_s(seconds)
+        return self._hints.clamp(seconds)
 
     def unavailable_hint_s(self) -> float:
         """The retry hint of a server that is loading or draining."""
@@ -418,10 +365,6 @@ class AdmissionController:
         now = self.clock()
         queued = sum(lane.work_s for lane in self._lanes.values())
         return self._hint((self.model.inflight_remaining_s(now) + queued) / self.model.parallelism(now))
-
-    def _refuse(self, reason: RefusalReason, retry_after_s: float, detail: str) -> None:
-        self._refused[reason] += 1
-        raise Overloaded(reason, self._hint(retry_after_s), detail)
 
     def start_draining(self) -> None:
         """From now on every admit() is refused ("draining"); queued tickets are still taken."""
@@ -534,7 +477,7 @@ class AdmissionController:
 
     def lane_views(self, now: float, num_points: int, num_clients: int) -> list[dict[str, Any]]:
         """Per lane (ONLINE first), what a front process needs to repeat admit()'s checks
-        (front_state.FrontGate): queued work and length, the queue cap, the wait stretch, the work
+        (service/serving/fronts/gate.py): queued work and length, the queue cap, the wait stretch, the work
         of the higher lanes, the virtual time, up to num_points samples (tag, work queued at tags up
         to it) of the fair-queuing order ending with the last ticket, and the virtual finish of
         the num_clients clients that finish latest."""

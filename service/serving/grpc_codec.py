@@ -15,19 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..sched.admission import Priority
+from ..sched.verdict import PROTO_PRIORITY_NAMES, Priority
+from ..sched.verdict import lane_of
 from ..artifact.artifact import Artifact
 from .proto_gen import load as load_stubs
 from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
                        validate_score)
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
-from .fronts.state import TEXT_SLACK, message_dims
+from ..sched.shapes import TEXT_SLACK, message_dims
 
 
-# PRIORITY_UNSPECIFIED (0) is what a client that sets nothing sends: the default lane.
-PRIORITIES = {0: Priority.NORMAL, 1: Priority.ONLINE, 2: Priority.NORMAL, 3: Priority.BACKGROUND}
-_PRIORITY_NAMES = "PRIORITY_UNSPECIFIED (0), ONLINE (1), NORMAL (2), BACKGROUND (3)"
 
 # validate_score / validate_beam name fields after the request dataclasses; the client wrote protos.
 _ENGINE_TO_PROTO = [
@@ -140,7 +138,7 @@ class Codec:
         beam_request would make: ids segments at their length, text at the fewest tokens it can
         become (len / (TEXT_SLACK x max_token_bytes)); and its priority. For admission's gate before decoding;
         None when the message is outside the limits (decoding will name the field)."""
-        priority = PRIORITIES.get(msg.priority)
+        priority = lane_of(msg.priority)
         request = self._shape(kind, msg) if priority is not None else None
         return None if request is None else (request, priority)
 
@@ -273,9 +271,10 @@ def _varint(n: int) -> bytes:
 
 
 def priority_of(value: int) -> Priority:
-    if value not in PRIORITIES:
-        raise RequestError("priority", f"{value} is not one of {_PRIORITY_NAMES}")
-    return PRIORITIES[value]
+    lane = lane_of(value)
+    if lane is None:
+        raise RequestError("priority", f"{value} is not one of {PROTO_PRIORITY_NAMES}")
+    return lane
 
 
 def _check_count(field: str, n: int, hi: int) -> None:

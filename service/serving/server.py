@@ -51,6 +51,7 @@ from .interceptor import TracingInterceptor
 from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
+from .status import NotServing, server_options, status_of
 from .wire import invalid_utf8_field
 from .fronts.state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
 from .fronts.supervisor import FrontOptions, FrontSupervisor
@@ -132,30 +133,6 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)
-
-
-class NotServing(Exception):
-    """The model is still loading, or the server is draining: UNAVAILABLE, retry after retry_after_s
-    (elsewhere, when draining)."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-# ---- errors -> status codes, in one place ----------------------------------------------------------
-
-def status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    if isinstance(e, RequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
-    if isinstance(e, (Overloaded, NotServing)):
-        retry_ms = max(1, round(e.retry_after_s * 1000))
-        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry after {retry_ms} ms", (("retry-after-ms", str(retry_ms)),)
-    if isinstance(e, DeadlineExpired):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline expired before the request ran", ()
-    if isinstance(e, ExecutionError):
-        return grpc.StatusCode.INTERNAL, str(e), ()
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", ()
 
 
 DRAIN_LULL_S = 1.0  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace);
@@ -262,9 +239,9 @@ class RankerServicer:
 
     def _serving(self) -> tuple[Codec, Scheduler]:
         if self.is_draining:
-            raise NotServing("the server is draining; send to another replica", self.unavailable_hint_s)
+            raise NotServing("draining", self.unavailable_hint_s)
         if self.codec is None or self.scheduler is None:
-            raise NotServing("the model is still loading; retry shortly", self.unavailable_hint_s)
+            raise NotServing("loading", self.unavailable_hint_s)
         return self.codec, self.scheduler
 
     @property
@@ -311,7 +288,7 @@ class RankerServicer:
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.info is None:
-            raise NotServing("the model is still loading; retry shortly", self.unavailable_hint_s)
+            raise NotServing("loading", self.unavailable_hint_s)
         return self.info
 
 
@@ -346,16 +323,9 @@ class RankerServer:
         # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
         access_log = logging.getLogger("slmrank.access") if self.config.access_log else None
         interceptors = [TracingInterceptor(self.tracer, self.metrics, access_log=access_log), self.interceptor]
-        self._server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
-            ("grpc.max_send_message_length", self.config.max_send_message_bytes),
-            # a taken port is an error, not a port silently shared with another process (gRPC's default)
-            ("grpc.so_reuseport", 0),
-            # gRPC cancels calls it received but the event loop has not taken yet beyond 1,000 (no status
-            # a client can act on, never seen by the metrics): let a burst reach StatusInterceptor's
-            # bound instead, which answers UNAVAILABLE with a retry hint
-            ("grpc.server.max_pending_requests", 8 * self.servicer.admission.max_inflight_rpcs),
-            ("grpc.server.max_pending_requests_hard_limit", 32 * self.servicer.admission.max_inflight_rpcs)])
+        self._server = grpc.aio.server(interceptors=interceptors, options=server_options(
+            self.servicer.admission.max_inflight_rpcs, self.config.max_receive_message_bytes,
+            self.config.max_send_message_bytes))
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection([RANKER, HEALTH], self._server)

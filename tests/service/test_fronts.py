@@ -28,13 +28,18 @@ from service.runtime.requests import BeamRequest, ScoreRequest
 from service.sched.admission import (AdmissionConfig, AdmissionController, DeadlineUnmeetable, Overloaded, Priority,
                                        Ticket)
 from service.sched.cost import BucketInfo, RequestCost
-from service.serving.fronts.state import (STATE_DRAINING, STATE_SERVING, FrontGate, LaneView, Limits, SharedState,
-                                         Snapshot, message_dims)
+from service.model.config import ServingLimits
+from service.sched.shapes import message_dims
+from service.sched.verdict import decide
+from service.serving.fronts.gate import FrontGate, refusal_reason, snapshot_outlook
+from service.serving.fronts.state import NUM_CLIENTS, NUM_POINTS, STATE_DRAINING, STATE_SERVING, LaneView, SharedState, Snapshot
 from service.serving.fronts.supervisor import FrontPublisher
 from service.serving.proto_gen import load as load_stubs
 
 pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
-LIMITS = Limits(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5, max_prompt_tokens=1024)
+LIMITS = ServingLimits(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5,
+                       max_prompt_tokens=1024)
+LIMIT_FIELDS = dict(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5, max_prompt_tokens=1024)
 
 
 class FakeClock:
@@ -61,7 +66,7 @@ def test_snapshot_round_trip(shared, tmp_path):
     snap = Snapshot(published_s=12.5, state=STATE_SERVING, measured=True, inflight_s=0.03, inflight_batches=2,
                     parallelism=1.7, calibration=1.2, safety_margin=0.1, response_margin_s=0.002, response_s=0.004,
                     min_retry_s=0.005, max_retry_s=2.0, unavailable_retry_s=0.5, max_lane_work_s=30.0,
-                    limits=LIMITS, max_token_bytes=7,
+                    **LIMIT_FIELDS, max_token_bytes=7,
                     lanes=(LaneView(0.5, 3, 128, 1.0, 0.0, 4.0, ((4.5, 0.1), (5.0, 0.5)), {7: 9.5, -3: 4.25}),
                            LaneView(), LaneView(work_s=1.5, length=9)),
                     shapes={hash((0, 3, (1, 2))): (0.01, 0.004), -5: (0.2, 0.2)})
@@ -85,12 +90,12 @@ def test_a_writer_descheduled_mid_write_never_fails_a_reader(shared):
     then uses the last snapshot it read; with none, the gate forwards (the engine decides)."""
     import struct
     from service.serving.fronts.state import SnapshotBusy
-    shared.write(Snapshot(state=STATE_SERVING, max_retry_s=1.5, limits=LIMITS))
+    shared.write(Snapshot(state=STATE_SERVING, max_retry_s=1.5, **LIMIT_FIELDS))
     reader = SharedState(shared.path)
     fresh = SharedState(shared.path)  # has read nothing yet
     try:
         first = reader.read()
-        shared.write(Snapshot(state=STATE_DRAINING, limits=LIMITS))
+        shared.write(Snapshot(state=STATE_DRAINING, **LIMIT_FIELDS))
         seq = struct.unpack_from("<Q", shared.mm, 0)[0]
         struct.pack_into("<Q", shared.mm, 0, seq + 1)  # odd: a write begun, never finished
         t = time.monotonic()
@@ -191,7 +196,7 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
             continue
         refused += 1
         assert engine is not None, f"the front refused ({front}) what the engine admits"
-        if front.reason == "impossible":
+        if refusal_reason(front) == "impossible":
             assert isinstance(engine, DeadlineUnmeetable), (front, engine)
         else:
             assert isinstance(engine, Overloaded) and not isinstance(engine, DeadlineUnmeetable), (front, engine)
@@ -199,10 +204,59 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
             # the checks run in the engine's order; the engine's lane-work check counts the request's
             # own share, the front's only what is queued: a front's "deadline" may be the engine's
             # "queue_full" (or its per-client cap, which fronts do not check)
-            if front.reason == "queue_full":
+            if refusal_reason(front) == "queue_full":
                 assert engine.reason == "queue_full", (front, engine)
         clock.t += rng.uniform(0, 0.003)
     assert checked == 60
+
+
+# what a front can know of a request's outlook, exactly, when the snapshot holds the whole state
+KNOWN = ("now", "deadline", "priority", "own_s", "work_s", "is_measured", "lane_length", "lane_max_queue",
+         "lane_work_s", "max_lane_work_s", "higher_work_s", "inflight_s", "parallelism", "stretch", "calibration",
+         "safety_margin", "response_margin_s", "response_s", "ingress_s")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_front_and_the_engine_reach_the_same_verdict_from_the_same_state(seed, shared):
+    """Both call verdict.decide: the engine over its exact view (AdmissionController.price), a front
+    over the snapshot it reads back from shared memory. Where the snapshot holds the state whole (a
+    lane of at most NUM_POINTS tickets, at most NUM_CLIENTS clients, the request's shape just
+    priced, no time passed since the publish) the two views are equal in every field a front can
+    know, and then the verdicts are the same: reason, predicted completion and retry wait. The one
+    view a front cannot see is the engine placing a request behind queued work whose slack it must
+    not eat (more work ahead): there a front's refusal is still the engine's."""
+    clients = ["alice", "bob", "carol"]
+    rng, clock, ctl, publisher = _world(seed, shared, clients)
+    same = 0
+    for _ in range(40):
+        kind = rng.choice(["score", "beam"])
+        priority = rng.choice([1, 2, 3])
+        deadline = None if rng.random() < 0.2 else clock.t + rng.choice([-0.001, 0.002, 0.02, 0.1, 0.5, 2.0])
+        client = rng.choice(clients)
+        t = Ticket("p", "score" if kind == "score" else "beam.n3", Priority(priority), deadline, client=client,
+                   cost=SCORE_COST if kind == "score" else BEAM_COST)
+        _, _, engine = ctl.price(t, clock.t)
+        publisher.note_shape(_engine_request(kind), t.own_s, t.work_s)
+        publisher.publish()
+        msg = SCORE_MSG if kind == "score" else BEAM_MSG
+        front = snapshot_outlook(shared.read(), Priority(priority), message_dims(kind, msg, LIMITS, 4), deadline,
+                                 client, clock.t)
+        if engine.lane_length > NUM_POINTS or len(clients) > NUM_CLIENTS:
+            continue
+        for name in KNOWN:
+            a, b = getattr(front, name), getattr(engine, name)
+            assert a == b if b is None or isinstance(b, (bool, Priority)) else a == pytest.approx(b, rel=1e-9, abs=1e-12), name
+        assert front.client_work_s is None and front.ahead_s <= engine.ahead_s + 1e-9
+        v_engine, v_front = decide(engine), decide(front)
+        if front.ahead_s == pytest.approx(engine.ahead_s, rel=1e-9, abs=1e-12):
+            same += 1
+            assert v_front.reason == v_engine.reason, (v_front, v_engine)
+            assert v_front.finish == pytest.approx(v_engine.finish, rel=1e-9)
+            assert v_front.wait_s == pytest.approx(v_engine.wait_s, rel=1e-9, abs=1e-12)
+        elif v_front.reason is not None:
+            assert v_engine.reason is not None, (v_front, v_engine)
+        clock.t += rng.uniform(0, 0.003)
+    assert same >= 20
 
 
 def test_one_client_overloaded_the_front_refuses_as_the_engine(shared):
@@ -225,14 +279,14 @@ def test_draining_and_loading_are_refused_with_a_hint(shared):
     publisher = FrontPublisher(shared, clock)  # no model yet: loading
     gate = FrontGate(shared.read, clock=clock)
     r = gate.check("score", SCORE_MSG, None, "c")
-    assert r.reason == "loading" and r.retry_after_s == 0.5
+    assert refusal_reason(r) == "loading" and r.retry_after_s == 0.5
     ctl = AdmissionController(AdmissionConfig(unavailable_retry_s=0.25), clock=clock)
     publisher.attach(ctl, LIMITS, 4)
     publisher.set_state(STATE_SERVING)
     assert gate.check("score", SCORE_MSG, None, "c") is None
     publisher.set_state(STATE_DRAINING)
     r = gate.check("beam", BEAM_MSG, clock.t + 1, "c")
-    assert r.reason == "draining" and r.retry_after_s == 0.25 and "draining" in r.detail
+    assert refusal_reason(r) == "draining" and r.retry_after_s == 0.25 and "draining" in str(r)
 
 
 def test_a_backlogged_engine_is_shed_at_the_fronts(shared):
@@ -250,11 +304,11 @@ def test_a_backlogged_engine_is_shed_at_the_fronts(shared):
     assert gate.check("score", SCORE_MSG, None, "c") is None
     # ... but a deadline 3 ms away cannot be met through it
     r = gate.check("score", SCORE_MSG, clock.t + 0.003, "c")
-    assert r is not None and r.reason == "deadline"
+    assert r is not None and refusal_reason(r) == "deadline"
     publisher.note_ingress(clock.t - 0.030)  # 30 ms behind
     publisher.publish()
     r = gate.check("beam", BEAM_MSG, None, "c")
-    assert r.reason == "backlog" and 0.025 <= r.retry_after_s <= 2.0 and "30.0 ms behind" in r.detail
+    assert refusal_reason(r) == "backlog" and 0.025 <= r.retry_after_s <= 2.0 and "30.0 ms behind" in str(r)
     assert publisher.ingress_delay_s() == pytest.approx(0.030)  # as the metrics show it
     clock.t += 0.028  # nothing measured since: the backlog is worked off as time passes
     assert gate.check("beam", BEAM_MSG, None, "c") is None
@@ -488,7 +542,7 @@ def test_an_answer_after_the_caller_s_deadline_ends_the_front_s_handler_quietly(
     import argparse
     from service.serving.fronts.front import Front
 
-    shared.write(Snapshot(state=STATE_SERVING, limits=LIMITS))
+    shared.write(Snapshot(state=STATE_SERVING, **LIMIT_FIELDS))
     args = argparse.Namespace(state=shared.path, slot=0, fronts=1, client_id_metadata="x-client-id",
                               max_inflight=8)
     front = Front(args)

@@ -1,4 +1,4 @@
-"""One front process of `slmrank serve --fronts N` (front_state.py says what fronts are for).
+"""One front process of `slmrank serve --fronts N` (state.py says what fronts are for).
 
     python -m service.serving.fronts.front --engine unix:PATH --state PATH --slot I --fronts N --host H --port P
 
@@ -30,8 +30,11 @@ from typing import Any, AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from .state import SENT_KEY, FrontGate, Refusal, SharedState, client_id
+from ...sched.verdict import Overloaded
 from ..proto_gen import load as load_stubs
+from ..status import server_options, status_of
+from .gate import FrontGate, refusal_reason
+from .state import SENT_KEY, SharedState, client_id
 
 log = logging.getLogger("slmrank.front")
 
@@ -46,15 +49,6 @@ def _relayed(metadata: Any) -> list[tuple[str, Any]]:
     """The caller's metadata, less what gRPC sets itself and the fronts' own stamp (a caller's
     would skew the engine's measure of its backlog)."""
     return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS) and k != SENT_KEY]
-
-
-def refusal_status(r: Refusal) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The engine's status for the same refusal (server.status_of)."""
-    if r.reason == "impossible":
-        return grpc.StatusCode.DEADLINE_EXCEEDED, r.detail, ()
-    retry_ms = max(1, round(r.retry_after_s * 1000))
-    text = r.detail if r.reason in ("draining", "loading") else f"overloaded ({r.reason}): {r.detail}"
-    return grpc.StatusCode.UNAVAILABLE, f"{text}; retry after {retry_ms} ms", (("retry-after-ms", str(retry_ms)),)
 
 
 class Front:
@@ -75,10 +69,10 @@ class Front:
         self.shared.slot_arrival(self.slot, now)
         if self.inflight >= self.args.max_inflight:  # as the engine's bound (StatusInterceptor): a clear status
             self.shared.slot_add(self.slot, "refused_queue_full")
-            retry_ms = max(1, round(self.gate.backlog_hint_s() * 1000))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"overloaded (rpc_limit): {self.args.max_inflight} "
-                                f"requests are being handled at once already; retry after {retry_ms} ms",
-                                trailing_metadata=(("retry-after-ms", str(retry_ms)),))
+            code, message, trailers = status_of(Overloaded(
+                "rpc_limit", self.gate.backlog_hint_s(), f"{self.args.max_inflight} requests are being handled at "
+                "once already"))
+            await context.abort(code, message, trailing_metadata=trailers)
         self.inflight += 1
         try:
             return await self._admit_and_forward(raw, context, method, kind, now)
@@ -97,8 +91,8 @@ class Front:
         if msg is not None:
             refusal = self.gate.check(kind, msg, None if remaining is None else now + remaining, client)
             if refusal is not None:
-                self.shared.slot_add(self.slot, _REFUSED_FIELD[refusal.reason])
-                code, message, trailers = refusal_status(refusal)
+                self.shared.slot_add(self.slot, _REFUSED_FIELD[refusal_reason(refusal)])
+                code, message, trailers = status_of(refusal)
                 await context.abort(code, message, trailing_metadata=trailers)
         relayed = _relayed(metadata)
         if not any(k == self.args.client_id_metadata for k, _ in relayed):
@@ -159,14 +153,9 @@ class Front:
             ("grpc.max_receive_message_length", a.max_send_message_bytes),
             ("grpc.max_send_message_length", a.max_receive_message_bytes)])
         self._unary = {m: self.channel.unary_unary(f"/{RANKER}/{m}") for m in ("Score", "BeamSearch")}
-        self.server = grpc.aio.server(options=[
-            ("grpc.so_reuseport", 1),
-            # as the engine: a burst reaches the bound above (UNAVAILABLE with a hint), not gRPC's own
-            # cancellation past 1,000 calls not yet taken by the loop
-            ("grpc.server.max_pending_requests", 8 * a.max_inflight),
-            ("grpc.server.max_pending_requests_hard_limit", 32 * a.max_inflight),
-            ("grpc.max_receive_message_length", a.max_receive_message_bytes),
-            ("grpc.max_send_message_length", a.max_send_message_bytes)])
+        # as the engine's listener: a burst reaches the bound above (UNAVAILABLE with a hint)
+        self.server = grpc.aio.server(options=server_options(a.max_inflight, a.max_receive_message_bytes,
+                                                             a.max_send_message_bytes, reuse_port=True))
         self.server.add_generic_rpc_handlers((self.handler(),))
         address = f"{a.host}:{a.port}"
         try:

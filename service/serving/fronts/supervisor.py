@@ -1,4 +1,4 @@
-"""The engine's side of `slmrank serve --fronts N` (front_state.py says what fronts are for).
+"""The engine's side of `slmrank serve --fronts N` (state.py says what fronts are for).
 
 FrontPublisher writes admission's state into the shared file after every change of the queues
 (at most once per event-loop iteration) and keeps the service time of the request shapes seen
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import socket
@@ -21,25 +22,28 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ...sched.shapes import request_dims, shape_key
 from .state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_FIELDS, STATE_DRAINING, STATE_LOADING,
-                          STATE_SERVING, LaneView, Limits, SharedState, Snapshot, client_key, ingress_delay_s,
-                          request_dims, shape_key)
+                    STATE_SERVING, LaneView, SharedState, Snapshot, client_key, ingress_delay_s)
+
+# the serving limits a front checks a message against (message_dims)
+LIMITS = ("max_samples", "max_score_tokens", "max_beam_width", "max_new_tokens", "max_prompt_tokens")
 
 log = logging.getLogger("slmrank.fronts")
 
 
 class FrontPublisher:
-    """Engine side: admission's state -> the shared file (front_state.Snapshot)."""
+    """Engine side: admission's state -> the shared file (state.Snapshot)."""
 
     def __init__(self, shared: SharedState, clock: Callable[[], float] = time.monotonic) -> None:
         self.shared, self.clock = shared, clock
         self.state = STATE_LOADING
         self.admission: Any = None  # the AdmissionController, once the model is loaded
-        self.limits: Limits | None = None
+        self.limits: dict[str, int] = {}  # the serving limits, Snapshot's max_* fields
         self.max_token_bytes = 1
         self.shapes: OrderedDict[int, tuple[float, float]] = OrderedDict()
         self.ingress_s, self.ingress_at = 0.0, 0.0  # the latest forwarded request's wait to the engine's handler
-        self.max_backlog_s = 0.005
+        self.max_backlog_s = math.inf  # admission's, once attached
         self.closed = False
         self._pending = False
         self.publish()
@@ -47,8 +51,7 @@ class FrontPublisher:
     def attach(self, admission: Any, limits: Any, max_token_bytes: int) -> None:
         """The model is loaded: its admission controller, serving limits and tokenizer's longest token."""
         self.admission = admission
-        self.limits = Limits(limits.max_samples, limits.max_score_tokens, limits.max_beam_width,
-                             limits.max_new_tokens, limits.max_prompt_tokens)
+        self.limits = {name: getattr(limits, name) for name in LIMITS}
         self.max_token_bytes = max_token_bytes
         self.max_backlog_s = admission.config.front_max_backlog_s
         admission.on_change = self.changed
@@ -66,7 +69,7 @@ class FrontPublisher:
         return delay
 
     def ingress_delay_s(self) -> float:
-        """The ingress delay as the fronts read it now (front_state.ingress_delay_s)."""
+        """The ingress delay as the fronts read it now (state.ingress_delay_s)."""
         return ingress_delay_s(self.ingress_s, self.ingress_at, self.clock())
 
     def set_state(self, state: int) -> None:
@@ -105,7 +108,7 @@ class FrontPublisher:
         if self.closed:
             return
         now = self.clock()
-        snap = Snapshot(published_s=now, state=self.state, limits=self.limits, max_token_bytes=self.max_token_bytes,
+        snap = Snapshot(published_s=now, state=self.state, **self.limits, max_token_bytes=self.max_token_bytes,
                         shapes=dict(self.shapes), ingress_s=self.ingress_s, ingress_at=self.ingress_at,
                         max_backlog_s=self.max_backlog_s)
         adm = self.admission

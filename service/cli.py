@@ -121,19 +121,17 @@ def _server_config(values: dict):
     from .serving.server import ServerConfig
     from .serving.settings import section
 
-    trace = section(values, "trace_")
+    # the public settings only; every other field keeps its config dataclass's default (resolve()
+    # has refused an SLMRANK_TRACE_* variable that is no setting, so TracingConfig.from_env reads none)
     config = ServerConfig(
         host=values["host"], port=values["port"], grace_s=values["grace_s"], fronts=values["fronts"],
         health_host=values["health_host"], health_port=values["health_port"],
-        max_receive_message_bytes=values["max_receive_message_bytes"],
-        max_send_message_bytes=values["max_send_message_bytes"],
         tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_client_ca=values["tls_client_ca"],
         admission=AdmissionConfig(**section(values, "admission_")),
         batcher=BatcherConfig(**section(values, "batcher_"), validate_requests=False),
         metrics_host=values["metrics_host"], metrics_port=values["metrics_port"],
-        trace_sample_rate=trace["sample_rate"], trace_slow_ms=trace["slow_ms"],
-        trace_max_kept_per_s=trace["max_kept_per_s"], trace_chrome_max_events=trace["chrome_max_events"],
-        otlp_endpoint=values["otlp_endpoint"], trace_file=trace["file"], access_log=values["access_log"])
+        trace_sample_rate=values["trace_sample_rate"], trace_slow_ms=values["trace_slow_ms"],
+        otlp_endpoint=values["otlp_endpoint"], trace_file=values["trace_file"], access_log=values["access_log"])
     tracing = config.tracing()  # ValueError: a value out of range
     if tracing.otlp_endpoint:
         module, package = OTLP_PACKAGES[tracing.otlp_protocol]

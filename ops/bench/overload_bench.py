@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default=None)
     p.add_argument("--kernels", default="aten", choices=["aten", "triton"])
     p.add_argument("--serve-args", default="",
-                   help="more `slmrank serve` flags, e.g. '--admission-max-retry-after-s 2'")
+                   help="more `slmrank serve` flags, e.g. '--admission-max-queue-online 64'")
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]

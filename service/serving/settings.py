@@ -1,25 +1,31 @@
 """The one registry of `slmrank serve` / `slmrank run` settings, and where each value comes from.
 
+The public settings are written out one by one below: what an operator has a decision to make
+about (the model and its placement, the listeners, TLS, the queue caps, batching's bounds,
+observability, logging). The other fields of the layers' config dataclasses (the prediction
+model's constants: service_window, safety_margin, load_wait_*, ...) keep their dataclass
+defaults and are no settings; a test or a benchmark that varies one builds the dataclass.
+
 Every setting has one snake_case name, which is its config-file key; its flag is the name with
 dashes (`--batcher-max-wait-s`) and its environment variable the name upper-cased behind
 SLMRANK_ (`SLMRANK_BATCHER_MAX_WAIT_S`). A value is taken from the first of
 
     flag  >  SLMRANK_* environment variable  >  config file (TOML, --config / SLMRANK_CONFIG)  >  default
 
-`--help` shows each default and variable. Defaults of the batching, admission and tracing settings
-are those of their layer's frozen config dataclass; the values are validated there when the
-configs are built (ServerConfig, BatcherConfig, AdmissionConfig, TracingConfig).
-Every mistake (an unknown file key, a value of the wrong type, a missing file) is a
-SettingsError: one line, naming the flag, variable or file key, and exit 2 in the CLI.
+`--help` shows each default and variable. A setting of a config field takes the field's default
+(field_setting: one place for each default); the values are validated there when the configs are
+built (ServerConfig, BatcherConfig, AdmissionConfig, TracingConfig). docs/operations.md has the
+table of them all (tests/service/test_settings.py holds the two equal).
+Every mistake (an unknown file key, an SLMRANK_ADMISSION_* / _BATCHER_* / _TRACE_* variable that
+is no setting, a value of the wrong type, a missing file) is a SettingsError: one line, naming
+the flag, variable or file key, and exit 2 in the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
-import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from typing import Any
 from ..observe.tracing import TracingConfig
 from ..sched.admission import AdmissionConfig
 from ..sched.batcher import BatcherConfig
+from .server import ServerConfig
 
 ENV_PREFIX = "SLMRANK_"
 NOT_GIVEN = argparse.SUPPRESS  # a flag's default: absent from the namespace unless given
@@ -88,6 +95,7 @@ class Setting:
     group: str
     choices: tuple[str, ...] | None = None
     required: bool = False
+    field: str | None = None  # "AdmissionConfig.max_queue_online": the config field it sets, and its default
 
     @property
     def flag(self) -> str:
@@ -108,17 +116,24 @@ class Setting:
         return converted
 
 
-def _dataclass_section(config: type, prefix: str, group: str, exclude: tuple[str, ...] = ()) -> list[Setting]:
-    """A setting per field of a layer's config dataclass: its default (one place for it), and the
-    comment on its line as help. Fields without a plain default (None, a factory) are left out."""
-    comments = dict(_FIELD_COMMENT.findall(inspect.getsource(config)))
-    return [Setting(prefix + f.name, PARSERS[type(f.default)], f.default,
-                    comments.get(f.name, f"{config.__name__}.{f.name}"), group)
-            for f in dataclasses.fields(config) if type(f.default) in PARSERS and f.name not in exclude]
+def field_setting(config: type, field: str, prefix: str, group: str, help: str,
+                  parse: Callable[[Any], Any] | None = None, choices: tuple[str, ...] | None = None) -> Setting:
+    """The public setting `prefix + field` of a config dataclass's field: its default is the
+    field's (one place for each default), its parser the default's type unless given (a field
+    whose default is None needs one). A field that is not there fails at import."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    if field not in fields:
+        raise TypeError(f"{config.__name__} has no field {field!r}")
+    default = fields[field].default
+    if default is dataclasses.MISSING:
+        raise TypeError(f"{config.__name__}.{field} has no plain default")
+    return Setting(prefix + field, parse or PARSERS[type(default)], default, help, group, choices,
+                   field=f"{config.__name__}.{field}")
 
 
-_FIELD_COMMENT = re.compile(r"^    (\w+): [^=\n]+= [^#\n]+#\s*(.+)$", re.MULTILINE)
-
+# Every public setting is written out here; a config field that is not listed (the prediction
+# model's constants: service_window, safety_margin, the bursts, load_wait_*, ...) keeps its
+# dataclass default and is no flag, variable or file key (build the dataclass to vary it).
 MODEL_SETTINGS = (
     Setting("model", _str, None, "an artifact directory, an embedded spec (embedded:tiny, embedded:qwen2.5-0.5b, "
             "...) or a local Hugging Face checkpoint directory", "model", required=True),
@@ -137,43 +152,68 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
             ("all", "lazy")),
     Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
             "memory pool (0: 2 on CUDA, 1 on the CPU)", "model"),
-    Setting("host", _str, "0.0.0.0", "address of the gRPC API (127.0.0.1: a sidecar's loopback only)", "server"),
-    Setting("port", _int, 50051, "port of the gRPC API (0: any free port, printed)", "server"),
-    Setting("health_host", _str, "0.0.0.0", "address of the health-only gRPC listener", "server"),
-    Setting("health_port", _optional(_int), None, "a second, plaintext gRPC listener serving grpc.health.v1 only "
-            "(kubelet probes reach the pod IP, and speak no TLS); off: health on the API port only", "server"),
-    Setting("fronts", _int, 0, "front processes that own the API port (SO_REUSEPORT), refuse what admission would "
-            "refuse without the engine's event loop, and forward the rest to it over a Unix socket (0: none, the "
-            "engine listens itself; a few under heavy overload)", "server"),
-    Setting("grace_s", _float, 20.0, "SIGTERM/SIGINT: finish in-flight requests for at most this long (seconds), "
-            "then exit", "server"),
-    Setting("max_receive_message_bytes", _int, 1 << 20, "largest request message accepted (bytes)", "server"),
-    Setting("max_send_message_bytes", _int, 4 << 20, "largest response message sent (bytes)", "server"),
-    Setting("tls_cert", _optional(_str), None, "PEM certificate chain of the server: TLS on the API port", "tls"),
-    Setting("tls_key", _optional(_str), None, "PEM private key of --tls-cert", "tls"),
-    Setting("tls_client_ca", _optional(_str), None, "PEM CA bundle: clients must present a certificate it "
-            "signed (mTLS)", "tls"),
-    # validate_requests: the server validates in the codec, before admission
-    *_dataclass_section(BatcherConfig, "batcher_", "batching", exclude=("validate_requests",)),
-    *_dataclass_section(AdmissionConfig, "admission_", "admission"),
-    Setting("metrics_host", _str, "127.0.0.1", "address of GET /metrics (Prometheus) and GET /trace "
-            "(0.0.0.0 to be scraped from outside the pod)", "observability"),
+    field_setting(ServerConfig, "host", "", "server", "address of the gRPC API (127.0.0.1: a sidecar's loopback "
+                  "only)"),
+    field_setting(ServerConfig, "port", "", "server", "port of the gRPC API (0: any free port, printed)"),
+    field_setting(ServerConfig, "health_host", "", "server", "address of the health-only gRPC listener"),
+    field_setting(ServerConfig, "health_port", "", "server", "a second, plaintext gRPC listener serving "
+                  "grpc.health.v1 only (kubelet probes reach the pod IP, and speak no TLS); off: health on the API "
+                  "port only", parse=_optional(_int)),
+    field_setting(ServerConfig, "fronts", "", "server", "front processes that own the API port (SO_REUSEPORT), "
+                  "refuse what admission would refuse without the engine's event loop, and forward the rest to it "
+                  "over a Unix socket (0: none, the engine listens itself; 4 to 8 under heavy overload)"),
+    field_setting(ServerConfig, "grace_s", "", "server", "SIGTERM/SIGINT: finish in-flight requests for at most "
+                  "this long (seconds), then exit"),
+    field_setting(ServerConfig, "tls_cert", "", "tls", "PEM certificate chain of the server: TLS on the API port",
+                  parse=_optional(_str)),
+    field_setting(ServerConfig, "tls_key", "", "tls", "PEM private key of --tls-cert", parse=_optional(_str)),
+    field_setting(ServerConfig, "tls_client_ca", "", "tls", "PEM CA bundle: clients must present a certificate it "
+                  "signed (mTLS)", parse=_optional(_str)),
+    field_setting(BatcherConfig, "max_wait_s", "batcher_", "batching", "the oldest request of a batch that is not "
+                  "full waits at most this long (seconds) for more to join"),
+    field_setting(BatcherConfig, "max_inflight", "batcher_", "batching", "batches handed to the executor at once "
+                  "(running + queued there)"),
+    field_setting(BatcherConfig, "max_batch_requests", "batcher_", "batching", "whole requests per batch, at most "
+                  "(the artifact's buckets may hold fewer)"),
+    field_setting(AdmissionConfig, "max_queue_online", "admission_", "admission", "queued (not yet batched) ONLINE "
+                  "requests, at most; more: UNAVAILABLE with a retry hint"),
+    field_setting(AdmissionConfig, "max_queue_normal", "admission_", "admission", "likewise NORMAL (and unspecified) "
+                  "requests"),
+    field_setting(AdmissionConfig, "max_queue_background", "admission_", "admission", "likewise BACKGROUND requests"),
+    field_setting(AdmissionConfig, "max_lane_work_s", "admission_", "admission", "predicted executor seconds queued "
+                  "per lane, at most (one request always fits)"),
+    field_setting(AdmissionConfig, "max_client_work_s", "admission_", "admission", "predicted executor seconds one "
+                  "client may have queued and in flight (one request always fits); 0: no cap"),
+    field_setting(AdmissionConfig, "max_inflight_rpcs", "admission_", "admission", "Ranker RPCs handled at once; "
+                  "more: UNAVAILABLE at once"),
+    field_setting(AdmissionConfig, "client_id_metadata", "admission_", "admission", "lower-case metadata key naming "
+                  "the client (for --admission-max-client-work-s); absent from a call: the peer's address"),
+    field_setting(ServerConfig, "metrics_host", "", "observability", "address of GET /metrics (Prometheus) and "
+                  "GET /trace (0.0.0.0 to be scraped from outside the pod)"),
+    # on in `slmrank serve` (ServerConfig's None, off, is for servers built in-process)
     Setting("metrics_port", _optional(_int), 9464, "port of /metrics and /trace (0: any free port, printed; "
             "off: not served)", "observability"),
-    # otlp_*: from the standard OTEL_EXPORTER_OTLP_* variables (and --otlp-endpoint below)
-    *_dataclass_section(TracingConfig, "trace_", "observability", exclude=("otlp_endpoint", "otlp_protocol", "seed")),
-    Setting("trace_file", _optional(_str), None, "write the Chrome/Perfetto trace of the kept requests here when "
-            "the server stops (read it with `slmrank trace FILE`)", "observability"),
-    Setting("otlp_endpoint", _optional(_str), None, "export kept traces as OpenTelemetry spans over OTLP to this "
-            "endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)", "observability"),
+    field_setting(TracingConfig, "sample_rate", "trace_", "observability", "share of the requests that are not "
+                  "slow whose trace is kept"),
+    field_setting(TracingConfig, "slow_ms", "trace_", "observability", "a request at least this long (receive -> "
+                  "send, ms) is always kept"),
+    field_setting(ServerConfig, "trace_file", "", "observability", "write the Chrome/Perfetto trace of the kept "
+                  "requests here when the server stops (read it with `slmrank trace FILE`)", parse=_optional(_str)),
+    field_setting(ServerConfig, "otlp_endpoint", "", "observability", "export kept traces as OpenTelemetry spans "
+                  "over OTLP to this endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)", parse=_optional(_str)),
     Setting("log_level", _str, "info", "least severe log record written", "logging",
             ("debug", "info", "warning", "error")),
     Setting("log_format", _str, "text", "text: one readable line per record; json: one JSON object per line",
             "logging", ("text", "json")),
-    Setting("access_log", _bool, False, "one log record per finished RPC (method, code, latency, peer)", "logging"),
+    field_setting(ServerConfig, "access_log", "", "logging", "one log record per finished RPC (method, code, "
+                  "latency, peer)"),
 )
 
 RUN_SETTINGS = MODEL_SETTINGS
+
+# SLMRANK_<prefix>* variables name settings only: one left over from a setting that became internal
+# is refused, not ignored
+_SETTING_PREFIXES = ("batcher_", "admission_", "trace_")
 
 GROUP_TITLES = {
     "model": "model and placement",
@@ -227,7 +267,7 @@ def read_config_file(path: str | os.PathLike[str], settings: Iterable[Setting]) 
         raise SettingsError(f"config file {path}: cannot read it ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"config file {path}: not valid TOML ({e})") from None
-    known = {s.name for s in (*SERVE_SETTINGS, *settings)}  # one file may serve `serve` and `run`
+    known = _known(settings)
     for key in data:
         if key not in known:
             raise SettingsError(f"config file {path}: unknown key {key!r} (`slmrank serve --help` lists the settings; "
@@ -235,11 +275,28 @@ def read_config_file(path: str | os.PathLike[str], settings: Iterable[Setting]) 
     return data
 
 
+def _known(settings: Iterable[Setting]) -> set[str]:
+    """The names one config file or environment may give: `serve`'s and `run`'s alike."""
+    return {s.name for s in (*SERVE_SETTINGS, *settings)}
+
+
+def _check_environment(env: Mapping[str, str], settings: Iterable[Setting]) -> None:
+    """An SLMRANK_ADMISSION_* / _BATCHER_* / _TRACE_* variable names a setting: one that names none
+    (left from a setting that became internal, or mistyped) is an error, not silently ignored."""
+    known = _known(settings)
+    for key in sorted(env):
+        name = key[len(ENV_PREFIX):].lower()
+        if key.startswith(ENV_PREFIX) and name.startswith(_SETTING_PREFIXES) and name not in known:
+            raise SettingsError(f"{key}: no setting of slmrank serve has this variable (`slmrank serve --help` lists "
+                                "them; the prediction model's constants are not settings)")
+
+
 def resolve(settings: Sequence[Setting], args: argparse.Namespace,
             environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """{name: value} for every setting: flag > SLMRANK_* environment > config file > default."""
     env: Mapping[str, str] = os.environ if environ is None else environ
     given = vars(args)
+    _check_environment(env, settings)
     config_path = given.get("config") or env.get(ENV_PREFIX + "CONFIG") or None
     from_file = read_config_file(config_path, settings) if config_path else {}
     values: dict[str, Any] = {}
@@ -264,5 +321,5 @@ def section(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 __all__ = ["ENV_PREFIX", "GROUP_TITLES", "MODEL_SETTINGS", "RUN_SETTINGS", "SERVE_SETTINGS", "Setting",
-           "SettingsError", "add_arguments", "read_config_file", "resolve", "section"]
+           "SettingsError", "add_arguments", "field_setting", "read_config_file", "resolve", "section"]
 

@@ -1,12 +1,15 @@
 """The settings registry: flag > SLMRANK_* environment > config file > default, for every kind of
-value; --help shows each default and variable; every field of the layers' config dataclasses is a
-setting; every mistake is one SettingsError line naming where the bad value came from; the
+value; --help shows each default and variable; the public settings are an explicit list of at
+most 35, equal to docs/operations.md's table, each taking its config field's default; the
+prediction model's constants are no flag, variable or file key (a test builds the dataclass to
+vary one); every mistake is one SettingsError line naming where the bad value came from; the
 resolved settings build a valid ServerConfig."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,11 @@ from service.cli import main as cli_main
 from service.observe.tracing import TracingConfig
 from service.sched.admission import AdmissionConfig
 from service.sched.batcher import BatcherConfig
-from service.serving.settings import SERVE_SETTINGS, SettingsError, add_arguments, resolve
+from service.serving.server import ServerConfig
+from service.serving.settings import RUN_SETTINGS, SERVE_SETTINGS, SettingsError, add_arguments, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_PUBLIC = 35
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -95,18 +102,102 @@ def test_a_missing_config_file(tmp_path: Path) -> None:
         resolve(SERVE_SETTINGS, parse(["--config", str(tmp_path / "nope.toml")]), {})
 
 
-@pytest.mark.parametrize("config, prefix, excluded", [
-    (AdmissionConfig, "admission_", ()),
-    (BatcherConfig, "batcher_", ("validate_requests",)),
-    (TracingConfig, "trace_", ("otlp_endpoint", "otlp_protocol", "seed")),
-])
-def test_every_tunable_field_is_a_setting_with_its_default(config, prefix, excluded) -> None:
+CONFIGS = {c.__name__: c for c in (AdmissionConfig, BatcherConfig, TracingConfig, ServerConfig)}
+
+
+def test_each_public_setting_takes_its_config_fields_default() -> None:
+    fields = [s for s in SERVE_SETTINGS if s.field is not None]
+    assert len(fields) > 20
+    for s in fields:
+        config, name = s.field.split(".")
+        field = {f.name: f for f in dataclasses.fields(CONFIGS[config])}[name]
+        assert s.default == field.default, s.name
+    assert len({s.name for s in SERVE_SETTINGS}) == len(SERVE_SETTINGS)
+    assert {s.name for s in RUN_SETTINGS} == {"model", "runtime", "device", "dtype", "kernels"}
+
+
+# the prediction model's constants (and the transport's and tracing's internal bounds): dataclass
+# fields with their defaults, and no flag, variable or file key
+INTERNAL = [(AdmissionConfig, "admission_", name) for name in (
+    "service_window", "service_quantile", "service_ttl_s", "outlier_factor", "calibration_decay_s", "max_calibration",
+    "utilisation_window_s", "default_service_s", "online_burst", "normal_burst", "safety_margin",
+    "response_margin_s", "max_retry_after_s", "min_retry_after_s", "unavailable_retry_s", "front_max_backlog_s")]
+INTERNAL += [(BatcherConfig, "batcher_", name) for name in (
+    "heavy_batch_s", "load_wait_share", "load_wait_max_s", "load_wait_outside_s", "validate_requests")]
+INTERNAL += [(TracingConfig, "trace_", name) for name in ("max_kept_per_s", "chrome_max_events")]
+INTERNAL += [(ServerConfig, "", name) for name in ("max_receive_message_bytes", "max_send_message_bytes")]
+
+
+def test_there_are_at_most_35_public_settings() -> None:
+    assert len(SERVE_SETTINGS) <= MAX_PUBLIC, [s.name for s in SERVE_SETTINGS]
+
+
+@pytest.mark.parametrize("config, prefix, name", INTERNAL, ids=[p + n for _, p, n in INTERNAL])
+def test_an_internal_constant_is_no_setting(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            config, prefix, name) -> None:
+    assert name in {f.name for f in dataclasses.fields(config)}, f"{config.__name__}.{name}: gone (drop it here)"
+    setting = prefix + name
+    assert setting not in {s.name for s in SERVE_SETTINGS}
+    flag = "--" + setting.replace("_", "-")
+    with pytest.raises(SystemExit) as exit_:  # argparse: unrecognized arguments
+        parse(["--model", "m", flag, "1"])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+    with pytest.raises(SettingsError, match=f"unknown key '{setting}'"):
+        resolve(SERVE_SETTINGS, parse(["--config", write(tmp_path, f'model = "m"\n{setting} = 1\n')]), {})
+    if prefix:  # SLMRANK_ADMISSION_* / _BATCHER_* / _TRACE_* name settings only: a leftover is refused
+        variable = "SLMRANK_" + setting.upper()
+        with pytest.raises(SettingsError, match=f"^{variable}: no setting"):
+            resolve(SERVE_SETTINGS, parse(["--model", "m"]), {variable: "1"})
+
+
+def test_an_internal_constant_is_varied_by_building_its_dataclass() -> None:
+    """The route a test or an experiment takes: the dataclass, validated there."""
+    config = ServerConfig(admission=AdmissionConfig(safety_margin=0.25, service_window=8),
+                          batcher=BatcherConfig(load_wait_share=0.0, validate_requests=False))
+    assert config.admission.safety_margin == 0.25 and config.admission.service_window == 8
+    assert config.batcher.load_wait_share == 0.0
+    with pytest.raises(ValueError, match="admission.service_quantile"):
+        AdmissionConfig(service_quantile=1.5)
+
+
+def test_other_slmrank_variables_pass() -> None:
+    """SLMRANK_CACHE, SLMRANK_PROFILE_LOOP, ... are no settings and pass; so does `serve`'s variable under `run`."""
+    environ = {"SLMRANK_CACHE": "/tmp/c", "SLMRANK_PROFILE_LOOP": "/tmp/p", "SLMRANK_BATCHER_MAX_WAIT_S": "0.001"}
+    parser = argparse.ArgumentParser(prog="slmrank run")
+    add_arguments(parser, RUN_SETTINGS)
+    assert resolve(RUN_SETTINGS, parser.parse_args(["--model", "m"]), environ)["model"] == "m"
+    assert resolve(SERVE_SETTINGS, parse(["--model", "m"]), environ)["batcher_max_wait_s"] == 0.001
+
+
+def _documented(value) -> str:
+    """A default as docs/operations.md writes it."""
+    if value is None:
+        return "off"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def test_the_operations_table_lists_every_public_setting() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = text.split("<!-- settings table: one row per public setting -->", 1)[1].lstrip("\n")
+    rows = []
+    for line in table.split("\n"):
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    header, rule, *rows = rows
+    assert header[:4] == ["setting", "flag", "variable", "default"] and set(rule[0]) == {"-"}
+    cells = {re.sub(r"`", "", row[0]): [re.sub(r"`", "", c) for c in row[1:]] for row in rows}
+    assert len(cells) == len(rows), "a setting in two rows"
     registry = {s.name: s for s in SERVE_SETTINGS}
-    for f in dataclasses.fields(config):
-        if f.name in excluded:
-            continue
-        assert prefix + f.name in registry, f"{config.__name__}.{f.name} has no setting"
-        assert registry[prefix + f.name].default == f.default
+    assert set(cells) == set(registry), (set(cells) ^ set(registry))
+    assert len(cells) <= MAX_PUBLIC
+    for name, (flag, variable, default, what) in cells.items():
+        s = registry[name]
+        assert (flag, variable) == (s.flag, s.env), name
+        assert default == ("(required)" if s.required else _documented(s.default)), name
+        assert what, name
 
 
 def test_defaults_build_a_valid_server_config() -> None:

@@ -455,7 +455,7 @@ class RankerServer:
         if path is None:
             return
         if self.tracer.chrome is None:
-            log.warning("no Chrome trace to write to %s: SLMRANK_TRACE_CHROME_MAX_EVENTS is 0", path)
+            log.warning("no Chrome trace to write to %s: TracingConfig.chrome_max_events is 0", path)
             return
         try:
             num_events = self.tracer.chrome.write(path)

@@ -50,7 +50,7 @@ enum class Kind { kScore, kBeam };
 
 struct BatchSpec {
   Kind kind = Kind::kScore;
-  Env inputs;  // host tensors named as service/batch.py packs them
+  Env inputs;  // host tensors named as service/runtime/batch.py packs them
   int64_t num_requests = 0, beam_width = 0, new_tokens = 1;  // beam only
   std::vector<std::string> trace_buffers;  // copy these to the host after every node (forces eager)
 };

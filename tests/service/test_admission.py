@@ -12,6 +12,7 @@ from service.sched.admission import (AdmissionConfig, AdmissionController, Deadl
                                        Ticket)
 from service.sched.cost import BucketInfo, RequestCost
 from service.sched.service_time import ServiceTimeModel
+from tests.service.fakes import FakeClock, FakeFuture
 
 O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
 
@@ -23,22 +24,6 @@ S8 = BucketInfo("score.r8", "score", 8e9)
 BEAM = BucketInfo("beam.n5.r1", "beam", 1e12)
 SCORE_COST = RequestCost("score", S1, ((1, S1), (2, S2), (4, S4), (8, S8)))
 BEAM_COST = RequestCost("beam.n5", BEAM, ((1, BEAM),))
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeFuture:
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def done(self) -> bool:
-        return self.cancelled
 
 
 def make(clock: FakeClock | None = None, **cfg) -> tuple[AdmissionController, FakeClock, list]:

@@ -35,24 +35,12 @@ from service.serving.fronts.gate import FrontGate, refusal_reason, snapshot_outl
 from service.serving.fronts.state import NUM_CLIENTS, NUM_POINTS, STATE_DRAINING, STATE_SERVING, LaneView, SharedState, Snapshot
 from service.serving.fronts.supervisor import FrontPublisher
 from service.serving.proto_gen import load as load_stubs
+from tests.service.fakes import FakeClock, FakeFuture
 
 pb2, pb2_grpc = load_stubs().pb2, load_stubs().pb2_grpc
 LIMITS = ServingLimits(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5,
                        max_prompt_tokens=1024)
 LIMIT_FIELDS = dict(max_samples=64, max_score_tokens=2048, max_beam_width=400, max_new_tokens=5, max_prompt_tokens=1024)
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeFuture:
-    def done(self) -> bool:
-        return False
 
 
 @pytest.fixture

@@ -5,11 +5,16 @@ torch (the fronts use it).
 | error                                   | status             | message, trailers                      |
 |-----------------------------------------|--------------------|----------------------------------------|
 | RequestError (a field is wrong)         | INVALID_ARGUMENT   | names the field                        |
-| Overloaded (admission refused it)       | UNAVAILABLE        | reason and detail; retry-after-ms      |
-| NotServing (loading, draining)          | UNAVAILABLE        | retry-after-ms                         |
+| Overloaded (admission refused it)       | UNAVAILABLE        | reason and detail; the retry hint      |
+| NotServing (loading, draining)          | UNAVAILABLE        | the retry hint                         |
 | DeadlineExpired / DeadlineUnmeetable    | DEADLINE_EXCEEDED  | why; no retry helps                    |
 | ExecutionError (its batch failed)       | INTERNAL           | the executor's message                 |
 | anything else                           | INTERNAL           | the exception's type; see the log      |
+
+The retry hint goes in two trailers with the same value in ms: `retry-after-ms` (slmrank's own, read
+by clients that pace themselves) and `grpc-retry-pushback-ms`, which gRPC's built-in retry policy
+honours (gRFC A6): a client channel with a retryPolicy on UNAVAILABLE waits that long before its
+next attempt, without code of its own (docs/operations.md has the service config).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..runtime.requests import ExecutionError, RequestError
 from ..sched.verdict import DeadlineExpired, Overloaded
 
 RETRY_KEY = "retry-after-ms"  # trailing metadata: the retry hint of an UNAVAILABLE answer, in ms
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same hint where gRPC's own retries read it (gRFC A6)
 
 Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 
@@ -44,7 +50,8 @@ def status_of(e: Exception) -> Status:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
     if isinstance(e, (Overloaded, NotServing)):
         retry_ms = max(1, round(e.retry_after_s * 1000))
-        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry after {retry_ms} ms", ((RETRY_KEY, str(retry_ms)),)
+        hint = str(retry_ms)
+        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry after {retry_ms} ms", ((RETRY_KEY, hint), (PUSHBACK_KEY, hint))
     if isinstance(e, DeadlineExpired):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline expired before the request ran", ()
     if isinstance(e, ExecutionError):
@@ -68,4 +75,4 @@ def server_options(max_inflight_rpcs: int, max_receive_message_bytes: int, max_s
         ("grpc.server.max_pending_requests_hard_limit", 32 * max_inflight_rpcs)]
 
 
-__all__ = ["RETRY_KEY", "NotServing", "Status", "server_options", "status_of"]
+__all__ = ["PUSHBACK_KEY", "RETRY_KEY", "NotServing", "Status", "server_options", "status_of"]

@@ -8,10 +8,15 @@ class BuildInfo(TypedDict):
     cxx_standard: str
     cxx11_abi: bool
 
-# (outputs, timings): outputs are host tensors (Score: [scores]; beam: [seqs, scores]);
-# timings: submit_ns, start_ns, h2d_end_ns, launch_ns, d2h_end_ns, done_ns (monotonic ns),
-# graph (bool), nodes [(name, host_ms, device_ms)], and trace [(node, {buffer: tensor})] when asked.
-RunResult = tuple[list[torch.Tensor], dict[str, Any]]
+# A batch's timings, in the C++ RunTimings' order: submit_ns, start_ns, h2d_end_ns, launch_ns,
+# d2h_end_ns, done_ns (steady-clock ns, time.monotonic_ns), graph, nodes ((name, host_ms, device_ms), ...)
+# (device_ms -1 where not measured). service.runtime.timings.BatchTimings.from_executor makes the
+# record both runtimes return of it.
+TimingsTuple = tuple[int, int, int, int, int, int, bool, tuple[tuple[str, float, float], ...]]
+# (outputs, timings): outputs are host tensors (Score: [scores]; beam: [seqs, scores])
+RunResult = tuple[list[torch.Tensor], TimingsTuple]
+# a traced run: the named buffers' host copies after every node
+Trace = list[tuple[str, dict[str, torch.Tensor]]]
 
 class Executor:
     """Made only by Executor.from_artifact."""
@@ -37,8 +42,12 @@ class Executor:
     def num_lanes(self) -> int: ...
     def run(
         self, kind: str, inputs: dict[str, torch.Tensor], num_requests: int = 0, beam_width: int = 0,
-        new_tokens: int = 1, trace: list[str] = ...,
+        new_tokens: int = 1,
     ) -> RunResult: ...
+    def trace(
+        self, kind: str, inputs: dict[str, torch.Tensor], buffers: list[str], num_requests: int = 0,
+        beam_width: int = 0, new_tokens: int = 1,
+    ) -> Trace: ...
     def submit(
         self, kind: str, inputs: dict[str, torch.Tensor], callback: Callable[[RunResult | None, str | None], None],
         num_requests: int = 0, beam_width: int = 0, new_tokens: int = 1,

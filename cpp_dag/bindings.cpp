@@ -45,35 +45,35 @@ py::dict build_info() {
 
 // ---- the executor: Python dicts in, C++ structs out -------------------------------------
 
-py::dict timings_to_dict(const slmrank::RunTimings& t) {
-  py::dict d;
-  d["submit_ns"] = t.submit_ns;
-  d["start_ns"] = t.start_ns;
-  d["h2d_end_ns"] = t.h2d_end_ns;
-  d["launch_ns"] = t.launch_ns;
-  d["d2h_end_ns"] = t.d2h_end_ns;
-  d["done_ns"] = t.done_ns;
-  d["graph"] = t.graph;
-  py::list nodes;
-  for (const auto& n : t.nodes) nodes.append(py::make_tuple(n.name, n.host_ms, n.device_ms));
-  d["nodes"] = nodes;
-  return d;
+// A batch's timings as a plain tuple, in RunTimings' field order: (submit_ns, start_ns, h2d_end_ns,
+// launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...)). The one Python type
+// both runtimes return, service.runtime.timings.BatchTimings, is made of it by BatchTimings.from_executor
+// (cpp_dag sits below service and cannot construct it here).
+py::tuple timings_tuple(const slmrank::RunTimings& t) {
+  py::tuple nodes(t.nodes.size());
+  for (size_t i = 0; i < t.nodes.size(); ++i) {
+    const auto& n = t.nodes[i];
+    nodes[i] = py::make_tuple(n.name, n.host_ms, n.device_ms);
+  }
+  return py::make_tuple(t.submit_ns, t.start_ns, t.h2d_end_ns, t.launch_ns, t.d2h_end_ns, t.done_ns, t.graph,
+                        std::move(nodes));
 }
 
-py::tuple output_to_tuple(slmrank::RunOutput& out) {
+py::tuple output_to_tuple(const slmrank::RunOutput& out) {
   py::list outputs;
-  for (auto& o : out.outputs) outputs.append(o);
-  py::dict timings = timings_to_dict(out.timings);
-  if (!out.trace.empty()) {
-    py::list trace;
-    for (auto& entry : out.trace) {
-      py::dict buffers;
-      for (auto& [name, t] : entry.buffers) buffers[py::str(name)] = t;
-      trace.append(py::make_tuple(entry.node, buffers));
-    }
-    timings["trace"] = trace;
+  for (const auto& o : out.outputs) outputs.append(o);
+  return py::make_tuple(outputs, timings_tuple(out.timings));
+}
+
+// The buffers copied after every node of a traced run: [(node, {buffer: tensor})].
+py::list trace_to_list(const slmrank::RunOutput& out) {
+  py::list trace;
+  for (const auto& entry : out.trace) {
+    py::dict buffers;
+    for (const auto& [name, t] : entry.buffers) buffers[py::str(name)] = t;
+    trace.append(py::make_tuple(entry.node, buffers));
   }
-  return py::make_tuple(outputs, timings);
+  return trace;
 }
 
 slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
@@ -236,9 +236,8 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             int64_t num_requests, int64_t beam_width, int64_t new_tokens, std::vector<std::string> trace) {
-            slmrank::BatchSpec batch =
-                batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, std::move(trace));
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
             slmrank::RunOutput out;
             {
               py::gil_scoped_release nogil;
@@ -247,9 +246,27 @@ PYBIND11_MODULE(_core, m) {
             return output_to_tuple(out);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
-          py::arg("new_tokens") = 1, py::arg("trace") = std::vector<std::string>{},
-          "Blocking run of one batch (GIL released). Returns ([output tensors], timings dict).\n"
-          "trace: buffer names copied to the host after every node (timings['trace'], runs eagerly).")
+          py::arg("new_tokens") = 1,
+          "Blocking run of one batch (GIL released). Returns ([output tensors], timings tuple): submit_ns,\n"
+          "start_ns, h2d_end_ns, launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...)\n"
+          "(service.runtime.timings.BatchTimings.from_executor makes the record of it).")
+      .def(
+          "trace",
+          [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
+             std::vector<std::string> buffers, int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+            slmrank::BatchSpec batch =
+                batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, std::move(buffers));
+            slmrank::RunOutput out;
+            {
+              py::gil_scoped_release nogil;
+              out = ex.run(batch);
+            }
+            return trace_to_list(out);
+          },
+          py::arg("kind"), py::arg("inputs"), py::arg("buffers"), py::arg("num_requests") = 0,
+          py::arg("beam_width") = 0, py::arg("new_tokens") = 1,
+          "Blocking run of one batch, eagerly, copying `buffers` to the host after every node (debugging).\n"
+          "Returns [(node, {buffer: tensor})].")
       .def(
           "submit",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
@@ -263,7 +280,8 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("kind"), py::arg("inputs"), py::arg("callback"), py::arg("num_requests") = 0,
           py::arg("beam_width") = 0, py::arg("new_tokens") = 1,
-          "Queue one batch for the worker thread; callback((outputs, timings), None) or callback(None, error)\n"
+          "Queue one batch for the worker thread; callback((outputs, timings tuple), None) or\n"
+          "callback(None, error) "
           "runs on that thread (use loop.call_soon_threadsafe to reach an asyncio loop).")
       .def("shutdown", &slmrank::Executor::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Stop taking batches; finish every queued one; join the worker.")

@@ -33,6 +33,7 @@ from service.model.checkpoint import hf_config_kwargs, hf_state_dict
 from service.runtime.jsonl import format_result
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, ScoreRequest
+from service.runtime.timings import BatchTimings
 
 PEAK_BF16 = 989e12
 LOG: list[str] = []
@@ -101,17 +102,17 @@ def time_runtime(rt, art, name, per_batch, seconds, g) -> dict:
     return out
 
 
-def host_phases(timings: dict | None, wall_ms: float) -> dict[str, float] | None:
+def host_phases(timings: BatchTimings | None, wall_ms: float) -> dict[str, float] | None:
     """A C++ runtime batch's wall time by phase (its executor's own clock, ns), in ms: staging the
     inputs and enqueueing the copies (stage), the graph launch call (launch), waiting for the device
     and the copies back (device_wait), what followed in the executor (finish: output clones, node
     times), and the Python side around the call (python: wall - the executor's start to done)."""
-    if not timings or not timings.get("graph") or "d2h_end_ns" not in timings:
+    if timings is None or not timings.graph:
         return None
-    ms = lambda a, b: (timings[b] - timings[a]) / 1e6  # noqa: E731
-    return {"stage": ms("start_ns", "h2d_end_ns"), "launch": ms("h2d_end_ns", "launch_ns"),
-            "device_wait": ms("launch_ns", "d2h_end_ns"), "finish": ms("d2h_end_ns", "done_ns"),
-            "python": wall_ms - ms("start_ns", "done_ns")}
+    t = timings
+    return {"stage": (t.h2d_end_ns - t.start_ns) / 1e6, "launch": (t.launch_ns - t.h2d_end_ns) / 1e6,
+            "device_wait": (t.d2h_end_ns - t.launch_ns) / 1e6, "finish": (t.done_ns - t.d2h_end_ns) / 1e6,
+            "python": wall_ms - (t.done_ns - t.start_ns) / 1e6}
 
 
 def time_submit(rt, art, name, per_batch, seconds, g, inflight: int) -> dict:
@@ -285,9 +286,9 @@ def node_breakdown(art, g) -> dict:
             s = time.perf_counter()
             run_batch(rt, kind, batch)
             walls.append((time.perf_counter() - s) * 1e3)
-        nodes = rt.last_timings["nodes"]
-        out[name] = {"wall_ms_p50": sorted(walls)[5], "device_ms_sum": sum(n[2] for n in nodes),
-                     "top_nodes": sorted(([n[0], round(n[2], 4)] for n in nodes), key=lambda x: -x[1])[:8],
+        nodes = rt.last_timings.nodes
+        out[name] = {"wall_ms_p50": sorted(walls)[5], "device_ms_sum": sum(n.device_ms for n in nodes),
+                     "top_nodes": sorted(([n.name, round(n.device_ms, 4)] for n in nodes), key=lambda x: -x[1])[:8],
                      "bucket": batch.bucket.key}
         rt.shutdown()
     return out
@@ -314,8 +315,8 @@ def breakdown(arts, g, wanted: list[str], kernels: str) -> dict:
         for _ in range(3):
             run_batch(rt, kind, batch)
         cats: dict[str, float] = {}
-        for node, _, device_ms in rt.last_timings["nodes"]:
-            cats[category(node)] = cats.get(category(node), 0.0) + device_ms
+        for n in rt.last_timings.nodes:
+            cats[category(n.name)] = cats.get(category(n.name), 0.0) + n.device_ms
         out[f"{name}/x{per_batch}/{kernels}"] = {"total": round(sum(cats.values()), 3),
                                                  **{k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
         rt.shutdown()
@@ -344,7 +345,7 @@ def kernel_profile(arts, g, wanted: list[tuple[str, int]], kernels: str, device:
             run_batch(rt, kind, batch)
             if i >= 3:  # after capture and warm-up
                 walls.append((time.perf_counter() - s) * 1e3)
-        graph_ms = sum(n[2 if on_gpu else 1] for n in rt.last_timings["nodes"])  # device ms; host ms on the CPU
+        graph_ms = sum(n.device_ms if on_gpu else n.host_ms for n in rt.last_timings.nodes)  # host ms on the CPU
         phases = host_phases(rt.last_timings, walls[-1])
         rt.shutdown()
         rt = CppRuntime(art, device=device, use_graphs=False, kernels=kernels)

@@ -150,12 +150,13 @@ async def measure(name: str, model: str | None, batch_size: int, queued: int) ->
 def _completed(sched: Scheduler, tickets: list[Ticket], batch: Any, results: list[Any]) -> Any:
     """A Completed as the scheduler hands it over, with a node list of the artifact's DAG length."""
     from service.observe.records import Completed, RequestTimings
+    from service.runtime.timings import BatchTimings, NodeTiming
 
     now = time.monotonic()
     now_ns = time.monotonic_ns()
-    nodes = [(f"layer.{i}", 0.1, 0.05) for i in range(sched.artifact.config.num_layers)]
-    timings = {"submit_ns": now_ns, "start_ns": now_ns, "h2d_end_ns": now_ns, "launch_ns": now_ns,
-               "d2h_end_ns": now_ns + 1_000_000, "done_ns": now_ns + 1_000_000, "graph": True, "nodes": nodes}
+    nodes = tuple(NodeTiming(f"layer.{i}", 0.1, 0.05) for i in range(sched.artifact.config.num_layers))
+    timings = BatchTimings(submit_ns=now_ns, start_ns=now_ns, h2d_end_ns=now_ns, launch_ns=now_ns,
+                           d2h_end_ns=now_ns + 1_000_000, done_ns=now_ns + 1_000_000, graph=True, nodes=nodes)
     return Completed(results[0], RequestTimings(Priority.NORMAL, now - 0.002, now - 0.001, now, now + 0.001, 1,
                                                 len(tickets), 0, batch.bucket.key, timings))
 

@@ -23,6 +23,7 @@ request with the tiny model's real batches, against ~0.3 ms for --bare).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from service.observe.metrics import thread_cpu_seconds
+from service.runtime.timings import BatchTimings
 from service.serving.client import RankerClient
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: the servers' cwd
@@ -164,7 +166,7 @@ class InstantRuntime:
 
         self.inner = inner
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._kept: dict[str, tuple[list[Any], dict[str, Any]]] = {}  # bucket key -> (outputs, timings)
+        self._kept: dict[str, tuple[list[Any], BatchTimings]] = {}  # bucket key -> (outputs, timings)
         threading.Thread(target=self._work, name="instant-runtime", daemon=True).start()
 
     def __getattr__(self, name: str) -> Any:
@@ -189,11 +191,11 @@ class InstantRuntime:
                 if key not in self._kept:  # the bucket's one real run: its outputs and node timings
                     outputs = ([self.inner.run_score(batch)] if isinstance(batch, ScoreBatch)
                                else list(self.inner.run_beam(batch)))
-                    self._kept[key] = (outputs, dict(self.inner.last_timings))
+                    self._kept[key] = (outputs, self.inner.last_timings)
                 outputs, timings = self._kept[key]
                 now = time.monotonic_ns()
-                timings = {**timings, "submit_ns": submit_ns, "start_ns": now, "h2d_end_ns": now, "launch_ns": now,
-                           "d2h_end_ns": now, "done_ns": now}
+                timings = dataclasses.replace(timings, submit_ns=submit_ns, start_ns=now, h2d_end_ns=now,
+                                              launch_ns=now, d2h_end_ns=now, done_ns=now)
                 loop.call_soon_threadsafe(_resolve, fut, (outputs, timings), None)
             except Exception as e:  # noqa: BLE001 -- the batch fails, as a runtime's would
                 loop.call_soon_threadsafe(_resolve, fut, None, f"{type(e).__name__}: {e}")

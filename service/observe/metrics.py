@@ -110,14 +110,17 @@ class ServerMetrics:
             self._child(self.stage, kind, name).observe(seconds)
         if t.batch_index == 0:  # a batch's node times once, with its first request
             ex = t.executor
-            self._child(self.node_batches, "graph" if ex.get("graph") else "eager").inc()
+            self._child(self.node_batches, "graph" if ex.graph else "eager").inc()
             # summed by category first: one labelled sample per category, not one per DAG node (a
             # real model's batch has ~150 nodes; this runs on the event loop)
             totals: dict[tuple[str, str], float] = {}
-            for node, host_ms, device_ms in ex.get("nodes", ()):
-                clock, ms = ("device", device_ms) if device_ms >= 0 else ("host", host_ms)
-                key = (node_category(node), clock)
-                totals[key] = totals.get(key, 0.0) + ms
+            get = totals.get
+            for node, host_ms, device_ms in ex.nodes:  # NodeTimings
+                if device_ms >= 0:
+                    key, ms = (node_category(node), "device"), device_ms
+                else:
+                    key, ms = (node_category(node), "host"), host_ms
+                totals[key] = get(key, 0.0) + ms
             for (category, clock), ms in totals.items():
                 self._child(self.node_seconds, category, clock).inc(ms / 1e3)
 

@@ -8,7 +8,8 @@ A request's life comes from three places:
                 (proto -> request, validation), tokenize (inside decode), encode, send (proto -> bytes)
     scheduler   Completed.timings: queue (admitted -> taken into a batch), batch (packing), execute
                 (handed to the executor -> results back on the event loop)
-    executor    timings["executor"]: executor_queue, h2d, launch, one span per DAG node, d2h, unpack
+    executor    RequestTimings.executor (a BatchTimings): executor_queue, h2d, launch, one span per DAG
+                node, d2h, unpack
 
 `build_records` turns them into one tree of SpanRecords (the request at index 0, every child inside
 its parent's interval); the OTel and Chrome renderers (tracing.py, chrome_trace.py) only draw that
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runtime.requests import BeamResult, ScoreResult
+from ..runtime.timings import BatchTimings
 
 # time.monotonic_ns -> time.time_ns, measured once per process: durations stay monotonic
 WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()
@@ -33,10 +35,9 @@ WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 @dataclass(frozen=True)
 class RequestTimings:
     """Scheduler times are in the Scheduler's clock (seconds; time.monotonic by default). The
-    executor dict is the runtime's own, shared by the batch: submit_ns, start_ns, h2d_end_ns,
-    launch_ns, d2h_end_ns, done_ns (time.monotonic_ns), graph, nodes [(name, host_ms, device_ms)]
-    (device_ms -1 when not measured). For a runtime without `submit`, h2d/launch equal start and
-    d2h equals done: the copies are inside the node times."""
+    executor's BatchTimings is the runtime's own, shared by the batch (service/runtime/timings.py:
+    time.monotonic_ns stamps, a NodeTiming per node). For a runtime without `submit`, h2d/launch
+    equal start and d2h equals done: the copies are inside the node times."""
 
     priority: enum.Enum  # the request's admission priority (service.sched.admission.Priority)
     enqueued_s: float  # admitted
@@ -47,7 +48,7 @@ class RequestTimings:
     batch_size: int  # whole requests in the batch
     batch_index: int  # this request's place in the batch
     bucket: str
-    executor: dict[str, Any]
+    executor: BatchTimings
 
     @property
     def queue_wait_s(self) -> float:
@@ -223,10 +224,8 @@ def _add_execution(records: list[SpanRecord], t: RequestTimings) -> None:
                               {"priority": t.priority.name}))
     records.append(SpanRecord("batch", _ns(t.dequeued_s), start, 0, "request", "stage", dict(batch)))
     execute = len(records)
-    records.append(SpanRecord("execute", start, end, 0, "request", "stage",
-                              {**batch, "graph": bool(ex.get("graph"))}))
-    submit, begin, h2d_end, launch, d2h_end = (int(ex[k]) for k in
-                                               ("submit_ns", "start_ns", "h2d_end_ns", "launch_ns", "d2h_end_ns"))
+    records.append(SpanRecord("execute", start, end, 0, "request", "stage", {**batch, "graph": ex.graph}))
+    submit, begin, h2d_end, launch, d2h_end = ex.submit_ns, ex.start_ns, ex.h2d_end_ns, ex.launch_ns, ex.d2h_end_ns
 
     def add(name: str, s: int, e: int, lane: str = "executor", kind: str = "stage", **attrs: Any) -> None:
         records.append(SpanRecord(name, s, e, execute, lane, kind, {"batch_id": t.batch_id, **attrs}))
@@ -234,8 +233,8 @@ def _add_execution(records: list[SpanRecord], t: RequestTimings) -> None:
     if begin > submit:
         add("executor_queue", submit, begin)  # a free executor lane was awaited
     add("h2d", begin, h2d_end)
-    nodes = [(str(n), float(h), float(d)) for n, h, d in ex.get("nodes", ())]
-    if ex.get("graph"):  # one replay: device times only, laid back to back from the launch
+    nodes = ex.nodes
+    if ex.graph:  # one replay: device times only, laid back to back from the launch
         total = sum(round(max(d, 0.0) * 1e6) for _, _, d in nodes)
         at = max(min(launch, d2h_end - total), h2d_end)
         if at > h2d_end:

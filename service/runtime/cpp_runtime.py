@@ -2,8 +2,8 @@
 directory itself (manifest, weights, RoPE tables) and runs every node with no Python and no GIL
 between hand-off and results.
 
-Same contract as PythonRuntime (run_score / run_beam), plus asynchronous submission and the
-per-node timings of the last run.
+Same contract as PythonRuntime (run_score / run_beam, last_timings: the BatchTimings of the last
+run), plus asynchronous submission, whose future resolves to (outputs, BatchTimings).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..artifact.artifact import Artifact
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
+from .timings import BatchTimings
 from ..model.config import ModelConfig
 from ..model.progress import Progress
 
@@ -53,7 +54,7 @@ class CppRuntime:
                                                      verify=False, num_lanes=num_lanes)
         if kernels == "triton":
             self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
-        self.last_timings: dict[str, Any] | None = None
+        self.last_timings: BatchTimings | None = None
 
     @property
     def num_lanes(self) -> int:
@@ -66,27 +67,36 @@ class CppRuntime:
         return {"num_requests": b.max_requests, "beam_width": b.beam_width, "new_tokens": b.new_tokens}
 
     def run_score(self, batch: ScoreBatch) -> torch.Tensor:
-        (scores,), self.last_timings = self._executor.run("score", batch.inputs)
+        (scores,), raw = self._executor.run("score", batch.inputs)
+        self.last_timings = BatchTimings.from_executor(raw)
         return scores
 
     def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        (seqs, scores), self.last_timings = self._executor.run("beam", batch.inputs, **self._beam_dims(batch))
+        (seqs, scores), raw = self._executor.run("beam", batch.inputs, **self._beam_dims(batch))
+        self.last_timings = BatchTimings.from_executor(raw)
         return seqs, scores
 
     def trace(self, batch: ScoreBatch | BeamBatch, buffers: list[str]) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """Runs one batch node by node, returning host copies of `buffers` after every node."""
         if isinstance(batch, ScoreBatch):
-            _, timings = self._executor.run("score", batch.inputs, trace=buffers)
+            trace = self._executor.trace("score", batch.inputs, buffers)
         else:
-            _, timings = self._executor.run("beam", batch.inputs, trace=buffers, **self._beam_dims(batch))
-        return [(node, dict(bufs)) for node, bufs in timings.get("trace", [])]
+            trace = self._executor.trace("beam", batch.inputs, buffers, **self._beam_dims(batch))
+        return [(node, dict(bufs)) for node, bufs in trace]
 
-    def submit(self, batch: ScoreBatch | BeamBatch) -> "asyncio.Future[tuple[list[torch.Tensor], dict[str, Any]]]":
-        """Queues the batch on the executor's worker; the future resolves on the running loop."""
+    def submit(self, batch: ScoreBatch | BeamBatch) -> "asyncio.Future[tuple[list[torch.Tensor], BatchTimings]]":
+        """Queues the batch on the executor's worker; the future resolves on the running loop to
+        (outputs, BatchTimings)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
-        def done(result: Any, error: str | None) -> None:  # runs on the executor's thread
+        def done(result: Any, error: str | None) -> None:  # runs on the executor's thread, with the GIL
+            if result is not None:  # the record made here, not on the loop
+                try:
+                    outputs, raw = result
+                    result = (outputs, BatchTimings.from_executor(raw))
+                except Exception as e:  # noqa: BLE001 -- else the future would never resolve
+                    result, error = None, f"timings: {type(e).__name__}: {e}"
             loop.call_soon_threadsafe(_resolve, fut, result, error)
 
         if isinstance(batch, ScoreBatch):

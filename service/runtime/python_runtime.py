@@ -1,6 +1,8 @@
 """The Python artifact runtime: walks the manifest's DAG node by node with plain torch.
 
-The reference for the kernels and the C++ runtime, the debugger's view, and the CPU path.
+The reference for the kernels and the C++ runtime, the debugger's view, and the CPU path. Times
+every node on the host: last_timings, the BatchTimings of the last run (as the C++ runtime's;
+with runs on several threads, the one that ended last).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from .fused import python_kernels
 from ..model.layers import LayerWeights, rope_table
 from .env import NodeEnv
 from .nodes import NODE_FUNCS, Env, NodeContext
+from .timings import BatchTimings, NodeTimer
 
 Trace = Callable[[Node, Env], None]
 
@@ -38,28 +41,38 @@ class PythonRuntime:
         self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i) for i in range(self.cfg.num_layers)],
                                cos.to(self.dtype), sin.to(self.dtype),
                                python_kernels(kernels, artifact, self.device, self.dtype))
+        self.last_timings: BatchTimings | None = None
 
     def _inputs(self, inputs: dict[str, torch.Tensor]) -> Env:
         return {k: v.to(self.device) for k, v in inputs.items()}
 
-    def _walk(self, dag: list[Node], env: Env, num_steps: int, trace: Trace | None) -> None:
+    def _walk(self, dag: list[Node], env: Env, num_steps: int, trace: Trace | None, timer: NodeTimer) -> None:
+        """Runs the nodes of the first num_steps steps; trace(node, env) after each (in no node's time)."""
         for node in dag:
             if node.step >= num_steps:
                 continue
             NODE_FUNCS[node.type](self.ctx, node, NodeEnv(env, node))
+            timer.lap(node.name)
             if trace is not None:
                 trace(node, env)
+                timer.skip()
 
     @torch.inference_mode()
     def run_score(self, batch: ScoreBatch, trace: Trace | None = None) -> torch.Tensor:
         """Returns scores [S, L] float32 on the host (padding rows included)."""
+        timer = NodeTimer()  # the inputs' copy is in the first node's time, the outputs' in none
         env = self._inputs(batch.inputs)
-        self._walk(self.artifact.score_dag, env, 1, trace)
-        return env["scores"].cpu()
+        self._walk(self.artifact.score_dag, env, 1, trace, timer)
+        scores = env["scores"].cpu()
+        self.last_timings = timer.timings()
+        return scores
 
     @torch.inference_mode()
     def run_beam(self, batch: BeamBatch, trace: Trace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns seqs [R, B, n] int64 and cumulative log-probs [R, B] float32, on the host."""
+        timer = NodeTimer()
         env = self._inputs(batch.inputs)
-        self._walk(self.artifact.beam_dag, env, batch.bucket.new_tokens, trace)
-        return env["beam_seqs"].cpu(), env["beam_scores"].cpu()
+        self._walk(self.artifact.beam_dag, env, batch.bucket.new_tokens, trace, timer)
+        seqs, scores = env["beam_seqs"].cpu(), env["beam_scores"].cpu()
+        self.last_timings = timer.timings()
+        return seqs, scores

@@ -47,6 +47,7 @@ from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from ..runtime.timings import BatchTimings, NodeTimer
 from ..observe.records import Completed, RequestTimings
 
 # forming a batch, the requests of its kind that did not join it (no bucket holds them beside it, or
@@ -185,14 +186,14 @@ class _Plan:
 # ---- executors ------------------------------------------------------------------------------------
 
 class _SubmitExecutor:
-    """The C++ runtime: runtime.submit(batch) -> future of (outputs, timings), resolved on the loop.
-    Its lanes (num_lanes) run that many batches at once."""
+    """The C++ runtime: runtime.submit(batch) -> future of (outputs, BatchTimings), resolved on the
+    loop. Its lanes (num_lanes) run that many batches at once."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
 
-    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
         outputs, timings = await self.runtime.submit(batch)
         return list(outputs), timings
 
@@ -255,7 +256,7 @@ class _ThreadExecutor:
       1.5x at 19 (tests/service/test_overload.py, runs interleaved).
 
     Per-node host times come from the runtime's trace hook when it has one (the hook is also where
-    a heavy batch pauses)."""
+    a heavy batch pauses): a BatchTimings timed on the host, its pauses in paused_ns."""
 
     def __init__(self, runtime: Any, num_lanes: int = 1) -> None:
         self.runtime = runtime
@@ -268,23 +269,17 @@ class _ThreadExecutor:
         self._has_trace = "trace" in inspect.signature(runtime.run_score).parameters
         self._gate = _LightFirst()
 
-    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
         submit_ns = time.monotonic_ns()
         pool = self._heavy_pool if is_heavy else self._pool
         return await asyncio.get_running_loop().run_in_executor(pool, self._run, batch, submit_ns, is_heavy)
 
-    def _run(self, batch: Batch, submit_ns: int, is_heavy: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        start_ns = time.monotonic_ns()
-        nodes: list[tuple[str, float, float]] = []
-        last_ns = [start_ns]
-        paused_ns = [0]
+    def _run(self, batch: Batch, submit_ns: int, is_heavy: bool) -> tuple[list[torch.Tensor], BatchTimings]:
+        timer = NodeTimer(submit_ns)
 
         def trace(node: Any, env: Any) -> None:
-            now_ns = time.monotonic_ns()
-            nodes.append((node.name, (now_ns - last_ns[0]) / 1e6, -1.0))
-            if is_heavy:
-                paused_ns[0] += self._gate.pause_heavy()
-            last_ns[0] = time.monotonic_ns()
+            timer.lap(node.name)
+            timer.skip(self._gate.pause_heavy() if is_heavy else 0)
 
         kw = {"trace": trace} if self._has_trace else {}
         if not is_heavy:
@@ -297,10 +292,7 @@ class _ThreadExecutor:
         finally:
             if not is_heavy:
                 self._gate.exit_light()
-        done_ns = time.monotonic_ns()
-        return outputs, {"submit_ns": submit_ns, "start_ns": start_ns, "h2d_end_ns": start_ns, "launch_ns": start_ns,
-                         "d2h_end_ns": done_ns, "done_ns": done_ns, "graph": False, "nodes": nodes,
-                         "paused_ns": paused_ns[0]}
+        return outputs, timer.timings()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -655,11 +647,10 @@ class Scheduler:
             results = (await asyncio.to_thread(self._unpack, batch, outputs) if is_heavy
                        else self._unpack(batch, outputs))
             # the executor's own run (not its queue, nor pauses for lighter batches), on our clock
-            run_s = (timings["done_ns"] - timings["start_ns"] - timings.get("paused_ns", 0)) / 1e9
+            run_s = timings.run_ns / 1e9
             run = (end_s - run_s, end_s)
             # what the batch held a slot for: packing, the run, the loop taking the results, unpacking
-            service_s = (self.clock() - packed_from - (timings["start_ns"] - timings["submit_ns"]) / 1e9
-                         - timings.get("paused_ns", 0) / 1e9)
+            service_s = (self.clock() - packed_from - timings.queue_ns / 1e9 - timings.paused_ns / 1e9)
         except Exception as e:  # only this batch's requests see the failure
             self._num_failed_batches += 1
             error = ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from service.runtime import cpp_runtime as cpp_runtime_mod
 from service.runtime.batch import BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.cpp_runtime import CppRuntime
 from service.runtime.requests import BeamRequest, ScoreRequest
+from service.runtime.timings import BatchTimings, NodeTiming
 
 # ---- batches -----------------------------------------------------------------------------------
 
@@ -74,18 +74,21 @@ def _beam_kwargs(batch: BeamBatch) -> dict[str, int]:
 # ---- timings -----------------------------------------------------------------------------------
 
 
-def _check_timings(t: dict[str, Any], expected_names: list[str]) -> None:
-    names = [n for n, _, _ in t["nodes"]]
+def _check_timings(t: BatchTimings, expected_names: list[str]) -> None:
+    assert type(t) is BatchTimings and isinstance(t.nodes, tuple)
+    names = [n.name for n in t.nodes]
     assert names == expected_names, "one timing per executed node, in DAG order"
-    for name, host_ms, device_ms in t["nodes"]:
-        assert isinstance(host_ms, float) and host_ms >= 0, (name, host_ms)
-        assert device_ms == -1, "no device timer on the CPU"
-    stamps = [t[k] for k in ("submit_ns", "start_ns", "h2d_end_ns", "launch_ns", "d2h_end_ns", "done_ns")]
+    for node in t.nodes:
+        assert type(node) is NodeTiming
+        assert isinstance(node.host_ms, float) and node.host_ms >= 0, node
+        assert node.device_ms == -1, "no device timer on the CPU"
+    stamps = [t.submit_ns, t.start_ns, t.h2d_end_ns, t.launch_ns, t.d2h_end_ns, t.done_ns]
     assert all(isinstance(s, int) and s > 0 for s in stamps)
     assert stamps == sorted(stamps), f"timestamps not monotone: {stamps}"
     # the nodes ran between the launch and the copy back: their host times fit inside that span
-    assert sum(h for _, h, _ in t["nodes"]) <= (t["d2h_end_ns"] - t["launch_ns"]) / 1e6 + 1e-3
-    assert t["graph"] is False
+    assert sum(n.host_ms for n in t.nodes) <= (t.d2h_end_ns - t.launch_ns) / 1e6 + 1e-3
+    assert t.graph is False and t.paused_ns == 0
+    assert t.run_ns == t.done_ns - t.start_ns and t.queue_ns == t.start_ns - t.submit_ns
 
 
 def test_score_node_timings(qwen2_small, helpers) -> None:
@@ -117,14 +120,15 @@ def test_submitted_batch_timings(qwen2_small, helpers) -> None:
     _check_timings(timings, [n.name for n in art.beam_dag if n.step < 4])
 
 
-def test_plain_run_records_no_trace(qwen2_small, helpers) -> None:
-    """RunOutput::trace is "only when BatchSpec::trace_buffers is set": a plain run must not
-    build a per-node trace (nor pay for it on every batch)."""
+def test_plain_run_returns_outputs_and_timings_only(qwen2_small, helpers) -> None:
+    """A trace is Executor.trace's alone: a plain run returns (outputs, the timings tuple), no
+    per-node buffers (RunOutput::trace is "only when BatchSpec::trace_buffers is set")."""
     art, rt = qwen2_small.artifact, qwen2_small.cpp
-    rt.run_score(_score_batch(art, random.Random(4), helpers))
-    assert "trace" not in rt.last_timings, f"a plain run returned a trace: {rt.last_timings.get('trace')[:3]}"
-    rt.run_beam(_beam_batch(art, random.Random(4), helpers))
-    assert "trace" not in rt.last_timings
+    batch = _score_batch(art, random.Random(4), helpers)
+    result = rt._executor.run("score", batch.inputs)
+    assert len(result) == 2 and len(result[1]) == 8, f"a plain run returned more: {[type(r) for r in result]}"
+    traced = rt._executor.trace("score", batch.inputs, ["x"])
+    assert [node for node, _ in traced] == [n.name for n in art.score_dag]
 
 
 # ---- asynchronous submission -----------------------------------------------------------------------
@@ -158,7 +162,7 @@ def test_concurrent_submits_match_blocking_runs(qwen2_small, helpers, monkeypatc
     assert loop_thread == threading.main_thread().ident
     for batch, want, (outputs, timings) in zip(batches, expected, results):
         assert _same(list(outputs), want, helpers)
-        assert [n for n, _, _ in timings["nodes"]][0] == "masks"
+        assert type(timings) is BatchTimings and timings.nodes[0].name == "masks"
     if rt is not qwen2_small.cpp:
         rt.shutdown()
 
@@ -236,7 +240,7 @@ def test_failed_batch_does_not_poison_the_executor(qwen2_small, helpers) -> None
         with pytest.raises(RuntimeError, match="label_logprobs"):
             rt.run_score(_bad_labels(good_score))
         assert _same(list(rt.run_beam(good_beam)), want_beam, helpers)
-    assert [n for n, _, _ in rt.last_timings["nodes"]] == [n.name for n in art.beam_dag]
+    assert [n.name for n in rt.last_timings.nodes] == [n.name for n in art.beam_dag]
 
 
 def test_failed_submit_fails_alone(qwen2_small, helpers) -> None:

@@ -131,12 +131,12 @@ def test_graph_mode_timings(tiny_artifact, runtimes) -> None:
         for _ in range(2):  # the first run may capture; the second surely replays
             rt.run_score(batch) if kind == "score" else rt.run_beam(batch)
         t = rt.last_timings
-        assert t["graph"] is True
+        assert t.graph is True
         steps = 1 if kind == "score" else batch.bucket.new_tokens
-        assert [n for n, _, _ in t["nodes"]] == [n.name for n in dag if n.step < steps]
-        for name, host_ms, device_ms in t["nodes"]:
-            assert host_ms >= 0 and device_ms >= 0, (name, host_ms, device_ms)
-        stamps = [t[k] for k in ("submit_ns", "start_ns", "h2d_end_ns", "launch_ns", "d2h_end_ns", "done_ns")]
+        assert [n.name for n in t.nodes] == [n.name for n in dag if n.step < steps]
+        for node in t.nodes:
+            assert node.host_ms >= 0 and node.device_ms >= 0, node
+        stamps = [t.submit_ns, t.start_ns, t.h2d_end_ns, t.launch_ns, t.d2h_end_ns, t.done_ns]
         assert stamps == sorted(stamps)
 
 
@@ -144,8 +144,8 @@ def test_eager_mode_device_timings(tiny_artifact, runtimes) -> None:
     rt = runtimes["eager"]
     rt.run_beam(_beam_batch(tiny_artifact, new_tokens=2))
     t = rt.last_timings
-    assert t["graph"] is False
-    assert all(device_ms >= 0 for _, _, device_ms in t["nodes"])
+    assert t.graph is False
+    assert all(n.device_ms >= 0 for n in t.nodes)
 
 
 def test_capture_logs_each_bucket(tiny_artifact, runtimes) -> None:
@@ -162,7 +162,7 @@ def test_capture_logs_each_bucket(tiny_artifact, runtimes) -> None:
         assert rt.capture(buckets[:1], quiet=True)[0]["capture_ms"] == 0, "already captured: no second capture"
         # a captured bucket then serves a batch by replay, with the Python runtime's bytes
         assert _same_bytes(rt.run_score(batch), runtimes["python"].run_score(batch))
-        assert rt.last_timings["graph"] is True
+        assert rt.last_timings.graph is True
     finally:
         rt.shutdown()
 
@@ -186,7 +186,7 @@ def test_captured_graphs_share_the_lane_pool(tiny_artifact, runtimes) -> None:
         assert len({b.bucket.key for b in batches}) >= 4
         for batch in batches * 2:
             seqs, scores = rt.run_beam(batch)
-            assert rt.last_timings["graph"] is True
+            assert rt.last_timings.graph is True
             want_seqs, want_scores = runtimes["eager"].run_beam(batch)
             assert torch.equal(seqs, want_seqs) and _same_bytes(scores, want_scores), batch.bucket.key
     finally:
@@ -204,7 +204,7 @@ def test_submit_in_graph_mode(tiny_artifact, runtimes) -> None:
 
     for (outputs, timings), w in zip(asyncio.run(main()), want):
         assert all(torch.equal(a, b) for a, b in zip(outputs, w))
-        assert timings["graph"] is True
+        assert timings.graph is True
 
 
 def _python_trace(run, batch, names):

@@ -20,6 +20,7 @@ from service.observe.records import Completed
 from service.sched.batcher import BatcherConfig, DeadlineExpired, Scheduler
 from service.runtime.engine import execute
 from service.runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from service.runtime.timings import BatchTimings, NodeTiming
 
 O, N, B = Priority.ONLINE, Priority.NORMAL, Priority.BACKGROUND
 
@@ -100,9 +101,8 @@ class FakeSubmitRuntime(FakeRuntime):
         batch, fut, submit_ns = self.pending.pop(0)
         start_ns = time.monotonic_ns()
         out = [self.run_score(batch)] if isinstance(batch, ScoreBatch) else list(self.run_beam(batch))
-        fut.set_result((out, {"submit_ns": submit_ns, "start_ns": start_ns, "h2d_end_ns": start_ns,
-                              "launch_ns": start_ns, "d2h_end_ns": time.monotonic_ns(),
-                              "done_ns": time.monotonic_ns(), "graph": False, "nodes": [("fake", 0.1, 0.05)]}))
+        fut.set_result((out, BatchTimings.host(submit_ns, start_ns, time.monotonic_ns(),
+                                               (NodeTiming("fake", 0.1, 0.05),))))
 
 
 async def finish_all(s: Scheduler, rt: FakeSubmitRuntime, tasks: list[asyncio.Task]) -> None:
@@ -176,10 +176,10 @@ def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, runtime)
             assert t.batch_size == len(members) and t.bucket.startswith(("score", "beam"))
             assert t.enqueued_s <= t.dequeued_s <= t.batch_start_s <= t.batch_end_s
             ex = t.executor
-            assert ex["submit_ns"] <= ex["start_ns"] <= ex["done_ns"]
-            assert (ex["done_ns"] - ex["start_ns"]) / 1e9 <= t.batch_end_s - t.batch_start_s + 1e-3
+            assert type(ex) is BatchTimings and ex.submit_ns <= ex.start_ns <= ex.done_ns
+            assert (ex.done_ns - ex.start_ns) / 1e9 <= t.batch_end_s - t.batch_start_s + 1e-3
             dag = art.score_dag if isinstance(c.result, ScoreResult) else art.beam_dag
-            assert [n[0] for n in ex["nodes"]][:2] == [n.name for n in dag][:2] == ["masks", dag[1].name]
+            assert [n.name for n in ex.nodes][:2] == [n.name for n in dag][:2] == ["masks", dag[1].name]
     assert isinstance(done[0].result, ScoreResult) and isinstance(done[-1].result, BeamResult)
     assert 0 < stats["occupancy_mean"] <= 1
     assert stats["model"]["batches_observed"] == 3
@@ -256,7 +256,7 @@ def test_kinds_never_share_a_batch_and_the_inflight_cap_holds(art):
         kind_of = {"s0": "score", "s1": "score", "b1": "beam.n1", "b2": "beam.n2"}
         assert rt.started == [["s0", "s1"], ["b1"], ["b2"]]
         assert all(len({kind_of[n] for n in names}) == 1 for names in rt.started)
-        assert done[1].timings.executor["nodes"] == [("fake", 0.1, 0.05)]
+        assert done[1].timings.executor.nodes == (NodeTiming("fake", 0.1, 0.05),)
         assert s.stats()["inflight"] == 0 and s.stats()["batches"] == len(rt.started)
         await s.close()
 

@@ -12,6 +12,7 @@ import torch
 from ops.bench import loop_cost
 from service.runtime.batch import pack_score, pick_score_bucket
 from service.runtime.requests import ScoreRequest
+from service.runtime.timings import BatchTimings
 
 
 class Counting:
@@ -51,8 +52,9 @@ def test_instant_runtime_runs_a_bucket_once_then_answers_at_once(embedded_tiny):
         expected = real.run_score(pack_score(first_reqs, bucket, art.label_columns))
         assert torch.equal(first_out[0], expected)  # the real outputs of the first batch...
         assert torch.equal(later_out[0], expected)  # ...are the answer of every later one
-        assert later_t["submit_ns"] <= later_t["start_ns"] == later_t["done_ns"]  # no executor time
-        assert later_t["nodes"] == first_t["nodes"] and later_t["nodes"]  # the real run's node timings
+        assert type(later_t) is type(first_t) is BatchTimings
+        assert later_t.submit_ns <= later_t.start_ns == later_t.done_ns  # no executor time
+        assert later_t.nodes == first_t.nodes and later_t.nodes  # the real run's node timings
         assert instant.num_lanes == real.num_lanes  # the rest is the runtime's own
     finally:
         real.shutdown()

@@ -21,6 +21,7 @@ from service.observe.chrome_trace import ChromeTraceWriter
 from service.observe.metrics import LATENCY_BUCKETS_S, MetricsServer, ServerMetrics, render, scheduler_families
 from service.runtime.requests import BindError
 from service.observe.records import Completed, RequestTimings, RequestTrace, build_records
+from service.runtime.timings import BatchTimings, NodeTiming
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -120,8 +121,9 @@ def executed(batch_id: int, batch_index: int, graph: bool) -> RequestTrace:
     """A 1 ms request whose batch ran NODES (device times in graph mode, host times eager)."""
     start = time.monotonic_ns()
     nodes = NODES if graph else [(n, d, -1.0) for n, _, d in NODES]
-    ex = dict(submit_ns=start, start_ns=start, h2d_end_ns=start, launch_ns=start, d2h_end_ns=start + 3_000_000,
-              done_ns=start + 3_000_000, graph=graph, nodes=nodes)
+    ex = BatchTimings(submit_ns=start, start_ns=start, h2d_end_ns=start, launch_ns=start,
+                      d2h_end_ns=start + 3_000_000, done_ns=start + 3_000_000, graph=graph,
+                      nodes=tuple(NodeTiming(*n) for n in nodes))
     timings = RequestTimings(Priority.NORMAL, start / 1e9, start / 1e9, start / 1e9, (start + 3_000_000) / 1e9,
                              batch_id, 2, batch_index, "score.t64.s64", ex)
     tr = RequestTrace("Score", start)

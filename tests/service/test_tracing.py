@@ -5,6 +5,7 @@ real Scheduler run on embedded:tiny traced from its own Completed.timings."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -23,6 +24,7 @@ from service.observe.metrics import ServerMetrics
 from service.observe.trace_report import breakdown, load_events
 from service.observe.records import WALL_OFFSET_NS, Completed, RequestTimings, RequestTrace, build_records, current_trace
 from service.observe.tracing import OTLP_PACKAGES, RequestTracer, TracingConfig, otlp_exporter
+from service.runtime.timings import BatchTimings, NodeTiming
 from service.serving.interceptor import TracingInterceptor
 
 MS = 1_000_000
@@ -47,8 +49,9 @@ def synthetic(base: int, graph: bool = True, batch_id: int = 7, batch_index: int
     nodes = [(n, h * scale, d * scale) for n, h, d in NODES]
     if not graph:
         nodes = [(n, d, -1.0) for n, _, d in nodes]  # eager on the CPU: host times only
-    ex = dict(submit_ns=at(3.0), start_ns=at(3.1), h2d_end_ns=at(3.2), launch_ns=at(3.3) if graph else at(3.2),
-              d2h_end_ns=at(6.0), done_ns=at(6.05), graph=graph, nodes=nodes)
+    ex = BatchTimings(submit_ns=at(3.0), start_ns=at(3.1), h2d_end_ns=at(3.2),
+                      launch_ns=at(3.3) if graph else at(3.2), d2h_end_ns=at(6.0), done_ns=at(6.05), graph=graph,
+                      nodes=tuple(NodeTiming(*n) for n in nodes))
     tr.completed(Completed(None, RequestTimings(Priority.ONLINE, at(1.1) / 1e9, at(2.0) / 1e9, at(2.9) / 1e9,
                                                 at(6.2) / 1e9, batch_id, 3, batch_index, "score.t64.s64", ex)))
     tr.set(samples=2, tokens=40)
@@ -130,13 +133,14 @@ def test_records_stay_inside_parents_when_clocks_disagree() -> None:
     base = time.monotonic_ns()
     tr = synthetic(base)
     ex = tr.timings.executor
-    ex["nodes"] = [(n, h, d * 3) for n, h, d in ex["nodes"]]
+    ex = dataclasses.replace(ex, nodes=tuple(n._replace(device_ms=n.device_ms * 3) for n in ex.nodes))
+    tr.timings = dataclasses.replace(tr.timings, executor=ex)
     records = build_records(tr)
     for r in records[1:]:
         p = records[r.parent]
         assert p.start_ns <= r.start_ns <= r.end_ns <= p.end_ns
     first = next(r for r in records if r.name == "masks")
-    assert first.start_ns == ex["h2d_end_ns"]
+    assert first.start_ns == ex.h2d_end_ns
 
 
 def test_error_status_and_no_execution() -> None:
@@ -340,8 +344,8 @@ def test_trace_command_prints_where_the_time_went(tmp_path: Path, capsys: pytest
 
 def _fake_done(start_ns: int, end_ns: int) -> Completed:
     mid = (start_ns + end_ns) // 2
-    ex = dict(submit_ns=mid, start_ns=mid, h2d_end_ns=mid, launch_ns=mid, d2h_end_ns=end_ns, done_ns=end_ns,
-              graph=False, nodes=[("embed", (end_ns - mid) / 2e6, -1.0), ("lm_head", (end_ns - mid) / 2e6, -1.0)])
+    ex = BatchTimings.host(mid, mid, end_ns, (NodeTiming("embed", (end_ns - mid) / 2e6, -1.0),
+                                              NodeTiming("lm_head", (end_ns - mid) / 2e6, -1.0)))
     return Completed(None, RequestTimings(Priority.NORMAL, start_ns / 1e9, start_ns / 1e9, mid / 1e9, end_ns / 1e9,
                                           1, 1, 0, "score.t64.s64", ex))
 
@@ -433,7 +437,7 @@ def test_real_scheduler_request_traced_from_its_timings(embedded_tiny, embedded_
     for trace, done in asyncio.run(run()):
         exporter.clear()
         assert tracer.finish(trace, "OK")
-        executed = [name for name, _, _ in done.timings.executor["nodes"]]
+        executed = [n.name for n in done.timings.executor.nodes]
         if trace.kind == "Score":
             assert executed == [n.name for n in art.score_dag]
         else:

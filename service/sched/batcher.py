@@ -68,7 +68,6 @@ class BatcherConfig:
     # a batch predicted to take longer holds at most max_inflight - 1 of the in-flight slots (one
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
-    overlap_s: float = math.inf  # a batch not yet full waits while another runs until that one is predicted to end within this long (inf: never waits)
     load_wait_share: float = 0.15  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
     load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
     # such a wait ends once the batch holds the requests of its kind expected in the server now
@@ -77,7 +76,7 @@ class BatcherConfig:
     load_wait_outside_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s", "overlap_s", "load_wait_share", "load_wait_max_s",
+        for name in ("max_wait_s", "heavy_batch_s", "load_wait_share", "load_wait_max_s",
                      "load_wait_outside_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
@@ -324,7 +323,6 @@ class Scheduler:
         self._batch_tasks: set[asyncio.Task] = set()
         self._inflight = 0
         self._heavy_inflight = 0
-        self._inflight_end: dict[int, float] = {}  # batch id -> when the executor is predicted to be done with it
         # when the executor last had a free slot again after all were taken: a batch's load wait
         # counts from when it could first have gone, not from its members' arrival (behind a busy
         # executor it would otherwise be spent before the batch could go, and the callers of the
@@ -459,7 +457,7 @@ class Scheduler:
                 if plan is None:
                     await self._wake.wait()
                     continue
-                release_s = max(self._release_s(plan, now), self._hold_until(plan, now))
+                release_s = self._release_s(plan, now)
                 if plan.is_full or now >= release_s or self.admission.is_draining:
                     self._launch(plan, now)
                     continue
@@ -565,17 +563,6 @@ class Scheduler:
         in_server = self._arrivals.rate(kind, now) * (residence + self.config.load_wait_outside_s)
         return in_server - len(plan.tickets) - self._inflight_by_kind[kind]
 
-    def _hold_until(self, plan: _Plan, now: float) -> float:
-        """With overlap_s, when a batch not yet full should go while others are in flight: once the
-        executor is predicted to be free within overlap_s (it gathers what arrives meanwhile into
-        one larger batch instead of a second small one sharing the GPU), but never so late that a
-        member would miss its deadline. -inf: at once."""
-        if plan.is_full or not self._inflight_end or math.isinf(self.config.overlap_s) or plan.bucket is None:
-            return -math.inf
-        if self._heavy_inflight and self._bucket_s(plan.bucket, now) <= self.config.heavy_batch_s:
-            return -math.inf  # light work never waits behind a heavy batch: that is what the last slot is for
-        return min(min(self._inflight_end.values()) - self.config.overlap_s, self._latest_start_s(plan, now))
-
     def _latest_start_s(self, plan: _Plan, now: float) -> float:
         """The latest a batch that waits for more may start and still answer every member in time:
         before the last moment by a tenth of the batch (1 ms at least), so that re-formed late it
@@ -622,9 +609,6 @@ class Scheduler:
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
-            # when the executor is predicted to be done with it: after what is in flight already
-            batch_s = self._bucket_s(plan.bucket, now) * self.model.calibration_at(now)
-            self._inflight_end[batch_id] = max([now, *self._inflight_end.values()]) + batch_s
         task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
@@ -674,7 +658,6 @@ class Scheduler:
             if self._inflight == self.config.max_inflight:
                 self._slot_freed_s = self.clock()
             self._inflight -= 1
-            self._inflight_end.pop(batch_id, None)
             self._wake.set()
             self._progress.set()
             self.admission.finished(tickets)

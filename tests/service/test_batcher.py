@@ -304,13 +304,11 @@ class KindRuntime(FakeRuntime):
         return super().run_beam(batch)
 
 
-@pytest.mark.parametrize("overlap_s", [math.inf, 0.0])
-def test_heavy_batches_leave_the_last_slot_to_light_work(art, overlap_s):
-    """Also with overlap_s: a light batch is never held behind a heavy one."""
+def test_heavy_batches_leave_the_last_slot_to_light_work(art):
     rt = KindRuntime(beam_s=0.4, score_s=0.01)
 
     async def main() -> None:
-        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, overlap_s=overlap_s)
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1)
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: 0.4 s, heavy
         await s.submit(score("warm-score"))  # 10 ms, light
         # three heavy batches (three kinds: never one batch), then a light request
@@ -679,46 +677,6 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
                 break
             fill.add(r, got)
         assert (got and fill.bucket) == want, reqs
-
-
-def test_with_overlap_s_a_batch_gathers_behind_the_running_one_and_keeps_its_deadline(art, monkeypatch):
-    """overlap_s: a batch not yet full waits while another runs, until that one is predicted to end
-    within overlap_s; what arrives meanwhile joins it (one batch of 3 instead of 1 + 2 beside the
-    running one). A member's deadline caps the wait. Without it (the default) the second slot is
-    used at once, by what is there."""
-    from service.sched import batcher as bm
-
-    # every batch predicted to take 0.2 s: without a deadline the hold lasts until r1's predicted end
-    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 0.2)
-
-    async def run(overlap_s: float, deadline_s: float | None = None) -> tuple[list[list[str]], float]:
-        rt = FakeSubmitRuntime()
-        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, overlap_s=overlap_s, heavy_batch_s=10.0)
-        first = asyncio.create_task(s.submit(score("r1")))
-        await until(lambda: len(rt.pending) == 1)
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        t0 = time.monotonic()
-        rest = [asyncio.create_task(s.submit(score(f"r{i}"), deadline=deadline)) for i in (2, 3)]
-        await asyncio.sleep(0.02)
-        rest.append(asyncio.create_task(s.submit(score("r4"), deadline=deadline)))
-        await until(lambda: len(rt.pending) == 2 or (not rt.pending and first.done()), timeout_s=5)
-        waited = time.monotonic() - t0
-        while rt.pending or not all(t.done() for t in [first, *rest]):
-            if len(rt.pending) == 2 or (rt.pending and time.monotonic() - t0 > 0.3):
-                rt.finish_oldest()
-            await asyncio.sleep(0.005)
-        await s.close()
-        return list(rt.started), waited
-
-    started_now, _ = asyncio.run(run(math.inf))
-    assert started_now[0] == ["r1"] and "r4" not in started_now[1], started_now  # the second slot at once
-    held, _ = asyncio.run(run(0.0))
-    assert held == [["r1"], ["r2", "r3", "r4"]], held  # held behind r1: r4 joined
-    _, waited_for_r1 = asyncio.run(run(0.0))
-    assert waited_for_r1 >= 0.15
-    # a deadline the hold would break: they go once waiting longer would make them late
-    capped, waited = asyncio.run(run(0.0, deadline_s=0.35))
-    assert capped[1][:2] == ["r2", "r3"] and waited < 0.15, (capped, waited)
 
 
 def test_under_load_a_batch_waits_a_share_of_its_cost_for_company(art, monkeypatch):

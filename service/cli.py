@@ -35,7 +35,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .runtime.factory import make_runtime
     from .runtime.jsonl import format_result, parse_request
     from .runtime.placement import resolve_placement
-    from .runtime.requests import ExecutionError, RequestError
+    from .runtime.requests import ExecutionError, RequestError, label_ids_of_texts
     from .serving.settings import RUN_SETTINGS, resolve
 
     values = resolve(RUN_SETTINGS, args)
@@ -47,9 +47,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
     parsed: list = []
     ids: list = []
+    tokenizers: list = []  # loaded for the first line with label_texts
+
+    def labels_of(texts):
+        if not tokenizers:
+            from .model.tokenizer import load_tokenizer
+            tokenizers.append(load_tokenizer(artifact.tokenizer_dir))
+        return label_ids_of_texts(texts, tokenizers[0].encode_cached, artifact.config, artifact.limits)
+
     for n, ln in lines:
         try:
-            req = parse_request(ln)
+            req = parse_request(ln, labels_of)
             parsed.append(req)
             ids.append(req.id)
         except RequestError as e:
@@ -92,12 +100,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def on_ready(server) -> None:
         target = f"{target_host}:{server.port}"
         tok, vocab = server.model.tokenizer, server.model.artifact.config.vocab_size
-        # the label ids of the example: the first token of " yes" and of " no" (a relevance question)
-        labels = [i for w in (" yes", " no") for i in tok.encode(w)[:1] if i < vocab] or [0, 1]
+        # the labels of the example (a relevance question): " yes" and " no" as texts where each is one
+        # token of this tokenizer, else the ids of their first tokens
+        words = (" yes", " no")
+        encoded = [tok.encode(w) for w in words]
+        if all(len(ids) == 1 and ids[0] < vocab for ids in encoded):
+            labels = "--label-texts " + " ".join(f"'{w}'" for w in words)
+        else:
+            labels = "--labels " + (" ".join(str(ids[0]) for ids in encoded if ids and ids[0] < vocab) or "0 1")
         tls = " --tls-ca CA.pem" if config.tls_cert else ""
         announce(f"serving {values['model']} ({placement.describe()}) on {target}; send a request with:")
         announce(f"  slmrank client score --target {target}{tls} --prefix 'Query: running shoes. Relevant?' "
-                 f"--samples ' Trail runner' ' Garden hose' --labels {' '.join(map(str, labels))}")
+                 f"--samples ' Trail runner' ' Garden hose' {labels}")
         announce(f"  slmrank client beam --target {target}{tls} --prompt 'The best running shoes are' "
                  "--beam-width 4 --new-tokens 3")
 
@@ -166,8 +180,10 @@ def _cmd_client(args: argparse.Namespace) -> int:
                 response = client.model_info()
             elif args.kind == "score":
                 samples = args.samples or [parse_ids(s) for s in args.sample_ids]
+            elif args.kind == "tokenize":
+                response = client.tokenize(args.text or "", parse_ids(args.ids) if args.ids is not None else ())
                 prefix = parse_ids(args.prefix_ids) if args.prefix_ids is not None else args.prefix
-                response = client.score(samples, args.labels, prefix, args.priority)
+                response = client.score(samples, args.labels, prefix, args.priority, label_texts=args.label_texts)
             else:
                 prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
                 response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority)
@@ -215,7 +231,10 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     prefix = sc.add_mutually_exclusive_group()
     prefix.add_argument("--prefix", metavar="TEXT")
     prefix.add_argument("--prefix-ids", metavar="IDS")
-    sc.add_argument("--labels", nargs="*", type=int, default=[], metavar="ID", help="label token ids")
+    labels = sc.add_mutually_exclusive_group()
+    labels.add_argument("--labels", nargs="*", type=int, default=[], metavar="ID", help="label token ids")
+    labels.add_argument("--label-texts", nargs="+", default=[], metavar="TEXT",
+                        help="the labels as texts of one token each, e.g. ' yes' ' no' (instead of --labels)")
     bm = kinds.add_parser("beam", parents=[common], help="BeamSearch: best sequences of new tokens")
     prompt = bm.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT")
@@ -228,6 +247,11 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .observe.trace_report import report
 
+    tk = kinds.add_parser("tokenize", parents=[common], help="Tokenize: text -> ids, or ids -> text, with the "
+                                                             "server's tokenizer")
+    what = tk.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", metavar="TEXT")
+    what.add_argument("--ids", metavar="IDS", help="'1,2,3'")
     print(report(args.file))
     return 0
 

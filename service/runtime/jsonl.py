@@ -1,6 +1,7 @@
 """The `slmrank run` line format: one JSON request per line in, one JSON result per line out.
 
   in:  {"id": "a", "kind": "score", "prefix_ids": [..] (optional), "samples": [[..], ..], "label_ids": [..]}
+       ("label_texts": [" yes", " no"] instead of "label_ids": texts of one token each)
   out: {"id": "a", "scores": [[logprob per label id], ..]}
   in:  {"id": "b", "kind": "beam", "prompt_ids": [..], "beam_width": B, "new_tokens": T}
   out: {"id": "b", "beams": [{"ids": [T ids], "logprob": cumulative}, ..]}   (best first)
@@ -12,7 +13,7 @@ Floats are written with Python's shortest round-trip repr, so two runtimes' file
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from .requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
@@ -32,8 +33,23 @@ def _optional_ids(obj: dict[str, Any], field: str) -> tuple[int, ...]:
     return _id_list(obj[field], field) if field in obj else ()
 
 
-def parse_request(line: str) -> ScoreRequest | BeamRequest:
-    """Raises RequestError; its `request_id` attribute carries the id when one was read."""
+def _label_ids(obj: dict[str, Any], labels_of: Callable[[Sequence[str]], tuple[int, ...]] | None) -> tuple[int, ...]:
+    if "label_texts" not in obj:
+        return _optional_ids(obj, "label_ids")
+    if "label_ids" in obj:
+        raise RequestError("label_texts", "both label_ids and label_texts are set: set exactly one of them")
+    texts = obj["label_texts"]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise RequestError("label_texts", "must be a list of strings")
+    if labels_of is None:
+        raise RequestError("label_texts", "cannot be read here: no tokenizer given (use label_ids)")
+    return labels_of(texts)
+
+
+def parse_request(line: str, labels_of: Callable[[Sequence[str]], tuple[int, ...]] | None = None
+                  ) -> ScoreRequest | BeamRequest:
+    """Raises RequestError; its `request_id` attribute carries the id when one was read.
+    labels_of: label texts -> their ids (requests.label_ids_of_texts with the artifact's tokenizer)."""
     rid = None
     try:
         try:
@@ -51,7 +67,7 @@ def parse_request(line: str) -> ScoreRequest | BeamRequest:
             if not isinstance(samples, list):
                 raise RequestError("samples", "is required: a list of token-id lists")
             return ScoreRequest(samples=tuple(_id_list(s, f"samples[{i}]") for i, s in enumerate(samples)),
-                                label_ids=_optional_ids(obj, "label_ids"),
+                                label_ids=_label_ids(obj, labels_of),
                                 prefix_ids=_optional_ids(obj, "prefix_ids"), id=rid)
         if kind == "beam":
             if "prompt_ids" not in obj:

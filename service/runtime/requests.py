@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..model.config import ModelConfig, ServingLimits
 
@@ -142,6 +142,33 @@ def validate_score(req: ScoreRequest, model: ModelConfig, limits: ServingLimits,
     if len(req.label_ids) > limits.max_labels:
         raise RequestError("label_ids", f"{len(req.label_ids)} label ids exceed the maximum of {limits.max_labels}")
     check_ids("label_ids", req.label_ids, model.vocab_size)
+
+
+def label_ids_of_texts(texts: Sequence[str], encode: Callable[[str], Sequence[int]], model: ModelConfig,
+                       limits: ServingLimits, max_chars: int | None = None, field: str = "label_texts") -> tuple[int, ...]:
+    """Score labels given as texts -> their ids: each text must be exactly one token of the
+    artifact's tokenizer (`encode`), or the request is refused naming `label_texts[i]` and how many
+    tokens it made. max_chars: longer texts are refused before they are tokenized (no one token
+    is that long: the gRPC codec's bound, so that a label cannot hold the event loop)."""
+    if model.has_cls_head:
+        raise RequestError(field, "must be empty: this model has a classification head "
+                                  f"and returns its {model.num_labels} outputs per sample")
+    if len(texts) > limits.max_labels:
+        raise RequestError(field, f"{len(texts)} labels exceed the maximum of {limits.max_labels}")
+    ids: list[int] = []
+    for i, text in enumerate(texts):
+        if max_chars is not None and len(text) > max_chars:
+            raise RequestError(f"{field}[{i}]", f"{len(text)} characters cannot be one token (at most {max_chars}): "
+                                                "a label must be exactly one token")
+        got = list(encode(text))
+        if len(got) != 1:
+            raise RequestError(f"{field}[{i}]", f"{text!r} makes {len(got)} tokens with the artifact's tokenizer; "
+                                                "a label must be exactly one token (Tokenize shows the tokens)")
+        if not 0 <= got[0] < model.vocab_size:  # a checkpoint whose vocabulary is smaller than its tokenizer's
+            raise RequestError(f"{field}[{i}]", f"{text!r} is token {got[0]}, outside the model's vocabulary "
+                                                f"[0, {model.vocab_size})")
+        ids.append(got[0])
+    return tuple(ids)
 
 
 def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, ids_checked: bool = False) -> None:

@@ -1,8 +1,9 @@
 """A small synchronous client of the Ranker service; `slmrank client` runs it.
 
     with RankerClient("127.0.0.1:50051") as c:
-        c.score(["a sample", [9707, 11]], label_ids=[9454, 2753], prefix="Is it relevant? ")
+        c.score(["a sample", [9707, 11]], label_texts=[" yes", " no"], prefix="Is it relevant? ")
         c.beam("The best running shoes are", beam_width=4, new_tokens=3, priority="online")
+        c.tokenize(" yes")  # ids=[9834] text=" yes"; c.tokenize(ids=[9834]) the other way
 
 A segment is text (tokenized by the server) or a list of token ids. With `tls_ca` the channel is
 TLS (the server's certificate must chain to that CA); with `tls_cert` + `tls_key` as well, the
@@ -34,10 +35,11 @@ class RankerClient:
         self.stub = stubs.pb2_grpc.RankerStub(self.channel)
 
     def score(self, samples: Sequence[SegmentValue], label_ids: Sequence[int] = (), prefix: SegmentValue | None = None,
-              priority: str = "unspecified", timeout_s: float | None = None) -> Any:
+              priority: str = "unspecified", timeout_s: float | None = None, label_texts: Sequence[str] = ()) -> Any:
+        """label_texts: the labels as texts of one token each, instead of label_ids."""
         pb2 = self.pb2
         msg = pb2.ScoreRequest(samples=[segment(pb2, s) for s in samples], label_ids=label_ids,
-                               priority=PRIORITIES.index(priority))
+                               label_texts=label_texts, priority=PRIORITIES.index(priority))
         if prefix is not None:
             msg.prefix.CopyFrom(segment(pb2, prefix))
         return self.stub.Score(msg, timeout=timeout_s or self.timeout_s)
@@ -50,6 +52,11 @@ class RankerClient:
 
     def model_info(self, timeout_s: float | None = None) -> Any:
         return self.stub.ModelInfo(self.pb2.ModelInfoRequest(), timeout=timeout_s or self.timeout_s)
+
+    def tokenize(self, text: str = "", ids: Sequence[int] = (), timeout_s: float | None = None) -> Any:
+        """The server's tokenizer: text -> ids, or ids -> text (set one); the answer has both."""
+        msg = self.pb2.TokenizeRequest(text=text, ids=list(ids))
+        return self.stub.Tokenize(msg, timeout=timeout_s or self.timeout_s)
 
     def close(self) -> None:
         self.channel.close()
@@ -96,8 +103,10 @@ def _f32(x: float) -> float:
 
 
 def to_json(response: Any) -> dict[str, Any]:
-    if hasattr(response, "artifact_sha256"):  # ModelInfoResponse
-        return MessageToDict(response, preserving_proto_field_name=True)
+    if hasattr(response, "artifact_sha256"):  # ModelInfoResponse, every field (0 and "" too: num_labels 0 says something)
+        return MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if response.DESCRIPTOR.name == "TokenizeResponse":
+        return {"ids": list(response.ids), "text": response.text}
     if hasattr(response, "beams"):
         return {"beams": [{"ids": list(b.ids), "logprob": _f32(b.logprob), "text": b.text} for b in response.beams]}
     return {"samples": [{"logprobs": [_f32(x) for x in s.logprobs]} for s in response.samples]}

@@ -1,7 +1,8 @@
 """Proto messages <-> request types, for the gRPC server.
 
 Every field of a request message is checked before any work, cheapest first (priority, counts,
-label ids, beam sizes) and text segments are tokenized last; a bad field raises RequestError named
+label ids or label texts (a few characters each, bounded), beam sizes) and text segments are
+tokenized last; a bad field raises RequestError named
 by its proto path (`samples[2].ids[5]`, `prompt.text`, `beam_width`) with the limit it breaks.
 The engine's own validation (validate_score / validate_beam) runs last, its field names mapped to
 the proto's.
@@ -19,8 +20,8 @@ from ..sched.verdict import PROTO_PRIORITY_NAMES, Priority
 from ..sched.verdict import lane_of
 from ..artifact.artifact import Artifact
 from .proto_gen import load as load_stubs
-from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, validate_beam,
-                       validate_score)
+from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequest, ScoreResult, label_ids_of_texts,
+                                validate_beam, validate_score)
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
 from ..sched.shapes import TEXT_SLACK, message_dims
@@ -75,10 +76,7 @@ class Codec:
     def score_request(self, msg: Any) -> tuple[ScoreRequest, Priority]:
         priority = priority_of(msg.priority)
         _check_count("samples", len(msg.samples), self.limits.max_samples)
-        label_ids = self._ids("label_ids", msg.label_ids)
-        max_labels = self.limits.max_labels
-        if len(label_ids) > max_labels:
-            raise RequestError("label_ids", f"{len(label_ids)} label ids exceed the maximum of {max_labels}")
+        label_ids = self._label_ids(msg)
         has_prefix = msg.HasField("prefix")
         if not has_prefix:
             fast = self._score_ids_only(msg.samples)
@@ -103,6 +101,20 @@ class Codec:
         req = ScoreRequest(samples=tuple(ids), label_ids=label_ids, prefix_ids=prefix)
         _engine_check(validate_score, req, self)
         return req, priority
+
+    def _label_ids(self, msg: Any) -> tuple[int, ...]:
+        """label_ids, or label_texts' one token each (a few short texts, bounded before they are
+        tokenized, through the tokenizer's cache: the same labels come with every request)."""
+        if msg.label_texts:
+            if msg.label_ids:
+                raise RequestError("label_texts", "both label_ids and label_texts are set: set exactly one of them")
+            return label_ids_of_texts(msg.label_texts, self.tokenizer.encode_cached, self.model, self.limits,
+                                      max_chars=TEXT_SLACK * self.max_token_bytes)
+        label_ids = self._ids("label_ids", msg.label_ids)
+        max_labels = self.limits.max_labels
+        if len(label_ids) > max_labels:
+            raise RequestError("label_ids", f"{len(label_ids)} label ids exceed the maximum of {max_labels}")
+        return label_ids
 
     def _score_ids_only(self, samples: Any) -> tuple[tuple[int, ...], ...] | None:
         """The samples' ids in one pass when every sample is a valid ids segment (the common case;
@@ -132,6 +144,29 @@ class Codec:
                           new_tokens=msg.new_tokens)
         _engine_check(validate_beam, req, self)
         return req, priority
+
+    def tokenize(self, msg: Any) -> Any:
+        """A TokenizeRequest -> its TokenizeResponse: text -> ids (as a text segment is tokenized),
+        or ids -> text (as a beam's text is decoded); either way both, within the longest a request
+        may be."""
+        most = max(self.limits.max_score_tokens, self.limits.max_prompt_tokens)
+        if msg.text and msg.ids:
+            raise RequestError("text", "both text and ids are set: set exactly one of text or ids")
+        if msg.ids:
+            if len(msg.ids) > most:
+                raise RequestError("ids", f"{len(msg.ids)} ids exceed the maximum of {most} (the longest request)")
+            ids = self._ids("ids", msg.ids)
+        elif msg.text:
+            if len(msg.text) > TEXT_SLACK * most * self.max_token_bytes:
+                raise RequestError("text", f"{len(msg.text)} characters of text cannot fit in the maximum of {most} "
+                                           "tokens: refused before tokenizing")
+            ids = self._segment_ids("", msg)
+            if len(ids) > most:
+                raise RequestError("text", f"tokenizes to {len(ids)} tokens, more than the maximum of {most} "
+                                           "(the longest request)")
+        else:
+            raise RequestError("text", "empty request: set exactly one of text or ids")
+        return self.pb2.TokenizeResponse(ids=ids, text=self.text(ids))
 
     def shape_of(self, kind: str, msg: Any) -> tuple[ScoreRequest | BeamRequest, Priority] | None:
         """A request of the message's shape (placeholder ids) no larger than the one score_request /
@@ -244,8 +279,10 @@ class Codec:
                                                     f"maximum of {max_tokens} tokens: refused before tokenizing")
 
     def _segment_ids(self, field: str, seg: Any, cached: bool = False) -> tuple[int, ...]:
+        """field "": a top-level text/ids pair (TokenizeRequest), its fields named text, ids."""
+        prefix = f"{field}." if field else ""
         if seg.ids:
-            return self._ids(f"{field}.ids", seg.ids)
+            return self._ids(f"{prefix}ids", seg.ids)
         t0 = time.monotonic_ns()
         ids = self.tokenizer.encode_cached(seg.text) if cached else self.tokenizer.encode(seg.text)
         t1 = time.monotonic_ns()
@@ -253,7 +290,7 @@ class Codec:
         self.tokenize_stats.add(t1 - t0)
         vocab = self.model.vocab_size
         if ids and max(ids) >= vocab:  # a checkpoint whose model vocabulary is smaller than its tokenizer's
-            raise RequestError(f"{field}.text", f"tokenizes to id {max(ids)}, outside the model's "
+            raise RequestError(f"{prefix}text", f"tokenizes to id {max(ids)}, outside the model's "
                                                 f"vocabulary [0, {vocab})")
         return tuple(ids)
 

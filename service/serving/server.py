@@ -1,6 +1,7 @@
 """The gRPC server: grpc.aio on uvloop, one event loop per process, created inside it.
 
-Handlers are a few lines each (proto -> request -> Scheduler.submit -> proto); exceptions become
+Handlers are a few lines each (proto -> request -> Scheduler.submit -> proto; Tokenize and
+ModelInfo answer from the codec and the model without the scheduler); exceptions become
 status codes in StatusInterceptor and nowhere else. Also served: grpc.health.v1 (NOT_SERVING until
 the model is loaded and its graphs captured, and again while draining) and server reflection.
 
@@ -298,6 +299,11 @@ class RankerServer:
     loader: Callable[[], Model]  # runs in a worker thread while health says NOT_SERVING
     port: int = 0
     model: Model | None = None
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        codec, _ = self._serving()
+        with current_trace().stage("decode"):
+            return codec.tokenize(request)
+
     servicer: RankerServicer = field(default_factory=RankerServicer)
     interceptor: StatusInterceptor = field(default_factory=StatusInterceptor)
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)

@@ -83,7 +83,7 @@ def test_reflection(server: ServerThread, package: str) -> None:
     (raw,) = described.file_descriptor_response.file_descriptor_proto
     proto = descriptor_pb2.FileDescriptorProto.FromString(raw)
     (service,) = proto.service
-    assert [m.name for m in service.method] == ["Score", "BeamSearch", "ModelInfo"]
+    assert [m.name for m in service.method] == ["Score", "BeamSearch", "ModelInfo", "Tokenize"]
     assert proto.options.go_package and proto.options.java_package
 
 

@@ -178,10 +178,10 @@ def _cmd_client(args: argparse.Namespace) -> int:
         try:
             if args.kind == "info":
                 response = client.model_info()
-            elif args.kind == "score":
-                samples = args.samples or [parse_ids(s) for s in args.sample_ids]
             elif args.kind == "tokenize":
                 response = client.tokenize(args.text or "", parse_ids(args.ids) if args.ids is not None else ())
+            elif args.kind == "score":
+                samples = args.samples or [parse_ids(s) for s in args.sample_ids]
                 prefix = parse_ids(args.prefix_ids) if args.prefix_ids is not None else args.prefix
                 response = client.score(samples, args.labels, prefix, args.priority, label_texts=args.label_texts)
             else:
@@ -241,17 +241,17 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS")
     bm.add_argument("--beam-width", type=int, required=True)
     bm.add_argument("--new-tokens", type=int, required=True)
+    tk = kinds.add_parser("tokenize", parents=[common], help="Tokenize: text -> ids, or ids -> text, with the "
+                                                             "server's tokenizer")
+    what = tk.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", metavar="TEXT")
+    what.add_argument("--ids", metavar="IDS", help="'1,2,3'")
     c.set_defaults(func=_cmd_client)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .observe.trace_report import report
 
-    tk = kinds.add_parser("tokenize", parents=[common], help="Tokenize: text -> ids, or ids -> text, with the "
-                                                             "server's tokenizer")
-    what = tk.add_mutually_exclusive_group(required=True)
-    what.add_argument("--text", metavar="TEXT")
-    what.add_argument("--ids", metavar="IDS", help="'1,2,3'")
     print(report(args.file))
     return 0
 

@@ -292,6 +292,11 @@ class RankerServicer:
             raise NotServing("loading", self.unavailable_hint_s)
         return self.info
 
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        codec, _ = self._serving()
+        with current_trace().stage("decode"):
+            return codec.tokenize(request)
+
 
 @dataclass
 class RankerServer:
@@ -299,11 +304,6 @@ class RankerServer:
     loader: Callable[[], Model]  # runs in a worker thread while health says NOT_SERVING
     port: int = 0
     model: Model | None = None
-    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        codec, _ = self._serving()
-        with current_trace().stage("decode"):
-            return codec.tokenize(request)
-
     servicer: RankerServicer = field(default_factory=RankerServicer)
     interceptor: StatusInterceptor = field(default_factory=StatusInterceptor)
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)

@@ -94,6 +94,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if values["lanes"] < 0:
         raise ValueError(f"--lanes: must be >= 0 (0: the runtime's default), got {values['lanes']}")
     configure_logging("warning" if args.quiet else values["log_level"], values["log_format"])
+    from .artifact.resolve import check_model
+    check_model(values["model"])  # a bad --model fails here, before the port is bound and "listening" said
     host = values["host"]
     target_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
 
@@ -171,7 +173,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from .serving.client import RankerClient, describe_error, parse_ids, to_json
+    from .serving.client import RankerClient, describe_error, info_summary, parse_ids, to_json
 
     with RankerClient(args.target, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_server_name=args.tls_server_name) as client:
@@ -190,6 +192,9 @@ def _cmd_client(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"slmrank client: {describe_error(e)}", file=sys.stderr)
             return 1
+    if args.kind == "info" and not args.json:
+        print(info_summary(response))
+        return 0
     print(json.dumps(to_json(response), ensure_ascii=False))
     return 0
 
@@ -223,7 +228,8 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     common.add_argument("--tls-key", default=None, metavar="FILE", help="mTLS: its private key (PEM)")
     common.add_argument("--tls-server-name", default=None, metavar="NAME",
                         help="TLS: check the server's certificate for this name instead of the target's host")
-    kinds.add_parser("info", parents=[common], help="ModelInfo: the model, artifact sha256, runtime, limits, buckets")
+    info = kinds.add_parser("info", parents=[common], help="ModelInfo: the model, artifact sha256, runtime, limits, buckets")
+    info.add_argument("--json", action="store_true", help="all of ModelInfo as JSON (every bucket) instead of a summary")
     sc = kinds.add_parser("score", parents=[common], help="Score: label log-probs per sample")
     samples = sc.add_mutually_exclusive_group(required=True)
     samples.add_argument("--samples", nargs="+", metavar="TEXT")
@@ -262,10 +268,22 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_trace)
 
 
+def _version() -> str:
+    """The installed package's version, from its metadata (not the artifact format's: reading it
+    imports torch, seconds for a flag that should answer at once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("slmrank")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "unknown (not installed: run ops/setup)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     p = argparse.ArgumentParser(prog="slmrank", description="Bounded Score / BeamSearch serving for small Qwen models.")
+    p.add_argument("--version", action="version", version=f"slmrank {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="build a deployment artifact from an embedded spec or a local HF checkpoint")

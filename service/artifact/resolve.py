@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..model import progress
+from ..model.checkpoint import embedded_spec, load_hf_config
 from .artifact import MANIFEST, Artifact, ArtifactError, build_artifact, load_artifact
 
 
@@ -24,6 +25,22 @@ def _checkpoint_fingerprint(ckpt: Path) -> str:
                 st = f.stat()
                 parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
     return "\n".join(parts)
+
+
+def check_model(model: str) -> None:
+    """What can be seen wrong with `model` at once, before a server binds its port (a server that
+    said "listening" and then failed would look healthy to whoever started it): an embedded spec
+    it does not know, a path that is neither an artifact nor a checkpoint directory, a checkpoint
+    whose config.json cannot be read. The rest (weights, hashes) is seen as it loads."""
+    if model.startswith("embedded:"):
+        embedded_spec(model)  # ValueError: names the known ones
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {model}: no such directory (an artifact or Hugging Face checkpoint "
+                                "directory, or embedded:NAME)")
+    if not (path / MANIFEST).exists():
+        load_hf_config(path)  # no config.json, or one of an architecture slmrank does not serve
 
 
 def resolve_artifact(model: str, quiet: bool = False) -> Artifact:

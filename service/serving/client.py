@@ -112,6 +112,30 @@ def to_json(response: Any) -> dict[str, Any]:
     return {"samples": [{"logprobs": [_f32(x) for x in s.logprobs]} for s in response.samples]}
 
 
+def info_summary(info: Any) -> str:
+    """A ModelInfoResponse for people: what is served, where, and the request limits; the buckets
+    only counted (all of them: `slmrank client info --json`)."""
+    lim = info.limits
+    head = (f"{info.num_labels} labels (a classification head: no label ids)" if info.num_labels
+            else "num_labels 0 (label log-probabilities: Score needs label_ids or label_texts)")
+    rows = [
+        ("model", f"{info.model or '(not named)'} (built from {info.source})" if info.source and info.source != info.model
+         else info.model),
+        ("artifact_sha256", info.artifact_sha256),
+        ("architecture", f"{info.arch}, {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}"),
+        ("runtime", f"{info.runtime} on {info.device}, kernels {info.kernels}"),
+        ("dtype", f"compute {info.compute_dtype}, weights {info.weights_dtype}"),
+        ("limits", f"{head}; max_labels {lim.max_labels}"),
+        ("", f"Score: max_samples {lim.max_samples}, max_score_tokens {lim.max_score_tokens}"),
+        ("", f"BeamSearch: max_prompt_tokens {lim.max_prompt_tokens}, max_beam_width {lim.max_beam_width}, "
+             f"max_new_tokens {lim.max_new_tokens}"),
+        ("buckets", f"{len(info.score_buckets)} score, {len(info.beam_buckets)} beam"),
+        ("server_version", info.server_version),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
+
+
 def describe_error(e: grpc.RpcError) -> str:
     """'UNAVAILABLE: overloaded (...); retry after 12 ms' and the retry-after-ms trailer when sent."""
     text = f"{e.code().name}: {e.details()}"

@@ -73,14 +73,31 @@ def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("model, expected", [
-    ("embedded:nope", "cannot load the model: "),
-    ("/nonexistent/checkpoint", "cannot load the model: "),
+    ("embedded:nope", "unknown embedded spec 'embedded:nope'"),
+    ("/nonexistent/checkpoint", "--model /nonexistent/checkpoint: no such directory"),
+    (".", "no config.json"),
 ])
-def test_a_model_that_does_not_load(tmp_path: Path, model: str, expected: str) -> None:
-    proc = _serve(tmp_path, "--model", model)
+def test_a_bad_model_fails_before_the_port_is_bound(tmp_path: Path, model: str, expected: str) -> None:
+    """Seen before binding: on a port another socket holds, the error is the model's, not the port's,
+    and the server never said it was listening."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _serve(tmp_path, "--model", model, "--port", str(taken.getsockname()[1]))
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, expected)
-    assert model.split(":")[-1] in proc.stderr
+    assert "listening" not in proc.stdout + proc.stderr and "cannot listen" not in proc.stderr
+
+
+def test_a_model_that_does_not_load(tmp_path: Path, save_tiny_checkpoint) -> None:
+    """A checkpoint that looks right (its config.json) but has no weights fails as it loads."""
+    _, ckpt = save_tiny_checkpoint(tmp_path, "ckpt", "qwen2", "Qwen2ForCausalLM", 3, vocab=512, max_pos=64)
+    for weights in ckpt.glob("*.safetensors"):
+        weights.unlink()
+    proc = _serve(tmp_path, "--model", str(ckpt))
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "cannot load the model: ")
+    assert "listening" in proc.stdout
 
 
 def test_a_taken_metrics_port(tmp_path: Path) -> None:

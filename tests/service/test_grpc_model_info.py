@@ -97,8 +97,24 @@ def test_health_listener_serves_health_only(server: ServerThread) -> None:
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_client_info_prints_json(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+def test_client_info_prints_a_summary(server: ServerThread, model, capsys: pytest.CaptureFixture[str]) -> None:
+    art = model.artifact
     assert cli_main(["client", "info", "--target", server.target, "--timeout", "30"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert 5 < len(lines) <= 12 and max(map(len, lines)) < 120, out  # for people: a screen, not 34 KB on a line
+    rows = {ln.split()[0]: ln for ln in lines if not ln.startswith(" ")}
+    assert "embedded:tiny" in rows["model"]  # what the artifact was built from (the test's Model has no --model)
+    assert hashlib.sha256((art.path / "manifest.msgpack").read_bytes()).hexdigest() in rows["artifact_sha256"]
+    assert "python on cpu" in rows["runtime"] and art.manifest["weights"]["dtype"] in rows["dtype"]
+    assert "num_labels 0" in rows["limits"] and f"max_labels {art.limits.max_labels}" in rows["limits"]
+    assert f"max_beam_width {art.limits.max_beam_width}" in out and f"max_score_tokens {art.limits.max_score_tokens}" in out
+    assert rows["buckets"].split(None, 1)[1] == f"{len(art.buckets.score)} score, {len(art.buckets.beam)} beam"
+
+
+def test_client_info_json_has_every_field(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["client", "info", "--json", "--target", server.target, "--timeout", "30"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["runtime"] == "python" and len(printed["artifact_sha256"]) == 64
     assert printed["limits"]["max_beam_width"] > 0 and printed["beam_buckets"]
+    assert printed["num_labels"] == 0  # a zero is an answer too (label log-probabilities, no head)

@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=_cmd_run)
     _add_serve_parsers(sub, command)
     _add_trace_parser(sub)
+    from .loadgen.command import add_bench_parser  # its flags only: grpc loads when `slmrank bench` runs
+
+    add_bench_parser(sub)
 
     args = p.parse_args(argv)
     from .runtime.requests import BindError

@@ -6,20 +6,23 @@
 
 Each system runs as its own subprocess on 127.0.0.1 (`python -m service.cli serve --port 0 ...`,
 `python -m ops.bench.hf_peer ...`): its bound port is read from its output, then health is polled
-until SERVING. Per level N: N asyncio tasks on one grpc.aio channel, each sending its next request
-as soon as its last one completes; warm-up, then a measured window: QPS = RPCs completed OK in the
+until SERVING. The load is `slmrank bench`'s (service/loadgen/loop.py's sweep, the same code): per
+level N, N requests in flight over --connections connections (default 1), each next one sent as
+soon as the last one completes; warm-up, then a measured window: QPS = RPCs completed OK in the
 window / its length; latency = client send -> response, of those RPCs; errors counted by status.
-Capacity = the highest QPS of a level with mean < 20 ms and P99 < 80 ms; effective MFU = logical
-FLOPs per request (service/model/flops.py) x capacity / 989e12 (H200 dense BF16).
+Capacity = the highest QPS of a level with mean < 20 ms and P99 < 80 ms (and at most 0.1% errors);
+effective MFU = logical FLOPs per request (service/model/flops.py) x capacity / 989e12 (H200 dense
+BF16).
 
 With --peer and an embedded spec, the artifact's weights are written as an HF checkpoint
 (ops.bench.bench_executor.save_hf_checkpoint) and BOTH systems load that checkpoint: the same weights.
 slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
 every system (their largest difference is reported: "agreement"), and the peers are measured.
 
-Workloads, as ops/bench/workloads.py defines them: W1..W6 (BENCHMARKS.md), or custom:
+Workloads, as service/loadgen/workloads.py defines them: W1..W6 (docs/benchmarks.md), or custom:
 "score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3". Token ids are uniform
-in [0, min(150000, vocab)), fixed seed.
+in [0, min(150000, vocab)), fixed seed; --pool distinct requests (default 512), drawn before the
+levels and cycled.
 Writes DIR/bench_grpc.json; prints a short table last.
 """
 
@@ -39,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +50,16 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, parse_workload
+from service.loadgen.loop import Pool, Progress, capacity as capacity_at, sweep
+# the server's view of a window; overload_bench and the tests read them from here too
+from service.loadgen.server_view import SAMPLE as _SAMPLE, scrape, server_breakdown, window_delta  # noqa: F401
 from service.serving.proto_gen import load as load_stubs
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 PEAK_BF16 = 989e12
 SLO_MEAN_MS, SLO_P99_MS = 20.0, 80.0
+POOL = 512  # distinct requests drawn before the levels, then cycled
 
 
 # ---- the systems under test, as subprocesses -------------------------------------------------------
@@ -123,134 +129,19 @@ async def wait_serving(target: str, timeout_s: float) -> None:
             await asyncio.sleep(0.1)
 
 
-# ---- the server's own view: its /metrics over the measured window ---------------------------------
-
-_SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
-                     r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total|slmrank_dropped_total|'
-                     r'slmrank_answered_late_total|slmrank_refused_total|slmrank_admission_calibration|'
-                     r'slmrank_admission_parallelism|slmrank_admission_lane_error|slmrank_front_ingress_delay_seconds|'
-                     r'slmrank_queue_depth)'
-                     r'(?:\{([^}]*)\})? (\S+)$')
-
-
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """(series, labels) -> value for the series _SAMPLE names (the stage histograms' sums and
-    counts, the RPC, refusal and batch counters, admission's gauges)."""
-    import urllib.request
-
-    out: dict[tuple[str, str], float] = {}
-    with urllib.request.urlopen(url, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if m := _SAMPLE.match(line):
-                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def window_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
-    """Each scraped series' growth between two scrapes (a series new in `after` grew from 0)."""
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
-                     requests: int, window_s: float) -> dict[str, Any]:
-    """Mean ms of each stage of the requests finished in the window (the server's histograms), the
-    batches run (mean whole requests per batch = requests / batches), and the event loop's CPU:
-    ms per request and its busy share of the window (near 1: the loop, not the GPU, is the limit);
-    the mean of the server's own request latency (its first byte parsed to its response serialized:
-    what the client measures beyond it is gRPC's transport both ways and the client)."""
-    d = window_delta(before, after)
-    stages: dict[str, float] = {}
-    latency_s = latency_n = 0.0
-    for (series, labels), total in d.items():
-        if series == "slmrank_request_latency_seconds_sum":
-            latency_s, latency_n = latency_s + total, latency_n + d.get(("slmrank_request_latency_seconds_count", labels), 0.0)
-        elif series.endswith("_sum"):
-            count = d.get((series[:-4] + "_count", labels), 0.0)
-            stage = re.search(r'stage="([^"]+)"', labels)
-            if count and stage:
-                stages[stage.group(1)] = round(total / count * 1e3, 3)
-    batches = sum(v for (series, _), v in d.items() if series == "slmrank_node_batches_total")
-    loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
-    return {"stage_mean_ms": stages, "latency_mean_ms": round(latency_s / latency_n * 1e3, 3) if latency_n else None,
-            "batches": int(batches),
-            "requests_per_batch": round(requests / batches, 2) if batches else None,
-            "loop_cpu_ms_per_request": round(loop_s / requests * 1e3, 3) if loop_s is not None and requests else None,
-            "loop_busy": round(loop_s / window_s, 3) if loop_s is not None else None}
-
-
-# ---- the closed loop --------------------------------------------------------------------------------
-
-def _pct(sorted_ms: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(sorted_ms), q)) if sorted_ms else float("nan")
-
-
-async def run_level(target: str, w: dict[str, Any], reqs: Requests, level: int, warmup_s: float,
-                    measure_s: float, rpc_timeout_s: float, metrics_url: str | None = None) -> dict[str, Any]:
-    stubs = load_stubs()
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-        stub = stubs.pb2_grpc.RankerStub(ch)
-        call = stub.Score if w["kind"] == "score" else stub.BeamSearch
-        t_begin = time.perf_counter()
-        t_start, t_end = t_begin + warmup_s, t_begin + warmup_s + measure_s
-        lat_ms: list[float] = []
-        errors: Counter[str] = Counter()
-        sent = [0]
-
-        async def worker() -> None:
-            while time.perf_counter() < t_end:
-                msg = reqs.next()
-                s = time.perf_counter()
-                sent[0] += 1
-                try:
-                    await call(msg, timeout=rpc_timeout_s)
-                    code = "OK"
-                except grpc.aio.AioRpcError as e:
-                    code = e.code().name
-                done = time.perf_counter()
-                if t_start <= done <= t_end:  # completed inside the measured window
-                    if code == "OK":
-                        lat_ms.append((done - s) * 1e3)
-                    else:
-                        errors[code] += 1
-
-        async def scraper() -> tuple[dict, dict] | None:
-            if metrics_url is None:
-                return None
-            await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
-            before = await asyncio.to_thread(scrape, metrics_url)
-            await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
-            return before, await asyncio.to_thread(scrape, metrics_url)
-
-        *_, scraped = await asyncio.gather(*(worker() for _ in range(level)), scraper())
-        tail_s = time.perf_counter() - t_end  # the last requests in flight finishing after the window
-    lat_ms.sort()
-    server = server_breakdown(*scraped, len(lat_ms), measure_s) if scraped else None
-    return {"server": server, "level": level, "completed": len(lat_ms), "qps": len(lat_ms) / measure_s,
-            "mean_ms": float(np.mean(lat_ms)) if lat_ms else float("nan"), "p50_ms": _pct(lat_ms, 50),
-            "p99_ms": _pct(lat_ms, 99), "max_ms": lat_ms[-1] if lat_ms else float("nan"),
-            "errors": dict(errors), "num_errors": sum(errors.values()), "sent": sent[0],
-            "warmup_s": warmup_s, "measure_s": measure_s, "tail_s": round(tail_s, 3)}
-
+# ---- the closed loop: the package's load generator ------------------------------------------------
 
 def capacity(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
-    ok = [r for r in levels if r["completed"] and r["mean_ms"] < SLO_MEAN_MS and r["p99_ms"] < SLO_P99_MS]
-    if not ok:
-        return None
-    best = max(ok, key=lambda r: r["qps"])
-    return {"qps": best["qps"], "level": best["level"], "mean_ms": best["mean_ms"], "p99_ms": best["p99_ms"]}
+    return capacity_at(levels, SLO_MEAN_MS, SLO_P99_MS)
 
 
 async def bench_system(name: str, target: str, w: dict[str, Any], high: int, args: argparse.Namespace,
                        flops: int, metrics_url: str | None = None) -> dict[str, Any]:
     reqs = Requests(w, high, seed=args.seed)
-    rows: list[dict[str, Any]] = []
-    skipped: list[int] = []
-    for level in args.levels:
-        if rows and rows[-1]["mean_ms"] > args.stop_above_ms:
-            skipped.append(level)  # bounded in time: past this the loop only measures a queue
-            continue
-        r = await run_level(target, w, reqs, level, args.warmup_s, args.measure_s, args.rpc_timeout_s, metrics_url)
-        rows.append(r)
+    pool = Pool([reqs.next() for _ in range(getattr(args, "pool", POOL))])
+
+    def on_level(r: dict[str, Any]) -> None:
+        level = r["level"]
         print(f"  {name:8s} level {level:4d}: {r['qps']:9.1f} req/s  mean {r['mean_ms']:8.2f} ms  "
               f"p50 {r['p50_ms']:8.2f}  p99 {r['p99_ms']:8.2f}  errors {r['errors'] or 0}", flush=True)
         if r["server"]:
@@ -261,8 +152,16 @@ async def bench_system(name: str, target: str, w: dict[str, Any], high: int, arg
                   f"{outside}; event loop "
                   f"{sv['loop_cpu_ms_per_request']} CPU ms/request, busy {sv['loop_busy']}; stage means (ms) "
                   + " ".join(f"{k} {v:.2f}" for k, v in sv["stage_mean_ms"].items()), flush=True)
+
+    # past --stop-above-ms the higher levels are skipped (bounded in time: past it the loop only measures a queue)
+    swept = await sweep(target, pool, levels=args.levels, warmup_s=args.warmup_s, measure_s=args.measure_s,
+                        rpc_timeout_s=args.rpc_timeout_s, connections=getattr(args, "connections", 1),
+                        stop_above_ms=args.stop_above_ms, metrics_url=metrics_url,
+                        progress=Progress() if sys.stderr.isatty() else None, on_level=on_level)
+    rows = swept["levels"]
     cap = capacity(rows)
-    out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": skipped, "capacity": cap}
+    out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": swept["skipped_levels"],
+                           "capacity": cap}
     out["eff_mfu_bf16"] = cap["qps"] * flops / PEAK_BF16 if cap else 0.0
     out["max_qps"] = max((r["qps"] for r in rows), default=0.0)
     return out
@@ -435,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--serve-args", default="",
                    help="more `slmrank serve` flags, one string (e.g. '--lanes 1 --batcher-max-inflight 1')")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--pool", type=int, default=POOL, help="distinct requests drawn before the levels, then cycled")
+    p.add_argument("--connections", type=int, default=1, help="client connections the requests in flight spread over")
     p.add_argument("--check-requests", type=int, default=2, help="requests sent to both systems to compare answers")
     p.add_argument("--stop-above-ms", type=float, default=2000.0,
                    help="skip the higher levels once a level's mean latency exceeds this")
@@ -443,8 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     w = parse_workload(args.workload)
     args.levels = [int(x) for x in (args.levels or w.get("levels") or "1,2,4,8,16,32,64").split(",")]
-    if args.warmup_s < 0 or args.measure_s <= 0 or min(args.levels) < 1:
-        raise SystemExit("--warmup-s >= 0, --measure-s > 0, levels >= 1")
+    if args.warmup_s < 0 or args.measure_s <= 0 or min(args.levels) < 1 or args.pool < 1 or args.connections < 1:
+        raise SystemExit("--warmup-s >= 0, --measure-s > 0, levels >= 1, --pool >= 1, --connections >= 1")
     result = asyncio.run(run(args))
     print_table(result)
     return result

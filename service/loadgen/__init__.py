@@ -1,0 +1,9 @@
+"""The load generator: `slmrank bench --target HOST:PORT` (command.py) and the benchmarks'
+client (ops/bench/bench_grpc.py drives its servers with loop.sweep). A layer above
+service.serving, whose generated stubs and client it uses, and below service.cli.
+
+  workloads.py    W1..W6, the variable-shape mixes, request files; their messages and FLOPs
+  loop.py         closed loop at levels, open loop at Poisson rates; the capacity at the SLO
+  server_view.py  the server's /metrics over a measured window
+  report.py       the table, bench.json, bench.csv, the PNG charts (png.py draws them)
+"""

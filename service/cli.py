@@ -141,11 +141,11 @@ def _server_config(values: dict):
     # has refused an SLMRANK_TRACE_* variable that is no setting, so TracingConfig.from_env reads none)
     config = ServerConfig(
         host=values["host"], port=values["port"], grace_s=values["grace_s"], fronts=values["fronts"],
-        health_host=values["health_host"], health_port=values["health_port"],
+        health_port=values["health_port"],
         tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_client_ca=values["tls_client_ca"],
         admission=AdmissionConfig(**section(values, "admission_")),
         batcher=BatcherConfig(**section(values, "batcher_"), validate_requests=False),
-        metrics_host=values["metrics_host"], metrics_port=values["metrics_port"],
+        metrics_host=values["metrics_host"], metrics_port=values["metrics_port"], trace_port=values["trace_port"],
         trace_sample_rate=values["trace_sample_rate"], trace_slow_ms=values["trace_slow_ms"],
         otlp_endpoint=values["otlp_endpoint"], trace_file=values["trace_file"], access_log=values["access_log"])
     tracing = config.tracing()  # ValueError: a value out of range

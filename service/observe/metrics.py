@@ -12,9 +12,12 @@ Three sources, one registry per ServerMetrics:
   per GPU, build info (versions) and the served model's identity (labels of slmrank_model_info).
 Scraping reads, never resets.
 
-`MetricsServer` answers GET /metrics and GET /trace (the Chrome trace of the kept requests) on
-its own port, from one daemon thread: a scrape never waits for the gRPC event loop to be free, and
-a slow or malformed HTTP client costs that thread at most a few seconds, never the loop.
+`MetricsServer` answers GET /metrics, or GET /trace (the Chrome trace of the kept requests), or
+both, on its own port, from one daemon thread: a scrape never waits for the gRPC event loop to be
+free, and a slow or malformed HTTP client costs that thread at most a few seconds, never the loop.
+The server runs two of them, one per port: /metrics on the scrape port, /trace (megabytes of
+request timings, off unless asked for) on the loopback, so a client reading a trace never delays
+a scrape behind it and a scraper's network never sees the timings.
 """
 
 from __future__ import annotations
@@ -340,14 +343,19 @@ def render(families: Sequence[Metric]) -> str:
 # ---- HTTP, off the event loop --------------------------------------------------------------------------
 
 class MetricsServer:
-    """GET /metrics (and /trace with a Chrome writer) from one daemon thread, one request at a
-    time, each bounded by a socket timeout. port 0: any free port (see .port after start)."""
+    """GET /metrics (unless serve_metrics is False) and GET /trace (with a Chrome writer) from one
+    daemon thread, one request at a time, each bounded by a socket timeout. port 0: any free port
+    (see .port after start)."""
 
     def __init__(self, metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 9464, chrome: Any = None,
-                 timeout_s: float = 5.0, trace_refresh_s: float = 1.0, trace_max_share: float = 0.02) -> None:
+                 timeout_s: float = 5.0, trace_refresh_s: float = 1.0, trace_max_share: float = 0.02,
+                 serve_metrics: bool = True) -> None:
         if not 0 < trace_max_share <= 1:
             raise ValueError(f"trace_max_share: must be in (0, 1], got {trace_max_share!r}")
+        if not serve_metrics and chrome is None:
+            raise ValueError("a MetricsServer without /metrics needs a Chrome writer for /trace")
         self.metrics, self.host, self.port, self.chrome, self.timeout_s = metrics, host, port, chrome, timeout_s
+        self.serve_metrics = serve_metrics
         # GET /trace renders a snapshot at most every trace_refresh_s, and less often when rendering
         # costs more than trace_max_share of this process's time: rendering holds the GIL that the
         # serving loop needs, and what it renders is proportional to the traffic traced (about
@@ -386,7 +394,7 @@ class MetricsServer:
 
     def _route(self, path: str) -> tuple[int, str, bytes, dict[str, str]]:
         path = path.split("?", 1)[0]
-        if path == "/metrics":
+        if path == "/metrics" and self.serve_metrics:
             return 200, CONTENT_TYPE, self.metrics.exposition().encode(), {}
         if path == "/trace" and self.chrome is not None:
             now = time.monotonic()
@@ -401,7 +409,9 @@ class MetricsServer:
                 self._trace_next = now + max(self.trace_refresh_s, cost / self.trace_max_share)
             # Age (RFC 9111): whole seconds since the body was rendered
             return 200, "application/json", self._trace[1], {"Age": str(int(now - self._trace[0]))}
-        return 404, "text/plain; charset=utf-8", b"not found: try /metrics or /trace\n", {}
+        served = " or ".join(path for path, on in (("/metrics", self.serve_metrics), ("/trace", self.chrome is not None))
+                             if on)
+        return 404, "text/plain; charset=utf-8", f"not found: try {served}\n".encode(), {}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

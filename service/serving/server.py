@@ -14,7 +14,8 @@ is left of the grace.
 Observability (service/observe/tracing.py, service/observe/metrics.py): TracingInterceptor, outside StatusInterceptor,
 traces every Ranker RPC (receive, decode, tokenize, queue, batch, execute with the executor's
 phases and DAG nodes, encode, send) and feeds ServerMetrics; with `metrics_port` set, GET /metrics
-(Prometheus) and GET /trace (the Chrome trace of the kept requests) are served on their own port;
+(Prometheus) is served on its own port; with `trace_port` set, GET /trace (the Chrome trace of the
+kept requests: megabytes of request timings) on another, on the loopback only (TRACE_HOST);
 `trace_file` gets the Chrome trace when the server stops.
 """
 
@@ -63,6 +64,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 RANKER = "slmrank.v1.Ranker"
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# GET /trace listens here only: request timings are for whoever runs the process (in a pod:
+# `kubectl port-forward` reaches the loopback), never for the network
+TRACE_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,9 @@ class ServerConfig:
     admission: AdmissionConfig | None = None
     # the codec has run the engine's validation already: the scheduler need not repeat it
     batcher: BatcherConfig = field(default_factory=lambda: BatcherConfig(validate_requests=False))
-    # a second, plaintext listener with grpc.health.v1 only (kubelet probes: pod IP, no TLS); None: none
+    # a second, plaintext listener with grpc.health.v1 only (kubelet probes: pod IP, no TLS); None: none.
+    # Its address is no serve setting: it answers SERVING / NOT_SERVING and nothing else, for probes
+    # that reach the pod IP, so every address (gRPC's 0.0.0.0 takes IPv6 as well); tests bind 127.0.0.1.
     health_host: str = "0.0.0.0"
     health_port: int | None = None
     # TLS on the API port with a certificate and key (PEM files); mTLS with a client CA as well
@@ -83,8 +89,9 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     # observability; None: the SLMRANK_TRACE_* / OTEL_EXPORTER_OTLP_* environment, else TracingConfig's default
-    metrics_host: str = "127.0.0.1"  # GET /metrics and /trace: their own address, off the gRPC event loop
+    metrics_host: str = "127.0.0.1"  # GET /metrics: its own address, off the gRPC event loop
     metrics_port: int | None = None  # (0: any free one); None: not served
+    trace_port: int | None = None  # GET /trace on TRACE_HOST (0: any free one); None: not served
     trace_sample_rate: float | None = None
     trace_slow_ms: float | None = None
     trace_max_kept_per_s: float | None = None
@@ -97,7 +104,7 @@ class ServerConfig:
     fronts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port", "health_port"):
+        for name in ("port", "metrics_port", "health_port", "trace_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is outside [0, 65535]")
@@ -311,6 +318,7 @@ class RankerServer:
     tracer: RequestTracer | None = None  # set by start()
     metrics: ServerMetrics | None = None
     metrics_server: MetricsServer | None = None  # with config.metrics_port; .port is the bound one
+    trace_server: MetricsServer | None = None  # with config.trace_port (and a Chrome writer); likewise
     health_port: int | None = None  # the bound health-only port, with config.health_port
     fronts: FrontSupervisor | None = None  # with config.fronts
     _server: grpc.aio.Server | None = None
@@ -366,9 +374,16 @@ class RankerServer:
             self.health_port = _bind(self._health_server, self.config.health_host, self.config.health_port, None)
             await self._health_server.start()
         if self.config.metrics_port is not None:
-            self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
-                                                chrome=self.tracer.chrome if self.tracer else None)
-            self.metrics_server.start()  # GET /metrics, GET /trace, on a thread of its own; BindError
+            self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port)
+            self.metrics_server.start()  # GET /metrics, on a thread of its own; BindError
+        chrome = self.tracer.chrome if self.tracer else None
+        if self.config.trace_port is not None and chrome is None:
+            log.warning("no /trace on port %s: TracingConfig.chrome_max_events is 0", self.config.trace_port)
+        elif self.config.trace_port is not None:
+            # a thread of its own: a client reading megabytes of trace never delays a scrape
+            self.trace_server = MetricsServer(self.metrics, TRACE_HOST, self.config.trace_port, chrome=chrome,
+                                              serve_metrics=False)
+            self.trace_server.start()
         await self._server.start()
         if self.fronts is not None:
             self.port = await self.fronts.start()
@@ -379,9 +394,10 @@ class RankerServer:
         for server in (self._server, self._health_server):
             if server is not None:
                 await server.stop(None)
-        if self.metrics_server is not None:
-            self.metrics_server.close()
-            self.metrics_server = None
+        for http_server in (self.metrics_server, self.trace_server):
+            if http_server is not None:
+                http_server.close()
+        self.metrics_server = self.trace_server = None
 
     async def _load(self) -> None:
         t0 = time.monotonic()
@@ -450,9 +466,10 @@ class RankerServer:
             await self._close_observability()
 
     async def _close_observability(self) -> None:
-        """The metrics port closes, the exporter flushes, the Chrome trace file is written (once)."""
-        if self.metrics_server is not None:
-            self.metrics_server.close()
+        """The metrics and trace ports close, the exporter flushes, the Chrome trace file is written (once)."""
+        for http_server in (self.metrics_server, self.trace_server):
+            if http_server is not None:
+                http_server.close()
         if self.tracer is None or self._observability_closed:
             return
         self._observability_closed = True
@@ -616,8 +633,10 @@ async def _serve_until_signal(config: ServerConfig, loader: Callable[[], Model],
     if server.health_port is not None:
         announce(f"health (grpc.health.v1, plaintext) on {config.health_host}:{server.health_port}")
     if server.metrics_server is not None:
-        announce(f"metrics on http://{config.metrics_host}:{server.metrics_server.port}/metrics "
-                 "(Chrome trace of the kept requests: /trace)")
+        announce(f"metrics on http://{config.metrics_host}:{server.metrics_server.port}/metrics")
+    if server.trace_server is not None:
+        announce(f"Chrome trace of the kept requests on http://{TRACE_HOST}:{server.trace_server.port}/trace "
+                 "(read it with `slmrank trace FILE`)")
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)

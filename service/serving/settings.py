@@ -155,7 +155,6 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     field_setting(ServerConfig, "host", "", "server", "address of the gRPC API (127.0.0.1: a sidecar's loopback "
                   "only)"),
     field_setting(ServerConfig, "port", "", "server", "port of the gRPC API (0: any free port, printed)"),
-    field_setting(ServerConfig, "health_host", "", "server", "address of the health-only gRPC listener"),
     field_setting(ServerConfig, "health_port", "", "server", "a second, plaintext gRPC listener serving "
                   "grpc.health.v1 only (kubelet probes reach the pod IP, and speak no TLS); off: health on the API "
                   "port only", parse=_optional(_int)),
@@ -188,11 +187,14 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
                   "more: UNAVAILABLE at once"),
     field_setting(AdmissionConfig, "client_id_metadata", "admission_", "admission", "lower-case metadata key naming "
                   "the client (for --admission-max-client-work-s); absent from a call: the peer's address"),
-    field_setting(ServerConfig, "metrics_host", "", "observability", "address of GET /metrics (Prometheus) and "
-                  "GET /trace (0.0.0.0 to be scraped from outside the pod)"),
+    field_setting(ServerConfig, "metrics_host", "", "observability", "address of GET /metrics (Prometheus; "
+                  "0.0.0.0 to be scraped from outside the pod)"),
     # on in `slmrank serve` (ServerConfig's None, off, is for servers built in-process)
-    Setting("metrics_port", _optional(_int), 9464, "port of /metrics and /trace (0: any free port, printed; "
+    Setting("metrics_port", _optional(_int), 9464, "port of /metrics (0: any free port, printed; "
             "off: not served)", "observability"),
+    field_setting(ServerConfig, "trace_port", "", "observability", "serve GET /trace (the Chrome trace of the "
+                  "kept requests) on 127.0.0.1 at this port, a listener of its own (0: any free port, printed; "
+                  "off: not served)", parse=_optional(_int)),
     field_setting(TracingConfig, "sample_rate", "trace_", "observability", "share of the requests that are not "
                   "slow whose trace is kept"),
     field_setting(TracingConfig, "slow_ms", "trace_", "observability", "a request at least this long (receive -> "

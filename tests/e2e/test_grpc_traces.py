@@ -1,6 +1,7 @@
 """`slmrank serve` with its observability flags, as a subprocess on embedded:tiny over loopback:
 --metrics-port 0 prints the metrics address; GET /metrics counts the requests by kind and status;
-GET /trace is the Chrome trace of the kept requests; on SIGTERM --trace-file gets it, and
+--trace-port 0 prints another, where GET /trace is the Chrome trace of the kept requests (and the
+scrape port has none); on SIGTERM --trace-file gets it, and
 `slmrank trace FILE` prints where the time went, stage by stage and by DAG node category.
 """
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,14 +41,15 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     trace_file, log = tmp / "trace.json", tmp / "serve.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--model", "embedded:tiny", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-port", "0", "--trace-sample-rate", "1", "--trace-slow-ms", "0", "--trace-file", str(trace_file),
+         "--metrics-port", "0", "--trace-port", "0",
+         "--trace-sample-rate", "1", "--trace-slow-ms", "0", "--trace-file", str(trace_file),
          "--grace-s", "10"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     ports: dict[str, int] = {}
     end = time.monotonic() + 120
-    while len(ports) < 2:
+    while len(ports) < 3:
         assert time.monotonic() < end and proc.poll() is None, log.read_text()
         try:
             line = lines.get(timeout=1)
@@ -56,13 +59,15 @@ def served(tmp_path_factory: pytest.TempPathFactory):
             ports["grpc"] = int(m.group(1))
         if m := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
             ports["metrics"] = int(m.group(1))
+        if m := re.search(r"Chrome trace of the kept requests on http://127\.0\.0\.1:(\d+)/trace", line):
+            ports["trace"] = int(m.group(1))
     target = f"127.0.0.1:{ports['grpc']}"
     with grpc.insecure_channel(target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < end and proc.poll() is None, log.read_text()
             time.sleep(0.05)
-    yield proc, target, ports["metrics"], trace_file, log
+    yield proc, target, ports, trace_file, log
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -85,7 +90,8 @@ def _get(port: int, path: str) -> str:
 
 
 def test_metrics_trace_endpoint_trace_file_and_report(served, capsys: pytest.CaptureFixture[str]):
-    proc, target, metrics_port, trace_file, log = served
+    proc, target, ports, trace_file, log = served
+    metrics_port = ports["metrics"]
     with RankerClient(target, timeout_s=60) as c:
         c.score([" Trail runner 3", " Garden hose"], [9834, 902], prefix="Query: running shoes. Relevant?")
         c.score([[1, 2, 3]], [5], priority="online")
@@ -109,7 +115,10 @@ def test_metrics_trace_endpoint_trace_file_and_report(served, capsys: pytest.Cap
         ((key, value),) = _samples(line).items()
         assert samples.get(key) == value, line
 
-    served_trace = json.loads(_get(metrics_port, "/trace"))
+    served_trace = json.loads(_get(ports["trace"], "/trace"))
+    with pytest.raises(urllib.error.HTTPError) as not_there:  # megabytes of timings: never on the scrape port
+        _get(metrics_port, "/trace")
+    assert not_there.value.code == 404
     kinds = breakdown(served_trace["traceEvents"])
     assert dict(kinds["Score"].statuses) == {"OK": 2, "INVALID_ARGUMENT": 1}
     assert set(STAGES) <= set(kinds["BeamSearch"].stages) and "step1.beam_step" in {

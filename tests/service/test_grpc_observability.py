@@ -76,7 +76,7 @@ def traced(model):
             mp.delenv(key, raising=False)
         for key, value in TRACING_ENV.items():
             mp.setenv(key, value)
-        config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0)
+        config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_port=0)
         srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter), wait_ready=True)
     srv.wait_serving()
     srv.exporter = exporter
@@ -243,8 +243,15 @@ def test_metrics_count_requests_by_kind_and_status(traced, client):
 
 def test_chrome_trace_endpoint_has_the_requests(traced, client):
     client.score(["a text sample"], [1, 2], prefix="prefix text")
-    status, ctype, body = http_get(traced.server.metrics_server.port, "/trace")
+    trace_server, metrics_server = traced.server.trace_server, traced.server.metrics_server
+    status, ctype, body = http_get(trace_server.port, "/trace")
     assert status == 200 and ctype == "application/json"
+    # /trace has a port of its own, on the loopback; the scrape port serves /metrics alone, and back
+    assert trace_server.host == "127.0.0.1" and trace_server.port != metrics_server.port
+    for port, path in ((metrics_server.port, "/trace"), (trace_server.port, "/metrics")):
+        with pytest.raises(urllib.error.HTTPError) as err404:
+            http_get(port, path)
+        assert err404.value.code == 404, (port, path)
     events = json.loads(body)["traceEvents"]
     kinds = breakdown(events)
     assert kinds["Score"].statuses["OK"] >= 1

@@ -286,6 +286,32 @@ def test_metrics_endpoint_answers() -> None:
     asyncio.run(run())
 
 
+def test_a_trace_only_server_serves_no_metrics_and_a_metrics_server_no_trace() -> None:
+    """The server's two HTTP listeners: /trace on a port of its own (serve_metrics=False), the scrape
+    port without a Chrome writer; each answers 404 for the other's path, naming its own."""
+    async def run() -> None:
+        m = ServerMetrics()
+        chrome = ChromeTraceWriter()
+        chrome.add(build_records(executed(1, 0, graph=True)))
+        trace = MetricsServer(m, "127.0.0.1", 0, chrome=chrome, serve_metrics=False)
+        scrape = MetricsServer(m, "127.0.0.1", 0)
+        trace_port, scrape_port = trace.start(), scrape.start()
+        try:
+            status, _, body = await _get(trace_port, "/trace")
+            assert status.endswith("200 OK") and json.loads(body)["otherData"]["requests"] == 1
+            status, _, body = await _get(trace_port, "/metrics")
+            assert status.endswith("404 Not Found") and body == b"not found: try /trace\n"
+            status, _, body = await _get(scrape_port, "/trace")
+            assert status.endswith("404 Not Found") and body == b"not found: try /metrics\n"
+        finally:
+            trace.close()
+            scrape.close()
+
+    asyncio.run(run())
+    with pytest.raises(ValueError, match="Chrome writer"):
+        MetricsServer(ServerMetrics(), "127.0.0.1", 0, serve_metrics=False)
+
+
 def test_scrape_does_not_wait_for_a_blocked_event_loop() -> None:
     """The HTTP thread answers while the loop is busy; the scheduler's numbers are read on the
     loop, so they are the last ones seen until the loop is free again."""

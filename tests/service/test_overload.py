@@ -307,18 +307,18 @@ def _alternate(srv: ServerThread, start_load: Any, stop_load: Any, rounds: int =
 def test_polling_trace_does_not_move_score_p50(small_model):
     """4 clients poll /trace (each every 0.25 s) while requests are traced (all of them, within
     the default budget of 50 a second) and the trace holds its maximum (20,000 events, ~3.6 MB):
-    the rendering of what is new (at most 2% of the time) and the sending happen on the metrics
-    thread; Score p50 moves by at most 10%.
+    the rendering of what is new (at most 2% of the time) and the sending happen on the trace
+    port's thread; Score p50 moves by at most 10%.
 
     The pollers start once and are paused (SIGSTOP) in the quiet windows: 16 rounds of 0.6 s,
     where four rounds of 1.5 s, each starting 4 interpreters, let the drift of this shared 2-core
     machine alone put the two p50s 11% apart once in CI."""
-    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_sample_rate=1.0,
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_port=0, trace_sample_rate=1.0,
                           batcher=BatcherConfig(validate_requests=False))
     srv = ServerThread(RankerServer(config, lambda: small_model))
     srv.wait_serving()
-    url = f"http://127.0.0.1:{srv.server.metrics_server.port}/trace"
-    chrome = srv.server.metrics_server.chrome
+    url = f"http://127.0.0.1:{srv.server.trace_server.port}/trace"
+    chrome = srv.server.trace_server.chrome
     pollers: list[subprocess.Popen] = []
 
     def signal_all(sig: int) -> None:

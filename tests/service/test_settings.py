@@ -204,6 +204,7 @@ def test_defaults_build_a_valid_server_config() -> None:
     values = resolve(SERVE_SETTINGS, parse(["--model", "m"]), {})
     config = _server_config(values)
     assert config.metrics_port == 9464 and config.metrics_host == "127.0.0.1", "metrics on by default, locally"
+    assert config.trace_port is None, "/trace (request timings) is served only when asked for"
     assert config.admission == AdmissionConfig() and config.batcher.max_wait_s == BatcherConfig().max_wait_s
     assert config.batcher.validate_requests is False
 

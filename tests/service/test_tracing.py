@@ -288,7 +288,7 @@ def test_chrome_trace_is_bounded() -> None:
 
 
 def test_chrome_trace_renders_each_group_once_and_the_same_json() -> None:
-    """/trace renders on the metrics thread, handing the GIL to the event loop between chunks; a
+    """/trace renders on its listener's thread, handing the GIL to the event loop between chunks; a
     refresh renders only the requests kept since the last one (each group keeps its row and its
     text), and the text is the one-piece rendering's whatever the chunk size."""
     writer = ChromeTraceWriter(max_events=10_000)

@@ -231,6 +231,8 @@ def test_each_listener_is_where_the_manifests_say(rendered: tuple[str, list[dict
     assert config.metrics_host == "0.0.0.0" and config.metrics_port == ports["metrics"], overlay
     (deployment,) = by_kind(docs, "Deployment", "ranker")
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(config.metrics_port)
+    # /trace (request timings) is off: served only where trace_port opens it, on the loopback
+    assert config.trace_port is None, overlay
 
 
 def test_the_network_policy_admits_health_and_metrics_only(rendered: tuple[str, list[dict[str, Any]]],

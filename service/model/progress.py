@@ -32,7 +32,8 @@ def note(message: str, stream: TextIO | None = None) -> None:
 class Progress:
     """`with Progress("build", total) as p: p.advance(n, note)`; quiet=True prints nothing.
 
-    On a terminal it redraws one line; otherwise it prints a line every 10%.
+    On a terminal it redraws one line; otherwise it prints a line every 10%, the last one (100%,
+    "done") when the work ends.
     """
 
     def __init__(self, label: str, total: int, quiet: bool = False, stream: TextIO | None = None) -> None:
@@ -62,7 +63,9 @@ class Progress:
             self.stream.write(f"\r[{self.label}] [{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}{end}")
         else:
             decile = int(frac * 10)
-            if decile == self._last_decile and not final:
+            # the last advance reaches 100% and the end then says "done" at 100%: one line for both
+            # (the end's), not the same line twice (as log records, twice for every bar)
+            if (decile == self._last_decile or decile == 10) and not final:
                 return
             self._last_decile = decile
             if _sink is not None:

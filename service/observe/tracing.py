@@ -31,6 +31,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from .chrome_trace import ChromeTraceWriter
 from .records import WALL_OFFSET_NS, RequestTrace, SpanRecord, build_records
 
+# the codes that make a server span's status ERROR (OpenTelemetry's gRPC semantic conventions): the
+# server's failures; a client's mistake (INVALID_ARGUMENT, NOT_FOUND, ...) leaves the span UNSET, or
+# every bad request would count as a server error wherever errors are read from spans
+SERVER_ERROR_CODES = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE",
+                                "DATA_LOSS"})
+
 OTLP_PACKAGES = {  # protocol -> (module, the package that has it)
     "grpc": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "opentelemetry-exporter-otlp-proto-grpc"),
     "http/protobuf": ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
@@ -141,6 +147,8 @@ class RequestTracer:
             chrome = ChromeTraceWriter(self.config.chrome_max_events)
         self.chrome = chrome
         self.num_finished = self.num_kept = self.num_over_budget = 0
+        # the trace last emitted as OTel spans, with its trace and server span ids (log_ids)
+        self._last_emitted: tuple[RequestTrace, str, str] | None = None
         self._tokens, self._tokens_at = self.config.max_kept_per_s, time.monotonic_ns()  # one second's burst
 
     def sample(self, trace: RequestTrace) -> str | None:
@@ -197,10 +205,28 @@ class RequestTracer:
             kind = SpanKind.SERVER if i == 0 else SpanKind.INTERNAL
             spans.append(self._tracer.start_span(r.name, context=ctx, kind=kind, attributes=_otel_attrs(r),
                                                  start_time=r.start_ns + WALL_OFFSET_NS))
-        if trace.status != "OK":
+        if trace.status in SERVER_ERROR_CODES:
             spans[0].set_status(Status(StatusCode.ERROR, trace.status))
         for span, r in zip(reversed(spans), reversed(records)):  # children first, as they would end
             span.end(end_time=r.end_ns + WALL_OFFSET_NS)
+        context = spans[0].get_span_context()
+        self._last_emitted = (trace, format(context.trace_id, "032x"), format(context.span_id, "016x"))
+
+    def log_ids(self, trace: RequestTrace) -> dict[str, str]:
+        """The ids a log record of the finished `trace` carries to be found beside its spans:
+        trace_id and span_id (the server span) when finish() just emitted it; else the caller's
+        trace_id when it sent a traceparent; else none."""
+        last = self._last_emitted
+        if last is not None and last[0] is trace:
+            return {"trace_id": last[1], "span_id": last[2]}
+        parts = (trace.traceparent or "").strip().split("-")
+        if len(parts) >= 4 and len(parts[1]) == 32 and parts[1].strip("0"):
+            try:
+                int(parts[1], 16)
+            except ValueError:
+                return {}
+            return {"trace_id": parts[1].lower()}
+        return {}
 
     def shutdown(self) -> None:
         """Flushes and stops the exporter (call once, when the server stops)."""
@@ -229,4 +255,4 @@ def otlp_exporter(endpoint: str, protocol: str = "grpc") -> SpanExporter:
     return exporter_cls(endpoint=endpoint)
 
 
-__all__ = ["OTLP_PACKAGES", "RequestTracer", "TracingConfig", "otlp_exporter"]
+__all__ = ["OTLP_PACKAGES", "SERVER_ERROR_CODES", "RequestTracer", "TracingConfig", "otlp_exporter"]

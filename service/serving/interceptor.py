@@ -108,5 +108,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.observe(trace)
         if self.access_log is not None:
             latency_ms = round(trace.latency_ns / 1e6, 3)
+            # trace_id / span_id: a log collector links the record to the request's spans
             self.access_log.info("%s %s %.3f ms", trace.kind, status, latency_ms,
-                                 extra={"method": trace.kind, "code": status, "latency_ms": latency_ms, **trace.attrs})
+                                 extra={"method": trace.kind, "code": status, "latency_ms": latency_ms, **trace.attrs,
+                                        **self.tracer.log_ids(trace)})

@@ -82,6 +82,7 @@ def test_progress_of_long_work_is_records_of_the_log_format() -> None:
             bar.advance(4, "b1")
         progress.note("building artifact", stream=bare)
         assert bare.getvalue().splitlines()[0].startswith("[capture graphs] 100% (4/4)")
+        assert bare.getvalue().count("100%") == 1  # once, not once for the last advance and again at the end
         assert bare.getvalue().splitlines()[-1] == "[slmrank] building artifact"
         configure_logging("info", "json", stderr=err, stdout=out)
         progress.note("building artifact for embedded:x")
@@ -91,8 +92,10 @@ def test_progress_of_long_work_is_records_of_the_log_format() -> None:
         records = [json.loads(x) for x in err.getvalue().splitlines()]  # every line is JSON
         assert records[0]["msg"] == "building artifact for embedded:x" and records[0]["logger"] == "slmrank.progress"
         bars = [r for r in records if r.get("progress") == "capture graphs"]
-        assert len(bars) == 12 and bars[-1]["done"] == 20 and bars[-1]["total"] == 20  # each decile 0-10, and "done"
-        assert bare.getvalue().count("\n") == 3, "a configured process wrote a bare progress line"
+        # each decile 0%..100% once, the last one the end's ("done"): no line written twice
+        assert [r["done"] for r in bars] == [1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20], [r["msg"] for r in bars]
+        assert bars[-1]["msg"].endswith(" done") and bars[-1]["total"] == 20
+        assert bare.getvalue().count("\n") == 2, "a configured process wrote a bare progress line"
     finally:
         progress.set_sink(None)
         for h in [h for h in root.handlers if getattr(h, "_slmrank", False)]:
@@ -119,3 +122,45 @@ def test_access_log_one_record_per_rpc(model, caplog: pytest.LogCaptureFixture) 
     assert [(r.method, r.code) for r in records] == [("Score", "OK"), ("BeamSearch", "INVALID_ARGUMENT")]
     assert all(r.latency_ms > 0 and r.peer for r in records)
     assert records[0].samples == 1 and records[0].priority == "ONLINE"
+
+
+def test_json_access_log_carries_the_trace(model, caplog: pytest.LogCaptureFixture) -> None:
+    """A kept request's access record has the trace_id and span_id of its server span; one that
+    is not kept has its caller's trace_id (traceparent); one with neither has none. A client's
+    mistake leaves its span's status UNSET (OpenTelemetry's gRPC conventions)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from service.observe.records import RequestTrace
+    from service.observe.tracing import RequestTracer, TracingConfig
+
+    exporter = InMemorySpanExporter()
+    # every request kept (a slow one is, and every request is slower than 0 ms)
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True, trace_slow_ms=0.0)
+    srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter))
+    caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"  # the caller's, for a request not kept
+    try:
+        srv.wait_serving()
+        with caplog.at_level(logging.INFO, logger=ACCESS), RankerClient(srv.target, timeout_s=30) as c:
+            c.score([[1, 2, 3]], [4, 5])
+            with pytest.raises(Exception):
+                c.beam([1, 2], beam_width=0, new_tokens=1)
+            end = time.monotonic() + 10
+            while len([r for r in caplog.records if r.name == ACCESS]) < 2 and time.monotonic() < end:
+                time.sleep(0.01)
+    finally:
+        srv.stop()
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == ACCESS]
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.parent is None}
+    assert [(x["method"], x["code"]) for x in lines[:2]] == [("Score", "OK"), ("BeamSearch", "INVALID_ARGUMENT")]
+    for line in lines[:2]:
+        context = spans[line["method"]].get_span_context()
+        assert (line["trace_id"], line["span_id"]) == (format(context.trace_id, "032x"), format(context.span_id, "016x"))
+    assert spans["BeamSearch"].status.status_code == StatusCode.UNSET  # the client's mistake, not the server's
+    assert len(lines) == 2
+
+    none_kept = RequestTracer(TracingConfig(sample_rate=0.0, slow_ms=1e9), exporter=InMemorySpanExporter())
+    traced = RequestTrace("Score", traceparent=f"00-{caller_trace}-00f067aa0ba902b7-00")
+    assert not none_kept.finish(traced, "OK") and none_kept.log_ids(traced) == {"trace_id": caller_trace}
+    untraced = RequestTrace("Score")
+    assert not none_kept.finish(untraced, "OK") and none_kept.log_ids(untraced) == {}

@@ -143,18 +143,24 @@ def test_records_stay_inside_parents_when_clocks_disagree() -> None:
     assert first.start_ns == ex.h2d_end_ns
 
 
-def test_error_status_and_no_execution() -> None:
+@pytest.mark.parametrize("code, span_status", [
+    # OpenTelemetry's gRPC conventions: a server span is ERROR for the server's failures only
+    ("INVALID_ARGUMENT", StatusCode.UNSET), ("NOT_FOUND", StatusCode.UNSET), ("CANCELLED", StatusCode.UNSET),
+    ("INTERNAL", StatusCode.ERROR), ("UNAVAILABLE", StatusCode.ERROR), ("DEADLINE_EXCEEDED", StatusCode.ERROR),
+    ("UNKNOWN", StatusCode.ERROR), ("UNIMPLEMENTED", StatusCode.ERROR), ("DATA_LOSS", StatusCode.ERROR),
+])
+def test_error_status_and_no_execution(code: str, span_status: StatusCode) -> None:
     exporter = InMemorySpanExporter()
     tr = RequestTrace("BeamSearch")
     with tr.stage("receive"):
         pass
     with pytest.raises(ValueError), tr.stage("decode"):
         raise ValueError("bad field")
-    assert keep_all(exporter).finish(tr, "INVALID_ARGUMENT")
+    assert keep_all(exporter).finish(tr, code)
     root, _, by_name = span_tree(exporter)
     assert set(by_name) == {"BeamSearch", "receive", "decode"}
-    assert root.status.status_code == StatusCode.ERROR
-    assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert root.status.status_code == span_status
+    assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode[code].value[0]
 
 
 def test_caller_trace_context_is_continued() -> None:

@@ -254,6 +254,11 @@ class PeerServicer:
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=self.model.vocab_size,
             compute_dtype=str(self.model.model.dtype).removeprefix("torch."))
 
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Not the peer's: the benchmarks send it token ids (gRPC registers every RPC of the service,
+        so the servicer must have it)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the Hugging Face peer takes token ids: no Tokenize")
+
 
 async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0, device: str = "cpu",
                      max_batch: int = 1, compile: bool = False,

@@ -200,10 +200,11 @@ class Axes:
 def line_chart(path: str | Path, title: str, x_label: str, y_label: str,
                series: Sequence[tuple[str, Sequence[tuple[float, float]]]], *, log_x: bool = False,
                log_y: bool = False, hlines: Sequence[tuple[str, float]] = (), marks: Sequence[tuple[str, float, float]] = (),
-               steps: bool = False, size: tuple[int, int] = (900, 540)) -> Canvas:
+               notes: Sequence[tuple[str, float, float]] = (), steps: bool = False,
+               size: tuple[int, int] = (900, 540)) -> Canvas:
     """Writes a PNG of the series (label, [(x, y)]), in PALETTE's colours; hlines: dashed
-    horizontal lines (label, y); marks: circled points (label, x, y); steps: each point a flat step
-    to the next x (a histogram). Returns the canvas."""
+    horizontal lines (label, y); marks: circled points (label, x, y); notes: small grey labels at
+    points (label, x, y); steps: each point a flat step to the next x (a histogram). Returns the canvas."""
     w, h = size
     c = Canvas(w, h)
     box = (80, 40, w - 24, h - 56)
@@ -276,6 +277,10 @@ def line_chart(path: str | Path, title: str, x_label: str, y_label: str,
         lx = x1 - 8 - text_width(label) - 16
         c.rect(lx, ly, lx + 9, ly + 6, color)
         c.text(lx + 14, ly, label, BLACK)
+    for label, x, y in notes:
+        if not (math.isnan(x) or math.isnan(y)) and (not log_y or y > 0):
+            px, py = ax.px(x, y)
+            c.text(int(px) + 5, int(py) - 10, label, GREY)
     for label, x, y in marks:
         px, py = ax.px(x, y)
         for a in range(0, 360, 6):

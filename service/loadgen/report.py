@@ -40,7 +40,7 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"errors at {load_of(r)}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())))
     if result.get("skipped_levels"):
         lines.append(f"skipped (a lower level's mean was over {result['stop_above_ms']:g} ms): "
-                     + ", ".join(map(str, result["skipped_levels"])))
+                     + ", ".join(str(x) if result["mode"] == "closed" else f"{x:g}/s" for x in result["skipped_levels"]))
     cap = result["capacity"]
     where = f"mean < {slo['mean_ms']:g} ms, P99 < {slo['p99_ms']:g} ms"
     if cap is None:
@@ -98,14 +98,15 @@ def plots(out: Path, result: dict[str, Any]) -> list[Path]:
                 for q in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")],
                log_y=True, hlines=[(f"SLO mean {slo['mean_ms']:g} ms", slo["mean_ms"]),
                                    (f"SLO P99 {slo['p99_ms']:g} ms", slo["p99_ms"])],
-               marks=[(f"capacity {cap['qps']:.1f} req/s", cap["qps"], cap["mean_ms"])] if cap else [])
+               marks=[(f"capacity {cap['qps']:.1f} req/s", cap["qps"], cap["mean_ms"])] if cap else [],
+               notes=[(load_of(r), r["qps"], r["p99_ms"]) for r in rows])  # each P99 point names its level
     series = []
     for r in rows:
         edges, counts = r["histogram"]["edges_ms"], r["histogram"]["counts"]
         total = sum(counts) or 1
         pts = [(e, 100.0 * n / total) for e, n in zip(edges, counts)]
-        if edges:
-            pts.append((edges[-1], pts[-1][1]))
+        if edges:  # up from 0 at the first edge, down to 0 at the last
+            pts = [(edges[0], 0.0), *pts, (edges[-1], pts[-1][1]), (edges[-1], 0.0)]
         series.append((f"{'level' if r['mode'] == 'closed' else 'rate'} {load_of(r)}", pts))
     line_chart(paths[1], f"{name}: latency histogram per level", "latency ms (10 buckets a decade)", "% of RPCs",
                series, log_x=True, steps=True)

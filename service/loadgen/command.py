@@ -20,9 +20,17 @@ PEAK_TFLOPS = 989.0  # the H200's dense BF16 peak: effective MFU's denominator (
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, where it has one (not "None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="load a running server: QPS and latency per level, the capacity at the SLO",
-                       description=__doc__.split("\n\n")[0].replace("\n", " "))
+                       description=__doc__.split("\n\n")[0].replace("\n", " "),
+                       formatter_class=_Defaults)
     b.add_argument("--target", required=True, help="HOST:PORT of the server's gRPC API")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None,
@@ -38,12 +46,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--warmup-s", type=float, default=2.0, help="a level's warm-up, not measured")
     b.add_argument("--measure-s", type=float, default=10.0, help="a level's measured window")
     b.add_argument("--connections", type=int, default=4, help="client connections (TCP) the requests spread over")
-    b.add_argument("--slo-mean-ms", type=float, default=20.0)
-    b.add_argument("--slo-p99-ms", type=float, default=80.0)
+    b.add_argument("--slo-mean-ms", type=float, default=20.0, help="the SLO: a level's mean latency below this")
+    b.add_argument("--slo-p99-ms", type=float, default=80.0, help="the SLO: a level's P99 latency below this")
     b.add_argument("--out", default="slmrank-bench", metavar="DIR", help="bench.json, bench.csv and the PNGs")
     b.add_argument("--seed", type=int, default=7, help="the requests' and the arrivals' generator")
     b.add_argument("--pool", type=int, default=512, help="distinct requests drawn before the levels, then cycled")
-    b.add_argument("--priority", default="unspecified", choices=["unspecified", "online", "normal", "background"])
+    b.add_argument("--priority", default="unspecified", choices=["unspecified", "online", "normal", "background"],
+                   help="the requests' admission lane")
     b.add_argument("--rpc-timeout-s", type=float, default=60.0, help="each RPC's deadline")
     b.add_argument("--stop-above-ms", type=float, default=2000.0,
                    help="skip the higher levels once a level's mean latency exceeds this")
@@ -56,7 +65,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA of the server's certificate (PEM)")
     b.add_argument("--tls-cert", default=None, metavar="FILE", help="mTLS: this client's certificate (PEM)")
     b.add_argument("--tls-key", default=None, metavar="FILE", help="mTLS: its private key (PEM)")
-    b.add_argument("--tls-server-name", default=None, metavar="NAME")
+    b.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="TLS: check the server's certificate for this name instead of the target's host")
     b.add_argument("--quiet", action="store_true", help="no progress line, no per-level lines: the table only")
     b.set_defaults(func=main)
 

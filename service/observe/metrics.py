@@ -2,8 +2,8 @@
 
 Three sources, one registry per ServerMetrics:
 - per request, pushed when a request finishes (`ServerMetrics.observe`, on the event loop):
-  requests by kind and status code, latency and stage-time histograms by kind, DAG node time by
-  node category;
+  requests by kind and status code, latency by kind and priority lane, stage-time histograms by
+  kind, DAG node time by node category;
 - per scrape, read from the scheduler (`stats_source`, normally Scheduler.stats, called on the
   event loop when one is attached, since the scheduler's counters are the loop's): queue depth by
   lane, batches in flight, batch sizes, bucket occupancy, refused and dropped requests by
@@ -51,6 +51,10 @@ from .records import RequestTrace, node_category
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.5, 1.0)
 STAGE_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# the latency's priority label: the names of service.sched.verdict.Priority (a layer above this one,
+# so named here; tests/service/test_metrics.py checks they agree), or NO_LANE
+LANES = frozenset({"ONLINE", "NORMAL", "BACKGROUND"})
+NO_LANE = "none"
 # generate_latest writes the classic text format; our names are plain ASCII, so every Prometheus reads it
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LOOP_READ_TIMEOUT_S = 2.0  # a scrape waits this long for the event loop, then shows the last numbers
@@ -74,8 +78,10 @@ class ServerMetrics:
         self.requests = Counter("slmrank_requests", "Finished RPCs by kind and gRPC status code.",
                                 ("kind", "code"), registry=r)
         self.latency = Histogram("slmrank_request_latency_seconds",
-                                 "End-to-end latency of a request (received -> response serialized), by kind.",
-                                 ("kind",), buckets=LATENCY_BUCKETS_S, registry=r)
+                                 "End-to-end latency of a request (received -> response serialized), by kind and "
+                                 "admission lane (priority: ONLINE, NORMAL, BACKGROUND; none for an RPC without "
+                                 "one, such as ModelInfo, or a request refused before its message was read).",
+                                 ("kind", "priority"), buckets=LATENCY_BUCKETS_S, registry=r)
         self.stage = Histogram("slmrank_request_stage_seconds",
                                "Time of one stage of a request (receive, decode, tokenize, queue, batch, execute, "
                                "encode, send), by kind and stage.", ("kind", "stage"), buckets=STAGE_BUCKETS_S,
@@ -102,7 +108,9 @@ class ServerMetrics:
     def observe(self, trace: RequestTrace) -> None:
         kind = trace.kind
         self._child(self.requests, kind, trace.status).inc()
-        self._child(self.latency, kind).observe(trace.latency_ns / 1e9)
+        lane = trace.attrs.get("priority")
+        # only the lanes' names or "none": a label's values must stay a small fixed set
+        self._child(self.latency, kind, lane if lane in LANES else NO_LANE).observe(trace.latency_ns / 1e9)
         for name, start, end in trace.stages:
             self._child(self.stage, kind, name).observe((end - start) / 1e9)
         t = trace.timings

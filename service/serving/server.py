@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..sched.admission import AdmissionConfig, Overloaded
+from ..sched.verdict import lane_of
 from ..artifact.artifact import Artifact
 from ..artifact.resolve import resolve_artifact
 from ..sched.batcher import BatcherConfig, DeadlineExpired, Scheduler
@@ -264,8 +265,12 @@ class RankerServicer:
 
     async def _handle(self, request: Any, context: grpc.aio.ServicerContext, kind: str) -> Any:
         """decode (validate + tokenize) -> schedule -> encode; kind: "score" or "beam"."""
-        codec, scheduler = self._serving()
         trace = current_trace()
+        if (lane := lane_of(request.priority)) is not None:
+            # the lane the latency metric counts the request in: known from the message, so also a
+            # request refused or invalid below lands in its lane (set_request sets the same name)
+            trace.attrs["priority"] = lane.name
+        codec, scheduler = self._serving()
         if self.front_publisher is not None and (sent_s := _front_sent_s(context)) is not None:
             # the hop from the front to this handler, on the request's span (before its start: an attribute)
             trace.set(front_ingress_ms=round(self.front_publisher.note_ingress(sent_s) * 1e3, 3))

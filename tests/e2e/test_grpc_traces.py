@@ -110,7 +110,9 @@ def test_metrics_trace_endpoint_trace_file_and_report(served, capsys: pytest.Cap
     for line in ('slmrank_requests_total{kind="Score",code="OK"} 2',
                  'slmrank_requests_total{kind="Score",code="INVALID_ARGUMENT"} 1',
                  'slmrank_requests_total{kind="BeamSearch",code="OK"} 1',
-                 'slmrank_request_latency_seconds_count{kind="Score"} 3',
+                 'slmrank_request_latency_seconds_count{kind="Score",priority="NORMAL"} 2',
+                 'slmrank_request_latency_seconds_count{kind="Score",priority="ONLINE"} 1',
+                 'slmrank_request_latency_seconds_count{kind="BeamSearch",priority="BACKGROUND"} 1',
                  'slmrank_queue_depth{lane="ONLINE"} 0', 'slmrank_admitted_total{priority="ONLINE"} 1'):
         ((key, value),) = _samples(line).items()
         assert samples.get(key) == value, line

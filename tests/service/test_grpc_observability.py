@@ -215,10 +215,12 @@ def test_metrics_count_requests_by_kind_and_status(traced, client):
     assert delta("slmrank_requests_total", kind="BeamSearch", code="OK") == 1
     assert delta("slmrank_requests_total", kind="BeamSearch", code="INVALID_ARGUMENT") == 1
     # latency histograms: every finished request; the +Inf bucket equals the count
-    assert delta("slmrank_request_latency_seconds_count", kind="Score") == 5
-    assert delta("slmrank_request_latency_seconds_bucket", kind="Score", le="+Inf") == 5
-    assert delta("slmrank_request_latency_seconds_count", kind="BeamSearch") == 2
-    assert delta("slmrank_request_latency_seconds_sum", kind="Score") > 0
+    # by lane: the invalid requests set no priority, which is NORMAL's (PRIORITY_UNSPECIFIED)
+    assert delta("slmrank_request_latency_seconds_count", kind="Score", priority="NORMAL") == 5
+    assert delta("slmrank_request_latency_seconds_bucket", kind="Score", priority="NORMAL", le="+Inf") == 5
+    assert delta("slmrank_request_latency_seconds_count", kind="BeamSearch", priority="BACKGROUND") == 1
+    assert delta("slmrank_request_latency_seconds_count", kind="BeamSearch", priority="NORMAL") == 1
+    assert delta("slmrank_request_latency_seconds_sum", kind="Score", priority="NORMAL") > 0
     for stage in ("receive", "decode", "queue", "batch", "execute", "encode", "send"):  # only executed ones queue
         assert delta("slmrank_request_stage_seconds_count", kind="Score", stage=stage) == (
             5 if stage in ("receive", "decode") else 3), stage
@@ -239,6 +241,24 @@ def test_metrics_count_requests_by_kind_and_status(traced, client):
     with pytest.raises(urllib.error.HTTPError) as err404:
         http_get(port, "/nothing-here")
     assert err404.value.code == 404
+
+
+def test_latency_of_an_online_request_is_in_the_online_series(traced, client):
+    port = traced.server.metrics_server.port
+    count = "slmrank_request_latency_seconds_count"
+    before = parse_metrics(http_get(port, "/metrics")[2])
+    client.score([[1, 2, 3]], [5, 6], priority="online")
+    with pytest.raises(grpc.RpcError) as err:  # invalid, yet sent in the ONLINE lane: counted there
+        client.score([[1, 2]], [], priority="online")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = eventually(lambda: (m := parse_metrics(http_get(port, "/metrics")[2]))
+                       and metric(m, count, kind="Score", priority="ONLINE") - metric(before, count, kind="Score",
+                                                                                       priority="ONLINE") == 2 and m)
+    for lane in ("NORMAL", "BACKGROUND", "none"):
+        assert metric(after, count, kind="Score", priority=lane) == metric(before, count, kind="Score", priority=lane)
+    client.model_info()  # no lane: "none"
+    eventually(lambda: metric(parse_metrics(http_get(port, "/metrics")[2]), count, kind="ModelInfo", priority="none")
+               >= 1)
 
 
 def test_chrome_trace_endpoint_has_the_requests(traced, client):

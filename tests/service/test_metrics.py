@@ -18,7 +18,7 @@ import pytest
 
 from service.sched.admission import Priority
 from service.observe.chrome_trace import ChromeTraceWriter
-from service.observe.metrics import LATENCY_BUCKETS_S, MetricsServer, ServerMetrics, render, scheduler_families
+from service.observe.metrics import LANES, LATENCY_BUCKETS_S, MetricsServer, ServerMetrics, render, scheduler_families
 from service.runtime.requests import BindError
 from service.observe.records import Completed, RequestTimings, RequestTrace, build_records
 from service.runtime.timings import BatchTimings, NodeTiming
@@ -75,9 +75,12 @@ def value_of(families: dict[str, dict[str, Any]], sample: str, labels: dict[str,
     raise KeyError((sample, labels))
 
 
-def finished(kind: str, status: str, latency_ms: float, stages: dict[str, float] | None = None) -> RequestTrace:
+def finished(kind: str, status: str, latency_ms: float, stages: dict[str, float] | None = None,
+             priority: str | None = None) -> RequestTrace:
     start = time.monotonic_ns()
     tr = RequestTrace(kind, start)
+    if priority is not None:
+        tr.attrs["priority"] = priority  # as the server's handler sets it
     at = start
     for name, ms in (stages or {}).items():
         tr.add_stage(name, at, at + round(ms * 1e6))
@@ -99,19 +102,36 @@ def test_exposition_shows_known_observations() -> None:
     assert value_of(fam, "slmrank_requests_total", {"kind": "Score", "code": "INVALID_ARGUMENT"}) == 1
     assert value_of(fam, "slmrank_requests_total", {"kind": "BeamSearch", "code": "OK"}) == 1
     lat = "slmrank_request_latency_seconds"
-    assert value_of(fam, f"{lat}_count", {"kind": "Score"}) == 6
-    assert value_of(fam, f"{lat}_sum", {"kind": "Score"}) == pytest.approx((0.5 + 1 + 4 + 4 + 150 + 0.3) / 1e3)
-    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.001"}) == 3
-    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.005"}) == 5
-    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.1"}) == 5
-    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "le": "0.2"}) == 6
-    assert value_of(fam, f"{lat}_bucket", {"kind": "BeamSearch", "le": "0.03"}) == 1
-    assert value_of(fam, f"{lat}_bucket", {"kind": "BeamSearch", "le": "0.02"}) == 0
+    score, beam = {"kind": "Score", "priority": "none"}, {"kind": "BeamSearch", "priority": "none"}  # no lane set
+    assert value_of(fam, f"{lat}_count", score) == 6
+    assert value_of(fam, f"{lat}_sum", score) == pytest.approx((0.5 + 1 + 4 + 4 + 150 + 0.3) / 1e3)
+    assert value_of(fam, f"{lat}_bucket", {**score, "le": "0.001"}) == 3
+    assert value_of(fam, f"{lat}_bucket", {**score, "le": "0.005"}) == 5
+    assert value_of(fam, f"{lat}_bucket", {**score, "le": "0.1"}) == 5
+    assert value_of(fam, f"{lat}_bucket", {**score, "le": "0.2"}) == 6
+    assert value_of(fam, f"{lat}_bucket", {**beam, "le": "0.03"}) == 1
+    assert value_of(fam, f"{lat}_bucket", {**beam, "le": "0.02"}) == 0
     assert {float(ls["le"]) for n, ls, _ in fam[lat]["samples"] if n.endswith("_bucket")} == {*LATENCY_BUCKETS_S,
                                                                                             math.inf}
     stage = "slmrank_request_stage_seconds"
     assert value_of(fam, f"{stage}_count", {"kind": "Score", "stage": "decode"}) == 6
     assert value_of(fam, f"{stage}_sum", {"kind": "Score", "stage": "encode"}) == pytest.approx(5 * 0.05e-3)
+
+
+def test_latency_is_kept_per_lane_and_the_lanes_are_a_fixed_set() -> None:
+    m = ServerMetrics()
+    m.observe(finished("Score", "OK", 2.0, priority="ONLINE"))
+    m.observe(finished("Score", "OK", 90.0, priority="BACKGROUND"))
+    m.observe(finished("Score", "OK", 4.0, priority="ONLINE"))
+    m.observe(finished("Score", "UNAVAILABLE", 0.1, priority="made-up"))  # not a lane: no series of its own
+    fam = parse(m.exposition())
+    lat = "slmrank_request_latency_seconds"
+    assert value_of(fam, f"{lat}_count", {"kind": "Score", "priority": "ONLINE"}) == 2
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "priority": "ONLINE", "le": "0.005"}) == 2
+    assert value_of(fam, f"{lat}_bucket", {"kind": "Score", "priority": "BACKGROUND", "le": "0.075"}) == 0
+    assert value_of(fam, f"{lat}_count", {"kind": "Score", "priority": "none"}) == 1
+    assert {ls["priority"] for _, ls, _ in fam[lat]["samples"]} == {"ONLINE", "BACKGROUND", "none"}
+    assert LANES == {p.name for p in Priority}  # the label's values are the scheduler's lanes
 
 
 NODES = [("embed", 0.01, 0.05), ("layer.0", 0.01, 1.0), ("layer.1", 0.01, 1.0), ("step1.lm_head", 0.01, 0.5)]

@@ -168,3 +168,14 @@ def test_the_dashboard_is_whole() -> None:
                 assert 'job=~"$job"' in matchers and 'instance=~"$instance"' in matchers, (p["title"], name)
             assert len(SELECTOR.findall(t["expr"])) == len(METRIC.findall(t["expr"])), (p["title"], t["expr"])
             assert t["expr"].count("(") == t["expr"].count(")"), (p["title"], t["expr"])
+
+
+def test_each_methods_latency_panel_shows_the_p99_of_each_lane_against_the_slo() -> None:
+    panels = [p for p in dashboard()["panels"] if "slmrank_request_latency_seconds_bucket" in str(p.get("targets"))]
+    assert {p["title"].split()[0] for p in panels} == {"Score", "BeamSearch"}
+    for p in panels:
+        per_lane = [t for t in p["targets"] if t["expr"].startswith("histogram_quantile(0.99, sum by (le, priority) ")]
+        assert len(per_lane) == 1 and "{{priority}}" in per_lane[0]["legendFormat"], p["title"]
+        steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        assert 0.08 in [s["value"] for s in steps], p["title"]  # the P99 SLO's line, 80 ms (the unit is s)
+        assert p["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] in ("dashed", "line"), p["title"]

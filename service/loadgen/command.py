@@ -37,7 +37,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                      help="W1..W6, score-mix, beam-mix, mixed, or a custom shape 'score,prefix=0,samples=3,len=8,"
                           "labels=2' / 'beam,prompt=16,beam=4,new=3' (default W1; docs/benchmarks.md)")
     src.add_argument("--requests", default=None, metavar="FILE",
-                     help="a `slmrank run` JSONL request file, sent in order and cycled")
+                     help="a `slmrank run` JSONL request file (label_ids or label_texts), sent in order and cycled")
     load = b.add_mutually_exclusive_group()
     load.add_argument("--levels", default=None,
                       help=f"closed loop: requests in flight per level, comma list (default {DEFAULT_LEVELS})")

@@ -24,7 +24,7 @@ Only numpy and the generated stubs here: `slmrank bench` ships in the wheel and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -156,8 +156,8 @@ class Requests:
 
 def file_requests(path: str | Path) -> list[Any]:
     """The requests of a `slmrank run` JSONL file (README.md; service/runtime/jsonl.py parses each
-    line) as slmrank.v1 messages, in file order. A bad line is a WorkloadError naming the line and
-    the field; an empty file is one too."""
+    line) as slmrank.v1 messages, in file order, with label_ids or label_texts as the line gives
+    them. A bad line is a WorkloadError naming the line and the field; an empty file is one too."""
     from ..runtime.jsonl import parse_request
     from ..runtime.requests import RequestError, ScoreRequest
     from ..serving.proto_gen import load as load_stubs
@@ -168,15 +168,25 @@ def file_requests(path: str | Path) -> list[Any]:
     except OSError as e:
         raise WorkloadError(f"--requests: cannot read {path}: {e.strerror}") from None
     out: list[Any] = []
+    texts: list[str] = []
+
+    def keep_texts(labels: Sequence[str]) -> tuple[int, ...]:
+        # label_texts go to the server as they are (ScoreRequest.label_texts): its tokenizer is the
+        # one that counts, and tokenizing them is part of the request's cost being measured
+        texts[:] = labels
+        return ()
+
     for n, line in enumerate(text.split("\n"), 1):  # "\n" only: U+2028 is legal inside JSON strings
         if not line.strip():
             continue
+        texts.clear()
         try:
-            r = parse_request(line)
+            r = parse_request(line, labels_of=keep_texts)
         except RequestError as e:
             raise WorkloadError(f"--requests: {path} line {n}: {e}") from None
         if isinstance(r, ScoreRequest):
-            msg = pb2.ScoreRequest(samples=[pb2.Segment(ids=list(s)) for s in r.samples], label_ids=list(r.label_ids))
+            msg = pb2.ScoreRequest(samples=[pb2.Segment(ids=list(s)) for s in r.samples], label_ids=list(r.label_ids),
+                                   label_texts=texts)
             if r.prefix_ids:
                 msg.prefix.CopyFrom(pb2.Segment(ids=list(r.prefix_ids)))
         else:

@@ -140,6 +140,17 @@ def test_a_request_file_becomes_messages_and_a_bad_line_is_named(tmp_path: Path)
     assert [list(s.ids) for s in score.samples] == [[1, 2], [3]] and list(score.prefix.ids) == [4]
     assert list(score.label_ids) == [9]
     assert list(beam.prompt.ids) == [5, 6, 7] and (beam.beam_width, beam.new_tokens) == (3, 2)
+    # label texts as slmrank run takes them: sent as the message's label_texts, for the server to tokenize
+    path.write_text('{"kind": "score", "samples": [[1, 2]], "label_texts": [" yes", " no"]}\n'
+                    '{"kind": "score", "samples": [[3]], "label_ids": [7]}\n')
+    texts, ids = file_requests(path)
+    assert list(texts.label_texts) == [" yes", " no"] and list(texts.label_ids) == []
+    assert list(ids.label_ids) == [7] and list(ids.label_texts) == []  # a line's texts do not carry to the next
+    for bad, what in (('"label_texts": [" yes"], "label_ids": [1]', "line 1: label_texts: both"),
+                      ('"label_texts": [1]', "line 1: label_texts: must be a list of strings")):
+        path.write_text('{"kind": "score", "samples": [[1]], ' + bad + '}\n')
+        with pytest.raises(WorkloadError, match=what):
+            file_requests(path)
     path.write_text('{"kind": "score", "samples": [[1]]}\n{"kind": "score", "samples": [["x"]]}\n')
     with pytest.raises(WorkloadError, match=r"line 2: samples\[0\]\[0\]"):
         file_requests(path)

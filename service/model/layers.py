@@ -10,10 +10,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import masked_attention_ref, rowwise_attention_ref
-from kernels.attention_merge import merge_attention_states_ref
-
+from ..siblings import sibling
 from .config import ModelConfig
+
+# kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
+masked_attention_ref = sibling("kernels.attention").masked_attention_ref
+rowwise_attention_ref = sibling("kernels.attention").rowwise_attention_ref
+merge_attention_states_ref = sibling("kernels.attention_merge").merge_attention_states_ref
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import http.server
-import importlib
 import logging
 import os
 import platform
@@ -47,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from ..runtime.requests import BindError
 from .records import RequestTrace, node_category
+from ..siblings import sibling
 
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.5, 1.0)
 STAGE_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -240,7 +240,7 @@ def _version() -> str:
 
 def _build_info() -> Metric:
     try:
-        core = importlib.import_module("cpp_dag._core")
+        core = sibling("cpp_dag._core")
         extension = "cuda" if core.build_info()["with_cuda"] else "cpu"
     except ImportError:
         extension = "none"

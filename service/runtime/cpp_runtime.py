@@ -20,11 +20,12 @@ from .fused import check_choice, kernels_dir
 from .timings import BatchTimings
 from ..model.config import ModelConfig
 from ..model.progress import Progress
+from ..siblings import sibling
 
 
 def _load_core() -> Any:
     try:
-        from cpp_dag import _core
+        _core = sibling("cpp_dag._core")
     except ImportError as e:  # the extension is built by `pip install --no-build-isolation -e .`
         raise RuntimeError(f"the C++ runtime is not built ({e}); run ops/test or "
                            "`pip install --no-build-isolation --no-deps -e .`") from e

@@ -26,9 +26,9 @@ from ..artifact.artifact import Artifact
 from ..model import progress
 from ..model.config import ModelConfig
 from ..artifact.resolve import cache_dir
+from ..siblings import IMPORT_ROOT, ROOT, module_name, sibling
 
 KERNEL_CHOICES = ("aten", "triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class JitKernels:
@@ -38,7 +38,9 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        from kernels import beam_topk, decode_attention, norm_act, qkv_rope, segment_attention
+        beam_topk, decode_attention, norm_act, qkv_rope, segment_attention = (
+            sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "norm_act", "qkv_rope",
+                                              "segment_attention"))
 
         self.silu_mul = norm_act.silu_mul
         self.segment_attention = segment_attention.segment_attention
@@ -102,8 +104,8 @@ def kernels_dir(artifact: Artifact, dtype: torch.dtype, cache: Path | None = Non
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real
     progress.note(f"compiling the Triton kernels for {dtype_name} {shape} into {out} (once per model shape)")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--shape", shape, "--out", str(tmp),
-                           "--dtype", dtype_name], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", module_name("kernels.aot"), "--shape", shape, "--out", str(tmp),
+                           "--dtype", dtype_name], cwd=IMPORT_ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the Triton kernels for {artifact.path} failed:\n{proc.stderr[-3000:]}")
     try:
@@ -121,9 +123,7 @@ def python_kernels(kernels: str, artifact: Artifact, device: torch.device, dtype
     if kernels == "aten":
         return None
     if device.type == "cuda":
-        from cpp_dag import _core
-
-        return _core.TritonKernels(str(kernels_dir(artifact, dtype)), str(device))
+        return sibling("cpp_dag._core").TritonKernels(str(kernels_dir(artifact, dtype)), str(device))
     if os.environ.get("TRITON_INTERPRET") == "1":
         return JitKernels()
     raise ValueError("kernels='triton' on the CPU runs only under Triton's interpreter (TRITON_INTERPRET=1, "

@@ -14,13 +14,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import masked_attention_ref, segment_bounds, segment_key_ranges, varlen_attention
-from kernels.beam_topk import merge_candidates
-
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
 from ..model.layers import (LayerWeights, attention_output_and_mlp, qkv_projection, residual_rms_norm,
                             two_part_attention)
+from ..siblings import sibling
+
+# kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
+_attention = sibling("kernels.attention")
+masked_attention_ref, segment_bounds = _attention.masked_attention_ref, _attention.segment_bounds
+segment_key_ranges, varlen_attention = _attention.segment_key_ranges, _attention.varlen_attention
+merge_candidates = sibling("kernels.beam_topk").merge_candidates
 
 Env = MutableMapping[str, torch.Tensor]
 

@@ -11,10 +11,11 @@ anything is loaded.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
+
+from ..siblings import sibling
 
 
 class PlacementError(ValueError):
@@ -34,7 +35,7 @@ class Placement:
 def _extension() -> tuple[object | None, str]:
     """(cpp_dag._core or None, why not)."""
     try:
-        return importlib.import_module("cpp_dag._core"), ""
+        return sibling("cpp_dag._core"), ""
     except ImportError as e:
         return None, str(e)
 

@@ -25,6 +25,7 @@ from ..runtime.requests import (BeamRequest, BeamResult, RequestError, ScoreRequ
 from ..model.tokenizer import Tokenizer
 from ..observe.records import current_trace
 from ..sched.shapes import TEXT_SLACK, message_dims
+from ..siblings import sibling
 
 
 
@@ -338,7 +339,7 @@ def _beam_wire(tokenizer: Tokenizer, model_vocab: int) -> Any:
     if table is None:
         return None
     try:
-        from cpp_dag._core import BeamWire
+        BeamWire = sibling("cpp_dag._core").BeamWire
     except ImportError:
         return None
     return BeamWire(table, model_vocab)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...sched.shapes import request_dims, shape_key
+from ...siblings import module_name
 from .state import (MAX_FRONTS, NUM_CLIENTS, NUM_POINTS, NUM_SHAPES, SLOT_FIELDS, STATE_DRAINING, STATE_LOADING,
                     STATE_SERVING, LaneView, SharedState, Snapshot, client_key, ingress_delay_s)
 
@@ -200,7 +201,7 @@ class FrontSupervisor:
 
     def _command(self, index: int) -> list[str]:
         o = self.options
-        cmd = [sys.executable, "-m", "service.serving.fronts.front", "--engine", self.engine_target,
+        cmd = [sys.executable, "-m", module_name("service.serving.fronts.front"), "--engine", self.engine_target,
                "--state", self.shared.path, "--slot", str(index), "--fronts", str(self.num_fronts),
                "--host", o.host, "--port", str(self.port), "--client-id-metadata", o.client_id_metadata,
                "--max-receive-message-bytes", str(o.max_receive_message_bytes),

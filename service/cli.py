@@ -223,11 +223,8 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     common.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
     common.add_argument("--priority", default="unspecified", choices=["unspecified", "online", "normal", "background"])
     common.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    common.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA of the server's certificate (PEM)")
-    common.add_argument("--tls-cert", default=None, metavar="FILE", help="mTLS: this client's certificate (PEM)")
-    common.add_argument("--tls-key", default=None, metavar="FILE", help="mTLS: its private key (PEM)")
-    common.add_argument("--tls-server-name", default=None, metavar="NAME",
-                        help="TLS: check the server's certificate for this name instead of the target's host")
+    from .serving.client_flags import add_tls_arguments
+    add_tls_arguments(common)
     info = kinds.add_parser("info", parents=[common], help="ModelInfo: the model, artifact sha256, runtime, limits, buckets")
     info.add_argument("--json", action="store_true", help="all of ModelInfo as JSON (every bucket) instead of a summary")
     sc = kinds.add_parser("score", parents=[common], help="Score: label log-probs per sample")

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..serving.client_flags import add_tls_arguments
+
 PEAK_TFLOPS = 989.0  # the H200's dense BF16 peak: effective MFU's denominator (docs/benchmarks.md)
 DEFAULT_LEVELS = "1,2,4,8,16,32,64"
 
@@ -62,11 +64,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the served model's shape for the FLOPs, where ModelInfo does not tell it: an embedded "
                         "spec, an artifact or a Hugging Face checkpoint directory")
     b.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="effective MFU's denominator")
-    b.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA of the server's certificate (PEM)")
-    b.add_argument("--tls-cert", default=None, metavar="FILE", help="mTLS: this client's certificate (PEM)")
-    b.add_argument("--tls-key", default=None, metavar="FILE", help="mTLS: its private key (PEM)")
-    b.add_argument("--tls-server-name", default=None, metavar="NAME",
-                   help="TLS: check the server's certificate for this name instead of the target's host")
+    add_tls_arguments(b)
     b.add_argument("--quiet", action="store_true", help="no progress line, no per-level lines: the table only")
     b.set_defaults(func=main)
 

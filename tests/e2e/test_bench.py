@@ -12,12 +12,10 @@ import asyncio
 import csv
 import json
 import math
-import os
 import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -27,6 +25,7 @@ import pytest
 from service.cli import main as cli_main
 from service.loadgen import loop
 from service.loadgen.png import read_png
+from tests.e2e.served import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "score,prefix=0,samples=2,len=4,labels=2"  # a few ms of work a request, even on a loaded CPU
@@ -37,15 +36,8 @@ class Server:
     """`slmrank serve --model embedded:tiny` on free ports; its API target and /metrics URL."""
 
     def __init__(self, cache: Path, log: Path) -> None:
-        env = dict(os.environ, SLMRANK_CACHE=str(cache), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--model", "embedded:tiny", "--host", "127.0.0.1",
-             "--port", "0", "--metrics-port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=log.open("w"), text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(ln) for ln in self.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+        self.proc, lines = start_serve(cache, log)
         self.target = self.metrics = None
         ready = False
         end = time.monotonic() + 120

@@ -8,14 +8,10 @@ One server for the module; the SIGTERM test is the last one and stops it.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import random
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.cli import main as cli_main
 from service.serving.client import RankerClient
+from tests.e2e.served import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 151936  # embedded:tiny uses the Qwen vocabulary
@@ -34,20 +31,9 @@ GRACE_S = 25.0
 
 class Served:
     def __init__(self, cache: Path, log: Path) -> None:
-        env = dict(os.environ, SLMRANK_CACHE=str(cache), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--model", "embedded:tiny", "--host", "127.0.0.1",
-             "--port", "0", "--metrics-port", "0", "--grace-s", str(GRACE_S)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.proc, self.lines = start_serve(cache, log, "--grace-s", str(GRACE_S))
         self.target = f"127.0.0.1:{self._port()}"
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self.lines.put(line)
 
     def _port(self) -> int:
         end = time.monotonic() + 120

@@ -14,6 +14,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from service.serving.client import RankerClient
+from service.serving.server import RankerServer, ServerConfig
+from service.serving.server_thread import ServerThread
+
 VOCAB = 512
 MAX_POS = 256
 
@@ -136,3 +140,19 @@ def hf_ref():
     from types import SimpleNamespace
 
     return SimpleNamespace(label_logprobs=hf_label_logprobs, beam=hf_beam, rand_ids=rand_ids, vocab=VOCAB)
+
+
+# ---- a server over real gRPC on the module's embedded:tiny model (a module may define its own) ----
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
+    srv.wait_serving()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RankerClient(server.target, timeout_s=60) as c:
+        yield c

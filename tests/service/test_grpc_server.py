@@ -35,20 +35,6 @@ VOCAB = 151936  # embedded:tiny: the Qwen vocabulary
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
-    srv.wait_serving()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with RankerClient(server.target, timeout_s=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def run_ref(embedded_tiny, embedded_tiny_runtime):
     """engine.execute on one request, as `slmrank run` does."""
     art = embedded_tiny[1]

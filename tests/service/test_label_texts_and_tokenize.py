@@ -14,26 +14,9 @@ import pytest
 from service.cli import main as cli_main
 from service.runtime.jsonl import parse_request
 from service.runtime.requests import RequestError, label_ids_of_texts
-from service.serving.client import RankerClient
 from service.serving.proto_gen import load as load_stubs
-from service.serving.server import RankerServer, ServerConfig
-from service.serving.server_thread import ServerThread
 
 pb2 = load_stubs().pb2
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
-    srv.wait_serving()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with RankerClient(server.target, timeout_s=60) as c:
-        yield c
 
 
 def _refused(call) -> grpc.RpcError:

@@ -103,21 +103,27 @@ def test_progress_of_long_work_is_records_of_the_log_format() -> None:
         root.setLevel(level)
 
 
-def test_access_log_one_record_per_rpc(model, caplog: pytest.LogCaptureFixture) -> None:
-    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True),
-                                    lambda: model))
+def _score_then_bad_beam(srv: ServerThread, caplog: pytest.LogCaptureFixture, **score_args) -> None:
+    """A Score and an invalid BeamSearch through the server, which is stopped after both access
+    records are in (grpc.aio sends an abort's status before the interceptor finishes the RPC: its
+    record may lag)."""
     try:
         srv.wait_serving()
         with caplog.at_level(logging.INFO, logger=ACCESS), RankerClient(srv.target, timeout_s=30) as c:
-            c.score([[1, 2, 3]], [4, 5], priority="online")
+            c.score([[1, 2, 3]], [4, 5], **score_args)
             with pytest.raises(Exception):
                 c.beam([1, 2], beam_width=0, new_tokens=1)
-            # grpc.aio sends an abort's status before the interceptor finishes the RPC: its record may lag
             end = time.monotonic() + 10
             while len([r for r in caplog.records if r.name == ACCESS]) < 2 and time.monotonic() < end:
                 time.sleep(0.01)
     finally:
         srv.stop()
+
+
+def test_access_log_one_record_per_rpc(model, caplog: pytest.LogCaptureFixture) -> None:
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True),
+                                    lambda: model))
+    _score_then_bad_beam(srv, caplog, priority="online")
     records = [r for r in caplog.records if r.name == ACCESS]
     assert [(r.method, r.code) for r in records] == [("Score", "OK"), ("BeamSearch", "INVALID_ARGUMENT")]
     assert all(r.latency_ms > 0 and r.peer for r in records)
@@ -139,17 +145,7 @@ def test_json_access_log_carries_the_trace(model, caplog: pytest.LogCaptureFixtu
     config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True, trace_slow_ms=0.0)
     srv = ServerThread(RankerServer(config, lambda: model, span_exporter=exporter))
     caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"  # the caller's, for a request not kept
-    try:
-        srv.wait_serving()
-        with caplog.at_level(logging.INFO, logger=ACCESS), RankerClient(srv.target, timeout_s=30) as c:
-            c.score([[1, 2, 3]], [4, 5])
-            with pytest.raises(Exception):
-                c.beam([1, 2], beam_width=0, new_tokens=1)
-            end = time.monotonic() + 10
-            while len([r for r in caplog.records if r.name == ACCESS]) < 2 and time.monotonic() < end:
-                time.sleep(0.01)
-    finally:
-        srv.stop()
+    _score_then_bad_beam(srv, caplog)
     lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == ACCESS]
     spans = {s.name: s for s in exporter.get_finished_spans() if s.parent is None}
     assert [(x["method"], x["code"]) for x in lines[:2]] == [("Score", "OK"), ("BeamSearch", "INVALID_ARGUMENT")]

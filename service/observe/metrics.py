@@ -13,8 +13,11 @@ Three sources, one registry per ServerMetrics:
 Scraping reads, never resets.
 
 `MetricsServer` answers GET /metrics, or GET /trace (the Chrome trace of the kept requests), or
-both, on its own port, from one daemon thread: a scrape never waits for the gRPC event loop to be
-free, and a slow or malformed HTTP client costs that thread at most a few seconds, never the loop.
+both, on its own port, from threads of its own: a scrape never waits for the gRPC event loop to be
+free. Connections are served concurrently (at most `max_clients` at once; one more is answered 503
+at once), and each request has `timeout_s` in all to arrive (request line and headers), however
+slowly its bytes trickle in: a slow or malformed HTTP client costs one thread a few seconds, never
+the loop and never another scrape.
 The server runs two of them, one per port: /metrics on the scrape port, /trace (megabytes of
 request timings, off unless asked for) on the loopback, so a client reading a trace never delays
 a scrape behind it and a scraper's network never sees the timings.
@@ -351,15 +354,22 @@ def render(families: Sequence[Metric]) -> str:
 # ---- HTTP, off the event loop --------------------------------------------------------------------------
 
 class MetricsServer:
-    """GET /metrics (unless serve_metrics is False) and GET /trace (with a Chrome writer) from one
-    daemon thread, one request at a time, each bounded by a socket timeout. port 0: any free port
-    (see .port after start)."""
+    """GET /metrics (unless serve_metrics is False) and GET /trace (with a Chrome writer), each
+    connection on a daemon thread of its own, at most max_clients at once (one more gets a 503 and
+    is closed); each request must arrive whole within timeout_s, and its answer be taken within
+    timeout_s. port 0: any free port (see .port after start)."""
 
     def __init__(self, metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 9464, chrome: Any = None,
                  timeout_s: float = 5.0, trace_refresh_s: float = 1.0, trace_max_share: float = 0.02,
-                 serve_metrics: bool = True) -> None:
+                 serve_metrics: bool = True, max_clients: int = 16) -> None:
         if not 0 < trace_max_share <= 1:
             raise ValueError(f"trace_max_share: must be in (0, 1], got {trace_max_share!r}")
+        if max_clients < 1:
+            raise ValueError(f"max_clients: must be >= 1, got {max_clients!r}")
+        self.max_clients = max_clients
+        # answers are rendered one at a time (the /trace cache, the registry's collectors); only
+        # reading requests and sending answers, where a slow client spends its time, run side by side
+        self._render_lock = threading.Lock()
         if not serve_metrics and chrome is None:
             raise ValueError("a MetricsServer without /metrics needs a Chrome writer for /trace")
         self.metrics, self.host, self.port, self.chrome, self.timeout_s = metrics, host, port, chrome, timeout_s
@@ -384,7 +394,7 @@ class MetricsServer:
             pass  # no loop here: stats are read on the HTTP thread
         handler = type("Handler", (_Handler,), {"route": self._route, "timeout": self.timeout_s})
         try:
-            self._httpd = http.server.HTTPServer((self.host, self.port), handler)
+            self._httpd = _BoundedThreadingServer((self.host, self.port), handler, self.max_clients)
         except (OSError, OverflowError) as e:
             raise BindError(f"cannot listen on {self.host}:{self.port} (metrics): "
                             f"{getattr(e, 'strerror', None) or e}") from e
@@ -401,7 +411,10 @@ class MetricsServer:
             self._httpd = None
 
     def _route(self, path: str) -> tuple[int, str, bytes, dict[str, str]]:
-        path = path.split("?", 1)[0]
+        with self._render_lock:
+            return self._render(path.split("?", 1)[0])
+
+    def _render(self, path: str) -> tuple[int, str, bytes, dict[str, str]]:
         if path == "/metrics" and self.serve_metrics:
             return 200, CONTENT_TYPE, self.metrics.exposition().encode(), {}
         if path == "/trace" and self.chrome is not None:
@@ -422,13 +435,78 @@ class MetricsServer:
         return 404, "text/plain; charset=utf-8", f"not found: try {served}\n".encode(), {}
 
 
+class _BoundedThreadingServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most max_clients at once: one more is answered 503 from the
+    accepting thread (a write to a fresh socket's empty buffer never blocks) and closed."""
+
+    daemon_threads = True
+    block_on_close = False  # close() does not wait for a slow client's thread
+
+    def __init__(self, address: tuple[str, int], handler: type, max_clients: int) -> None:
+        self.max_clients = max_clients
+        self._slots = threading.BoundedSemaphore(max_clients)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            log.debug("%s: %d HTTP clients at once already; answered 503", client_address, self.max_clients)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _DeadlineReader:
+    """The handler's rfile: every read waits at most until one deadline for the whole request, so
+    a client that sends a header line every few seconds is cut off like one that sends nothing."""
+
+    def __init__(self, raw: Any, sock: socket.socket, timeout_s: float) -> None:
+        self._raw, self._sock, self._end = raw, sock, time.monotonic() + timeout_s
+
+    def _arm(self) -> None:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(left)
+
+    def readline(self, size: int = -1) -> bytes:
+        self._arm()
+        return self._raw.readline(size)
+
+    def read(self, size: int = -1) -> bytes:
+        self._arm()
+        return self._raw.read(size)
+
+    def __getattr__(self, name: str) -> Any:  # close, closed, ...: the buffered reader's own
+        return getattr(self._raw, name)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Bad request lines get the standard library's 400, without a traceback; errors while
-    answering are one log line and a 500."""
+    answering are one log line and a 500. The request line and headers must arrive within
+    `timeout` seconds in all (one request per connection: the answer closes it)."""
 
     route: Callable[[str], tuple[int, str, bytes, dict[str, str]]]
     protocol_version = "HTTP/1.1"
     server_version = "slmrank-metrics"
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _DeadlineReader(self.rfile, self.connection, self.timeout)  # type: ignore[assignment]
 
     def do_GET(self) -> None:
         try:

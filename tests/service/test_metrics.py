@@ -10,6 +10,7 @@ import json
 import math
 import re
 import struct
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -388,6 +389,83 @@ def test_malformed_requests_get_an_error_without_traceback(caplog: pytest.LogCap
     finally:
         server.close()
     assert "Traceback" not in capfd.readouterr().err + caplog.text
+
+
+def _trickle(port: int, sent_two: threading.Event, every_s: float = 0.3, for_s: float = 30.0) -> float | None:
+    """A client that sends a request line, then one header line every `every_s`, never the blank
+    line that ends the headers; returns how long the server let it go on (None: for_s, not cut off)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        sock.settimeout(every_s)
+        lines = 0
+        while time.monotonic() - t0 < for_s:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+                lines += 1
+                if lines == 2:
+                    sent_two.set()
+                if not sock.recv(65536):  # the server closed it
+                    return time.monotonic() - t0
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0
+        return None
+
+
+def test_a_client_that_trickles_header_lines_blocks_no_scrape() -> None:
+    """Issue 32: one client sending a header line every 0.3 s (each within the old per-read socket
+    timeout) made every scrape wait behind it. Now connections are served side by side, and a
+    request has timeout_s in all to arrive: the trickler is cut off, and a scrape during it answers."""
+    import threading
+
+    server = MetricsServer(ServerMetrics(), "127.0.0.1", 0, timeout_s=2.0)
+    port = server.start()
+    try:
+        sent_two = threading.Event()
+        cut_after: list[float | None] = []
+        trickler = threading.Thread(target=lambda: cut_after.append(_trickle(port, sent_two)), daemon=True)
+        trickler.start()
+        assert sent_two.wait(10), "the trickling client did not get going"
+        t0 = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and b"slmrank_build_info" in r.read()
+        assert time.monotonic() - t0 < 10
+        trickler.join(40)
+        assert cut_after and cut_after[0] is not None, "the trickling client was never cut off"
+        assert 1.5 <= cut_after[0] < 12, cut_after  # its 2 s for the whole request, on a loaded host
+    finally:
+        server.close()
+
+
+def test_the_http_clients_at_once_are_bounded_and_a_refused_one_is_answered_at_once() -> None:
+    """max_clients connections that say nothing hold every slot: one more gets a 503 and is closed
+    at once (never a hang); once they are cut off (timeout_s), scrapes answer again."""
+    import socket
+
+    server = MetricsServer(ServerMetrics(), "127.0.0.1", 0, timeout_s=1.0, max_clients=2)
+    port = server.start()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # the third
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503 "), answer[:80]  # (accepted in order: both slots are taken)
+        for sock in silent:  # cut off after timeout_s, with nothing sent
+            assert sock.recv(1) == b""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(ValueError, match="max_clients"):
+            MetricsServer(ServerMetrics(), "127.0.0.1", 0, max_clients=0)
+    finally:
+        for sock in silent:
+            sock.close()
+        server.close()
 
 
 def test_a_taken_metrics_port_is_a_bind_error() -> None:

@@ -89,12 +89,16 @@ class RequestTrace:
         self.attrs.update(attrs)
 
     def set_request(self, request: Any, priority: Any) -> None:
-        """Attributes of a ScoreRequest / BeamRequest: samples or beam width, tokens, priority."""
+        """Attributes of a decoded (valid) ScoreRequest / BeamRequest: its shape, never its content
+        (samples, each sample's tokens, prefix tokens, labels; or prompt tokens, beam width, new
+        tokens), its tokens and priority. `slmrank traffic` reads them from the access log."""
         if hasattr(request, "num_samples"):
-            self.attrs.update(samples=request.num_samples, tokens=request.num_tokens, labels=len(request.label_ids))
+            self.attrs.update(samples=request.num_samples, sample_tokens=list(map(len, request.samples)),
+                              prefix_tokens=len(request.prefix_ids), tokens=request.num_tokens,
+                              labels=len(request.label_ids))
         else:
-            self.attrs.update(beam_width=request.beam_width, new_tokens=request.new_tokens,
-                              tokens=len(request.prompt_ids))
+            self.attrs.update(prompt_tokens=len(request.prompt_ids), beam_width=request.beam_width,
+                              new_tokens=request.new_tokens, tokens=len(request.prompt_ids))
         self.attrs["priority"] = getattr(priority, "name", str(priority))
 
     def completed(self, done: Completed) -> None:

@@ -20,6 +20,10 @@ from ..observe.records import RequestTrace, bind_trace, bound_trace
 from ..observe.tracing import RequestTracer
 
 
+# the access log's `kind` of a method (`slmrank traffic` groups by it)
+KINDS = {"Score": "score", "BeamSearch": "beam"}
+
+
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """Traces every unary RPC of `service`: receive (deserialization) -> handler -> send
     (serialization), with the final status code; then the tracer and the metrics see it.
@@ -107,8 +111,14 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         if self.metrics is not None:
             self.metrics.observe(trace)
         if self.access_log is not None:
-            latency_ms = round(trace.latency_ns / 1e6, 3)
+            latency_ns = trace.latency_ns
+            latency_ms = round(latency_ns / 1e6, 3)
+            # arrival on the wall clock (epoch seconds, ms): its start on the monotonic clock, moved by
+            # the two clocks' offset now
+            now_ns, wall_s = time.monotonic_ns(), time.time()
+            arrival_s = round(wall_s - (now_ns - trace.end_ns + latency_ns) / 1e9, 3)  # type: ignore[operator]
+            shape = {"kind": KINDS[trace.kind]} if trace.kind in KINDS else {}
             # trace_id / span_id: a log collector links the record to the request's spans
             self.access_log.info("%s %s %.3f ms", trace.kind, status, latency_ms,
-                                 extra={"method": trace.kind, "code": status, "latency_ms": latency_ms, **trace.attrs,
-                                        **self.tracer.log_ids(trace)})
+                                 extra={"method": trace.kind, "code": status, **shape, "arrival_s": arrival_s,
+                                        "latency_ms": latency_ms, **trace.attrs, **self.tracer.log_ids(trace)})

@@ -424,7 +424,9 @@ class RankerServer:
             publisher.set_state(STATE_SERVING)
         _freeze_heap()
         await self._set_health(SERVING)
-        log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0)
+        # the model and its limits: `slmrank traffic` finds the default bucket table of a log's server here
+        log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0,
+                 extra={"model": self.model.spec, "limits": self.model.artifact.limits.to_dict()})
 
     async def wait_ready(self) -> None:
         """Returns once SERVING; raises what the loader raised."""

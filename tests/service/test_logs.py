@@ -160,3 +160,42 @@ def test_json_access_log_carries_the_trace(model, caplog: pytest.LogCaptureFixtu
     assert not none_kept.finish(traced, "OK") and none_kept.log_ids(traced) == {"trace_id": caller_trace}
     untraced = RequestTrace("Score")
     assert not none_kept.finish(untraced, "OK") and none_kept.log_ids(untraced) == {}
+
+
+def test_access_log_has_each_request_shape_and_none_of_its_content(model, caplog: pytest.LogCaptureFixture) -> None:
+    """What `slmrank traffic` reads: kind, arrival (wall clock), latency and, once a request is
+    decoded and valid, its shape (sample count and lengths, prefix, or prompt, beam width, new
+    tokens). No token id and no text of a request appears in a line; an invalid request has a line
+    with its kind and times but no shape."""
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5, access_log=True),
+                                    lambda: model))
+    ids = [12345, 23456, 34567]
+    try:
+        srv.wait_serving()
+        with caplog.at_level(logging.INFO, logger=ACCESS), RankerClient(srv.target, timeout_s=30) as c:
+            before = time.time()
+            c.score(["zebracrossing", ids[:2]], [4, 5], prefix="Query: okapiwhistle")
+            c.beam(ids, beam_width=3, new_tokens=2)
+            with pytest.raises(Exception):
+                c.beam(ids, beam_width=0, new_tokens=1)
+            after = time.time()
+            end = time.monotonic() + 10
+            while len([r for r in caplog.records if r.name == ACCESS]) < 3 and time.monotonic() < end:
+                time.sleep(0.01)
+    finally:
+        srv.stop()
+    lines = [JsonFormatter().format(r) for r in caplog.records if r.name == ACCESS]
+    score, beam, bad = (json.loads(x) for x in lines)
+    tokenizer = model.tokenizer
+    prefix_len, text_len = len(tokenizer.encode("Query: okapiwhistle")), len(tokenizer.encode("zebracrossing"))
+    assert (score["kind"], score["samples"], score["sample_tokens"], score["prefix_tokens"], score["tokens"]) == \
+        ("score", 2, [text_len, 2], prefix_len, prefix_len + text_len + 2)
+    assert (beam["kind"], beam["prompt_tokens"], beam["beam_width"], beam["new_tokens"]) == ("beam", 3, 3, 2)
+    assert bad["kind"] == "beam" and bad["code"] == "INVALID_ARGUMENT"
+    assert not {"prompt_tokens", "beam_width", "new_tokens"} & set(bad), "an invalid request's shape was logged"
+    for x in (score, beam, bad):
+        # its arrival is on the wall clock, before its end by its latency
+        assert before - 0.002 <= x["arrival_s"] <= x["arrival_s"] + x["latency_ms"] / 1e3 <= after + 0.002, x
+    for line in lines:
+        assert not any(w in line for w in ("zebra", "okapi", "Query")), line
+        assert not any(str(i) in line for i in ids), line

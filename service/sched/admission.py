@@ -20,6 +20,10 @@ than the request's own service time on an idle executor, or already passed, can 
   response response_margin_s or the event loop's measured delay in answering, whichever is larger
   calibration  the worst ratio of actual to predicted latency seen, its excess decaying over
            calibration_decay_s (>= 1): what the model misses, it learns from its own errors
+  idle     the bucket's own measured time on an idle host (batches slowed by another process on
+           the cores count at the time they would have taken: ServiceTimeModel): only on it is a
+           deadline called impossible; on idle lanes (nothing queued or in flight) a request that
+           would fit at it is tried, whatever the queueing terms and the calibration say
 
 A request refused for its deadline (or a full lane) is told to retry when it would fit (at least
 one run of its own later), and after the requests refused before it: retry appointments one share
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .cost import RequestCost
+from .host import CpuShare
 from .service_time import ServiceTimeModel
 from .verdict import (PRIORITIES, DeadlineExpired, DeadlineUnmeetable, Outlook, Overloaded, Priority, RefusalReason,
                       RetryBook, RetryHints, decide)
@@ -134,7 +139,7 @@ class AdmissionConfig:
                                 quantile=self.service_quantile, ttl_s=self.service_ttl_s,
                                 outlier_factor=self.outlier_factor, utilisation_window_s=self.utilisation_window_s,
                                 num_lanes=num_lanes, calibration_decay_s=self.calibration_decay_s,
-                                max_calibration=self.max_calibration)
+                                max_calibration=self.max_calibration, host=CpuShare())
 
 
 # ---- tickets ----------------------------------------------------------------------------------------
@@ -161,6 +166,7 @@ class Ticket:
     predicted_s: float = 0.0  # admission's latency prediction before calibration
     measured: bool = False  # its bucket's time came from measurements, not the assumed default: only
     # then does its actual latency against the prediction teach the calibration anything
+    idle_s: float | None = None  # its bucket's own measured idle time (None: none of its own)
 
     def is_expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -248,6 +254,8 @@ class AdmissionController:
         ticket.predicted_s = verdict.predicted_s  # also calibrates, deadline or not
         if verdict.reason is not None:
             self._refused[verdict.reason] += 1
+            if verdict.reason in ("impossible", "deadline") and outlook.is_measured:
+                self.model.note_refusal(now)  # the next batch checks the estimates against the host
             raise self._retries.refusal(verdict, outlook, self._hints)
         if ticket.deadline is not None:
             ticket.slack_s = ticket.deadline - verdict.finish
@@ -267,6 +275,7 @@ class AdmissionController:
         tag) and returns the engine's outlook for it; nothing is queued."""
         ticket.own_s = self._bucket_s(ticket, 1, now)
         ticket.measured = ticket.cost is not None and self.model.is_measured(ticket.cost.packings[0][1], now)
+        ticket.idle_s = None if ticket.cost is None else self.model.idle_s(ticket.cost.solo, now)
         ticket.work_s = self._share_s(ticket, now)
         index, tag = self._place(self._lanes[ticket.priority], ticket)
         return index, tag, self.outlook(ticket, index, now)
@@ -285,7 +294,8 @@ class AdmissionController:
             stretch=self._stretch(p, now), calibration=model.calibration_at(now), safety_margin=cfg.safety_margin,
             response_margin_s=cfg.response_margin_s, response_s=self.response_margin_s(), is_draining=self.is_draining,
             client=ticket.client, client_work_s=self._client_work.get(ticket.client, 0.0),
-            max_client_work_s=cfg.max_client_work_s)
+            max_client_work_s=cfg.max_client_work_s, bucket="" if ticket.cost is None else ticket.cost.solo.key,
+            idle_s=ticket.idle_s, is_idle=not model.num_inflight and not any(self._lanes.values()))
 
     def _place(self, lane: _Lane, ticket: Ticket) -> tuple[int, float]:
         """Start-time fair queuing: the index and tag of a new ticket in its lane. It does not go

@@ -314,7 +314,8 @@ class Scheduler:
         self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
         self.costs = CostTable(artifact, self.config.max_batch_requests)
-        self.on_precheck: Callable[[Request, float, float], None] | None = None  # (request, own_s, share_s)
+        # (request, own_s, share_s, idle_s)
+        self.on_precheck: Callable[[Request, float, float, float | None], None] | None = None
         self._label_columns = artifact.label_columns
         self._buckets = buckets_by_kind(artifact)
         self._wake = asyncio.Event()  # something changed: an arrival, a drop, a batch done
@@ -400,7 +401,7 @@ class Scheduler:
             self.admission.admit(ticket, dry_run=True)
         finally:
             if self.on_precheck is not None:  # the fronts learn this shape's price, refused or not
-                self.on_precheck(request, ticket.own_s, ticket.work_s)
+                self.on_precheck(request, ticket.own_s, ticket.work_s, ticket.idle_s)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Refuses new work ("draining") and finishes every queued and in-flight request.

@@ -17,6 +17,21 @@ parallelism        Σ batch run times / wall time the executor was busy (the uni
 utilisation(k)     busy time / wall time over the trailing window, counting only the share of
                    each batch that belongs to priority levels 1..k (a batch's time is split
                    between its requests) — metrics, and how much higher lanes delay a lower one.
+starved            a batch run while this process got less than `starved_share` of the CPU it
+                   wanted (host.CpuShare: another process on the cores) took longer than the
+                   executor would on an idle host, by about 1 / share. Its sample counts as its
+                   time x share (what it would have taken idle) once a batch runs unstarved again:
+                   a host that was starved is not taken as slow for ever; while the host is still
+                   starved, it counts as it ran.
+idle_s(bucket)     the bucket's own idle service time: the same quantile of its own fresh samples,
+                   starved ones at time x share; None when it has no fresh sample of its own (an
+                   interpolation is no measurement of it: admission never calls a deadline
+                   impossible on one).
+refusals           admission notes when it refuses on a prediction (note_refusal). A batch that
+                   then runs alone and unstarved in under half its bucket's estimate shows the
+                   estimates were learnt on a slower host: every bucket's samples are scaled by
+                   that ratio (the prediction that refused is checked against what the host does
+                   now, never left to lock the server out).
 lag_s              the event loop's delay between a batch's results and its handlers resuming
                    (the same quantile of the last 64): a busy loop makes every answer later.
 calibration        the worst actual / predicted latency seen, its excess decaying over
@@ -28,6 +43,7 @@ Time comes from the caller (seconds, one clock); nothing here reads a clock.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -36,12 +52,17 @@ from typing import Any
 from .cost import BucketInfo
 
 NUM_LEVELS = 3  # priority levels 1 (highest) .. 3
+STARVED_SHARE = 0.8  # a batch that got less of the CPU it wanted than this ran starved
+REFUSAL_MEMORY_S = 30.0  # a batch this soon after a refusal on a prediction checks the estimates
+RECHECK_RATIO = 0.5  # ... and rescales them when it ran in less than this share of its estimate
 
 
 @dataclass
 class _Flight:
     handed_over: float
     predicted_s: float
+    host: tuple[float, float] | None = None  # the process's CPU run/wait at hand-over (host.CpuShare)
+    alone: bool = False  # nothing else was in flight when it was handed over
 
 
 @dataclass
@@ -54,11 +75,19 @@ class _BusySpan:
 class ServiceTimeModel:
     def __init__(self, *, default_s: float = 0.010, window: int = 32, quantile: float = 0.9,
                  ttl_s: float = 60.0, outlier_factor: float = 4.0, utilisation_window_s: float = 2.0,
-                 num_lanes: int = 1, calibration_decay_s: float = 10.0, max_calibration: float = 2.0) -> None:
+                 num_lanes: int = 1, calibration_decay_s: float = 10.0, max_calibration: float = 2.0,
+                 host: Any = None) -> None:
         self.default_s, self.window, self.quantile = default_s, window, quantile
         self.ttl_s, self.outlier_factor = ttl_s, outlier_factor
         self.utilisation_window_s, self.num_lanes = utilisation_window_s, num_lanes
         self._samples: dict[str, deque[float]] = {}  # bucket key -> its last `window` times
+        self._shares: dict[str, deque[float]] = {}  # ... and the CPU share each ran at
+        self._idle: dict[str, float] = {}  # bucket key -> the quantile of its samples as run idle
+        self.host = host  # host.CpuShare or None: nothing is ever counted as starved
+        self.host_starved = False  # the latest batch ran starved
+        self.last_share = 1.0
+        self._refused_at = -math.inf
+        self.num_rechecks = 0  # estimates rescaled after a refusal (metrics, tests)
         self._estimate: dict[str, float] = {}  # bucket key -> quantile of its samples
         self._last_seen: dict[str, float] = {}  # bucket key -> when its newest sample came
         self._infos: dict[str, BucketInfo] = {}
@@ -91,6 +120,19 @@ class ServiceTimeModel:
         if not samples or self._last_seen.get(info.key, -math.inf) < now - self.ttl_s:
             return 0.0
         return min(samples)
+
+    def idle_s(self, info: BucketInfo, now: float) -> float | None:
+        """The bucket's own idle service time (module docstring); None: no fresh sample of its own."""
+        if info.key not in self._idle or self._last_seen[info.key] < now - self.ttl_s:
+            return None
+        return self._idle[info.key]
+
+    def num_samples(self, key: str) -> int:
+        return len(self._samples.get(key, ()))
+
+    def note_refusal(self, now: float) -> None:
+        """Admission refused a request on a prediction of this model (its deadline)."""
+        self._refused_at = now
 
     def is_measured(self, info: BucketInfo, now: float) -> bool:
         """Whether bucket_s(info) comes from measurements (its own, or its neighbours' by FLOPs)
@@ -134,33 +176,80 @@ class ServiceTimeModel:
     # -- batches --
 
     def batch_started(self, batch_id: int, info: BucketInfo, now: float) -> None:
-        self._flights[batch_id] = _Flight(now, self.bucket_s(info, now))
+        self._flights[batch_id] = _Flight(now, self.bucket_s(info, now), self._read_host(), not self._flights)
+
+    def _read_host(self) -> tuple[float, float] | None:
+        return None if self.host is None else self.host.read()
 
     def batch_finished(self, batch_id: int, info: BucketInfo | None, run: tuple[float, float] | None,
                        levels: dict[int, int], service_s: float | None = None) -> None:
         """A batch is back. run: the executor's (start, end) in the caller's clock, None if it failed;
         service_s: what the batch cost from hand-over to results (run + packing), default the run."""
-        self._flights.pop(batch_id, None)
+        flight = self._flights.pop(batch_id, None)
         if run is None or info is None:
             return
         start, end = run
-        seconds = (end - start) if service_s is None else service_s
-        self._record(info, max(seconds, 0.0), end)
+        seconds = max((end - start) if service_s is None else service_s, 0.0)
+        share = 1.0
+        if flight is not None and self.host is not None:
+            from .host import share_between
+            share = share_between(flight.host, self._read_host(), getattr(self.host, "recent", 1.0))
+        alone = flight is not None and flight.alone and not self._flights
+        self._recheck(info, seconds, share, alone, end)
+        self._record(info, seconds, end, share)
         self._add_busy(start, end, levels)
 
-    def _record(self, info: BucketInfo, seconds: float, now: float) -> None:
+    def _recheck(self, info: BucketInfo, seconds: float, share: float, alone: bool, now: float) -> None:
+        """After a refusal on a prediction: a batch run alone and unstarved far under its bucket's
+        estimate rescales every bucket's samples by that ratio (module docstring)."""
+        if not alone or share < STARVED_SHARE or now - self._refused_at > REFUSAL_MEMORY_S:
+            return
+        estimate = self._estimate.get(info.key)
+        if estimate is None or self._last_seen[info.key] < now - self.ttl_s:
+            estimate = self._interpolate(info, now)
+        if not estimate or seconds >= RECHECK_RATIO * estimate:
+            return
+        ratio = seconds / estimate
+        for key, samples in self._samples.items():
+            scaled = deque((x * ratio for x in samples), maxlen=self.window)
+            self._samples[key] = scaled
+            self._update(key)
+        self._interpolated.clear()
+        self._refused_at = -math.inf  # checked: the estimates are this host's now
+        self.num_rechecks += 1
+
+    def _record(self, info: BucketInfo, seconds: float, now: float, share: float = 1.0) -> None:
         key = info.key
         samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        shares = self._shares.setdefault(key, deque(maxlen=self.window))
         reference = self._estimate.get(key) if len(samples) >= 3 else self._interpolate(info, now, True, False)
         if reference is not None and seconds > self.outlier_factor * reference:
             seconds = self.outlier_factor * reference
         self._infos[key] = info
         samples.append(seconds)
-        self._estimate[key] = _quantile(sorted(samples), self.quantile)
+        shares.append(share)
+        self.last_share = share
+        starved = share < STARVED_SHARE
+        if starved != self.host_starved:  # the host changed: every estimate counts starved samples anew
+            self.host_starved = starved
+            for k in self._samples:
+                if k != key:
+                    self._update(k)
+        self._update(key)
         self._last_seen[key] = now
         self._interpolated.clear()
         self.num_batches += 1
         self.last_run_s = seconds
+
+    def _update(self, key: str) -> None:
+        """A bucket's estimate and idle time from its samples: a starved sample at time x share
+        (idle), and likewise in the estimate unless the host is starved now."""
+        samples, shares = self._samples[key], self._shares.get(key, ())
+        idle = sorted(x * s if s < STARVED_SHARE else x for x, s in itertools.zip_longest(samples, shares,
+                                                                                          fillvalue=1.0))
+        self._idle[key] = _quantile(idle, self.quantile)
+        self._estimate[key] = (_quantile(sorted(samples), self.quantile) if self.host_starved
+                               else self._idle[key])
 
     def _add_busy(self, start: float, end: float, levels: dict[int, int]) -> None:
         self._runs.append((end, end - start))
@@ -276,6 +365,8 @@ class ServiceTimeModel:
             "calibration": self.calibration_at(now),
             "rho": self.utilisation(None, now),
             "batches_observed": self.num_batches,
+            "cpu_share": self.last_share,  # of the CPU this process wanted, in the latest batch
+            "rechecks": self.num_rechecks,
         }
 
 

@@ -11,7 +11,8 @@ The checks, in order (the first that fails is the verdict):
 
   draining      the server is draining                          UNAVAILABLE, the unavailable hint
   impossible    the deadline has passed, or is shorter than      DEADLINE_EXCEEDED, no retry
-                own · (1 + safety_margin) + response_margin (once a batch was measured)
+                idle · (1 + safety_margin) + response_margin, idle: its bucket's own measured
+                service time on an idle host (never an interpolation from other buckets)
   queue_full    the lane holds max_queue requests, or more than   UNAVAILABLE, an appointment
                 max_lane_work_s of work with this one
   client_limit  the client has more than max_client_work_s        UNAVAILABLE, when its work is done
@@ -21,6 +22,12 @@ The checks, in order (the first that fails is the verdict):
   deadline      predicted completion after the deadline:          UNAVAILABLE, an appointment
                   wait   = (inflight + higher lanes + ahead in its lane) / parallelism · stretch
                   latency = ((wait + own) · (1 + safety_margin) + response) · calibration + ingress
+                except on idle lanes (nothing queued, nothing in flight): then a request is tried
+                when it would fit there, alone and uncalibrated, at its idle time (own when its
+                bucket has none of its own: running it is the only way to learn it). A model
+                that learnt from a slow host, or calibrated itself high, cannot refuse for ever.
+
+Every refusal on a prediction names the request's bucket and its estimate.
 
 This module imports no torch (the front processes use it) and holds no state but the retry book.
 """
@@ -103,6 +110,9 @@ class Outlook:
     max_client_work_s: float = 0.0  # 0: no cap
     ingress_s: float = 0.0  # a front's request still waits this long to reach the engine's handler
     max_backlog_s: float = math.inf  # ... past which the fronts refuse ("backlog")
+    bucket: str = ""  # the key of the bucket it runs in alone (named in refusals)
+    idle_s: float | None = None  # its bucket's own measured idle time; None: none of its own
+    is_idle: bool = False  # nothing queued and nothing in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +140,12 @@ def decide(o: Outlook) -> Verdict:
         left_s = o.deadline - o.now
         if left_s <= 0:
             return verdict("impossible", 0.0, f"the deadline passed {-left_s:.4f} s before the request was admitted")
-        need_s = o.own_s * (1 + o.safety_margin) + o.response_margin_s
-        if o.is_measured and left_s < need_s:
-            return verdict("impossible", 0.0, f"the deadline in {left_s:.4f} s is shorter than this request's own "
-                           f"service time ({need_s:.4f} s on an idle server); no retry can meet it")
+        if o.is_measured and o.idle_s is not None:
+            need_s = o.idle_s * (1 + o.safety_margin) + o.response_margin_s
+            if left_s < need_s:
+                return verdict("impossible", 0.0, f"the deadline in {left_s:.4f} s is shorter than this request's "
+                               f"own service time ({need_s:.4f} s on an idle server: bucket {o.bucket or '?'} "
+                               f"measured {o.idle_s:.4f} s); no retry can meet it")
     lane = o.priority.name
     if o.lane_length >= o.lane_max_queue:
         return verdict("queue_full", o.lane_work_s / o.lane_length / par, f"{lane} lane holds {o.lane_length} requests")
@@ -148,11 +160,20 @@ def decide(o: Outlook) -> Verdict:
     if o.ingress_s > o.max_backlog_s:
         return verdict("backlog", o.ingress_s, f"the engine is {o.ingress_s * 1e3:.1f} ms behind with the requests "
                        f"forwarded to it (at most {o.max_backlog_s * 1e3:g} ms)")
-    if o.deadline is not None and finish > o.deadline:  # back when it would fit, and one run of its own later
+    if o.deadline is not None and finish > o.deadline and not (o.is_idle and _fits_idle(o)):
+        # back when it would fit, and one run of its own later
         return verdict("deadline", max(finish - o.deadline, o.own_s),
                        f"predicted completion in {finish - o.now:.4f} s misses the deadline in "
-                       f"{o.deadline - o.now:.4f} s")
+                       f"{o.deadline - o.now:.4f} s (bucket {o.bucket or '?'}: {o.own_s:.4f} s alone, "
+                       f"{wait_s:.4f} s of work ahead, calibration {o.calibration:.2f})")
     return Verdict(None, 0.0, "", predicted_s, finish)
+
+
+def _fits_idle(o: Outlook) -> bool:
+    """Whether the request would finish in time on idle lanes: alone, at its bucket's idle time
+    (or its estimate, with none of its own), uncalibrated."""
+    own_s = o.own_s if o.idle_s is None else min(o.idle_s, o.own_s)
+    return o.now + own_s * (1 + o.safety_margin) + o.response_s + o.ingress_s <= (o.deadline or math.inf)
 
 
 @dataclass(frozen=True)

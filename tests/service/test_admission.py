@@ -437,8 +437,11 @@ def test_predictions_learn_from_their_own_errors():
     assert ctl.predict_latency_s(t) == pytest.approx(0.1)
     ctl.model.observe_prediction(0.1, 0.15, clock.t)  # a request took half again what was predicted
     assert ctl.model.calibration_at(clock.t) == pytest.approx(1.5) and ctl.predict_latency_s(t) == pytest.approx(0.15)
+    ahead = admit(ctl, "ahead")  # lanes not idle: the calibrated prediction decides
     with pytest.raises(Overloaded):
-        admit(ctl, "tight", deadline=clock.t + 0.12)
+        admit(ctl, "tight", deadline=clock.t + 0.22)
+    ctl.take([ahead])
+    ctl.finished([ahead])
     ctl.model.observe_prediction(0.1, 0.05, clock.t)  # a fast one does not undo it
     ctl.model.observe_prediction(0.1, 1.0, clock.t)
     assert ctl.model.calibration_at(clock.t) == 3.0  # at most max_calibration

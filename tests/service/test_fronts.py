@@ -57,7 +57,7 @@ def test_snapshot_round_trip(shared, tmp_path):
                     **LIMIT_FIELDS, max_token_bytes=7,
                     lanes=(LaneView(0.5, 3, 128, 1.0, 0.0, 4.0, ((4.5, 0.1), (5.0, 0.5)), {7: 9.5, -3: 4.25}),
                            LaneView(), LaneView(work_s=1.5, length=9)),
-                    shapes={hash((0, 3, (1, 2))): (0.01, 0.004), -5: (0.2, 0.2)})
+                    shapes={hash((0, 3, (1, 2))): (0.01, 0.004, 0.008), -5: (0.2, 0.2, 0.0)})
     shared.write(snap)
     other = SharedState(shared.path)  # another process's view: the same file
     try:
@@ -158,7 +158,7 @@ def _engine_says(ctl, publisher, kind: str, priority: int, deadline: float | Non
         refusal = None
     except (Overloaded, DeadlineUnmeetable) as e:
         refusal = e
-    publisher.note_shape(_engine_request(kind), t.own_s, t.work_s)  # as Scheduler.precheck reports it
+    publisher.note_shape(_engine_request(kind), t.own_s, t.work_s, t.idle_s)  # as Scheduler.precheck reports it
     publisher.publish()
     return refusal
 
@@ -201,7 +201,7 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
 # what a front can know of a request's outlook, exactly, when the snapshot holds the whole state
 KNOWN = ("now", "deadline", "priority", "own_s", "work_s", "is_measured", "lane_length", "lane_max_queue",
          "lane_work_s", "max_lane_work_s", "higher_work_s", "inflight_s", "parallelism", "stretch", "calibration",
-         "safety_margin", "response_margin_s", "response_s", "ingress_s")
+         "safety_margin", "response_margin_s", "response_s", "ingress_s", "idle_s", "is_idle")
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -224,7 +224,7 @@ def test_the_front_and_the_engine_reach_the_same_verdict_from_the_same_state(see
         t = Ticket("p", "score" if kind == "score" else "beam.n3", Priority(priority), deadline, client=client,
                    cost=SCORE_COST if kind == "score" else BEAM_COST)
         _, _, engine = ctl.price(t, clock.t)
-        publisher.note_shape(_engine_request(kind), t.own_s, t.work_s)
+        publisher.note_shape(_engine_request(kind), t.own_s, t.work_s, t.idle_s)
         publisher.publish()
         msg = SCORE_MSG if kind == "score" else BEAM_MSG
         front = snapshot_outlook(shared.read(), Priority(priority), message_dims(kind, msg, LIMITS, 4), deadline,

@@ -26,7 +26,7 @@ from .state import STATE_DRAINING, STATE_SERVING, Snapshot, SnapshotBusy, client
 def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: float | None, client: str,
                      now: float) -> Outlook:
     """A front's view of one request's lane (module docstring)."""
-    own_s, share_s = snap.shapes.get(shape_key(dims), (0.0, 0.0))
+    own_s, share_s, idle_s = snap.shapes.get(shape_key(dims), (0.0, 0.0, 0.0))
     lane = snap.lanes[priority - 1]
     tag = max(lane.vtime, lane.clients.get(client_key(client), 0.0))
     ahead_s = 0.0
@@ -43,7 +43,8 @@ def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: 
         parallelism=snap.parallelism, stretch=lane.stretch, calibration=snap.calibration,
         safety_margin=snap.safety_margin, response_margin_s=snap.response_margin_s, response_s=snap.response_s,
         client=client, ingress_s=ingress_delay_s(snap.ingress_s, snap.ingress_at, now),
-        max_backlog_s=snap.max_backlog_s)
+        max_backlog_s=snap.max_backlog_s, idle_s=idle_s if idle_s > 0 else None,
+        is_idle=not snap.inflight_batches and not any(lane.length for lane in snap.lanes))
 
 
 def hints_of(snap: Snapshot) -> RetryHints:

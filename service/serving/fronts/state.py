@@ -147,7 +147,8 @@ class Snapshot:
     max_prompt_tokens: int = 0
     max_token_bytes: int = 1
     lanes: tuple[LaneView, ...] = ()
-    shapes: dict[int, tuple[float, float]] = field(default_factory=dict)  # shape key -> (own_s, share_s)
+    # shape key -> (own_s, share_s, idle_s): idle_s its bucket's own measured idle time, 0.0: none
+    shapes: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
 
 _CODES = {float: "d", int: "q", bool: "?"}
@@ -159,7 +160,7 @@ _LANE = Layout(("work_s", "d"), ("length", "q"), ("max_queue", "q"), ("stretch",
                ("point_work", "d", NUM_POINTS), ("client_keys", "q", NUM_CLIENTS),
                ("client_finish", "d", NUM_CLIENTS))
 _SHAPES = Layout(("num_shapes", "q"), ("keys", "q", NUM_SHAPES), ("own_s", "d", NUM_SHAPES),
-                 ("share_s", "d", NUM_SHAPES))
+                 ("share_s", "d", NUM_SHAPES), ("idle_s", "d", NUM_SHAPES))
 # a front's slot: written by its front only (counters), read by the engine
 SLOT_FIELDS = ("pid", "ready", "forwarded", "refused_deadline", "refused_queue_full", "refused_unavailable",
                "refused_impossible", "refused_backlog")
@@ -236,7 +237,7 @@ class SharedState:
         shapes = list(snap.shapes.items())[-NUM_SHAPES:]
         _SHAPES.pack_into(body, _SHAPES_AT - _BODY_AT, {
             "num_shapes": len(shapes), "keys": [k for k, _ in shapes], "own_s": [v[0] for _, v in shapes],
-            "share_s": [v[1] for _, v in shapes]})
+            "share_s": [v[1] for _, v in shapes], "idle_s": [v[2] for _, v in shapes]})
         self._seq += 1  # odd: being written
         _SEQ.pack_into(self.mm, 0, self._seq)
         self.mm[_BODY_AT:_BODY_END] = body
@@ -300,7 +301,8 @@ def _parse(body: bytes) -> Snapshot:
                        for i in range(NUM_LANES))
     sh = _SHAPES.unpack_from(body, _SHAPES_AT - _BODY_AT)
     n = sh["num_shapes"]
-    snap.shapes = {k: (own, share) for k, own, share in zip(sh["keys"][:n], sh["own_s"][:n], sh["share_s"][:n])}
+    snap.shapes = {k: (own, share, idle) for k, own, share, idle in zip(sh["keys"][:n], sh["own_s"][:n],
+                                                                      sh["share_s"][:n], sh["idle_s"][:n])}
     return snap
 
 

@@ -42,7 +42,7 @@ class FrontPublisher:
         self.admission: Any = None  # the AdmissionController, once the model is loaded
         self.limits: dict[str, int] = {}  # the serving limits, Snapshot's max_* fields
         self.max_token_bytes = 1
-        self.shapes: OrderedDict[int, tuple[float, float]] = OrderedDict()
+        self.shapes: OrderedDict[int, tuple[float, float, float]] = OrderedDict()
         self.ingress_s, self.ingress_at = 0.0, 0.0  # the latest forwarded request's wait to the engine's handler
         self.max_backlog_s = math.inf  # admission's, once attached
         self.closed = False
@@ -77,18 +77,19 @@ class FrontPublisher:
         self.state = state
         self.publish()
 
-    def note_shape(self, request: Any, own_s: float, share_s: float) -> None:
-        """Admission priced a request of this shape (the gate's placeholder request): its own time
-        and its share. Published when new or changed by more than 1%."""
+    def note_shape(self, request: Any, own_s: float, share_s: float, idle_s: float | None = None) -> None:
+        """Admission priced a request of this shape (the gate's placeholder request): its own time,
+        its share and its bucket's own idle time (None: none). Published when new or changed by more than 1%."""
         if own_s <= 0:
             return
         key = shape_key(request_dims(request))
         old = self.shapes.get(key)
-        self.shapes[key] = (own_s, share_s)
+        self.shapes[key] = (own_s, share_s, idle_s or 0.0)
         self.shapes.move_to_end(key)
         while len(self.shapes) > NUM_SHAPES:
             self.shapes.popitem(last=False)
-        if old is None or abs(old[0] - own_s) > 0.01 * own_s or abs(old[1] - share_s) > 0.01 * max(share_s, 1e-9):
+        if (old is None or abs(old[0] - own_s) > 0.01 * own_s or abs(old[1] - share_s) > 0.01 * max(share_s, 1e-9)
+                or abs(old[2] - (idle_s or 0.0)) > 0.01 * own_s):
             self.changed()
 
     def changed(self) -> None:

@@ -9,14 +9,28 @@ class BuildInfo(TypedDict):
     cxx11_abi: bool
 
 # A batch's timings, in the C++ RunTimings' order: submit_ns, start_ns, h2d_end_ns, launch_ns,
-# d2h_end_ns, done_ns (steady-clock ns, time.monotonic_ns), graph, nodes ((name, host_ms, device_ms), ...)
+# d2h_end_ns, done_ns (steady-clock ns, time.monotonic_ns), graph, nodes ((name, host_ms, device_ms), ...), paused_ns
 # (device_ms -1 where not measured). service.runtime.timings.BatchTimings.from_executor makes the
 # record both runtimes return of it.
-TimingsTuple = tuple[int, int, int, int, int, int, bool, tuple[tuple[str, float, float], ...]]
+TimingsTuple = tuple[int, int, int, int, int, int, bool, tuple[tuple[str, float, float], ...], int]
 # (outputs, timings): outputs are host tensors (Score: [scores]; beam: [seqs, scores])
 RunResult = tuple[list[torch.Tensor], TimingsTuple]
 # a traced run: the named buffers' host copies after every node
 Trace = list[tuple[str, dict[str, torch.Tensor]]]
+
+class RunCancelled(RuntimeError):
+    """A run whose RunControl was cancelled stopped before its next node."""
+
+class RunControl:
+    """Shared with one run: cancel() stops it before its next node; heavy: on the CPU it waits
+    between its nodes while a light run (any run not heavy) is in progress."""
+
+    def __init__(self, heavy: bool = False) -> None: ...
+    def cancel(self) -> None: ...
+    @property
+    def cancelled(self) -> bool: ...
+    @property
+    def heavy(self) -> bool: ...
 
 class Executor:
     """Made only by Executor.from_artifact."""
@@ -42,7 +56,7 @@ class Executor:
     def num_lanes(self) -> int: ...
     def run(
         self, kind: str, inputs: dict[str, torch.Tensor], num_requests: int = 0, beam_width: int = 0,
-        new_tokens: int = 1,
+        new_tokens: int = 1, control: RunControl | None = None,
     ) -> RunResult: ...
     def trace(
         self, kind: str, inputs: dict[str, torch.Tensor], buffers: list[str], num_requests: int = 0,
@@ -50,7 +64,7 @@ class Executor:
     ) -> Trace: ...
     def submit(
         self, kind: str, inputs: dict[str, torch.Tensor], callback: Callable[[RunResult | None, str | None], None],
-        num_requests: int = 0, beam_width: int = 0, new_tokens: int = 1,
+        num_requests: int = 0, beam_width: int = 0, new_tokens: int = 1, control: RunControl | None = None,
     ) -> None: ...
     def shutdown(self) -> None: ...
     def pending(self) -> int: ...

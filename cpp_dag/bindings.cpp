@@ -46,7 +46,7 @@ py::dict build_info() {
 // ---- the executor: Python dicts in, C++ structs out -------------------------------------
 
 // A batch's timings as a plain tuple, in RunTimings' field order: (submit_ns, start_ns, h2d_end_ns,
-// launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...)). The one Python type
+// launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...), paused_ns). The one Python type
 // both runtimes return, service.runtime.timings.BatchTimings, is made of it by BatchTimings.from_executor
 // (cpp_dag sits below service and cannot construct it here).
 py::tuple timings_tuple(const slmrank::RunTimings& t) {
@@ -56,7 +56,7 @@ py::tuple timings_tuple(const slmrank::RunTimings& t) {
     nodes[i] = py::make_tuple(n.name, n.host_ms, n.device_ms);
   }
   return py::make_tuple(t.submit_ns, t.start_ns, t.h2d_end_ns, t.launch_ns, t.d2h_end_ns, t.done_ns, t.graph,
-                        std::move(nodes));
+                        std::move(nodes), t.paused_ns);
 }
 
 py::tuple output_to_tuple(const slmrank::RunOutput& out) {
@@ -78,7 +78,8 @@ py::list trace_to_list(const slmrank::RunOutput& out) {
 
 slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
                               int64_t num_requests, int64_t beam_width, int64_t new_tokens,
-                              std::vector<std::string> trace_buffers = {}) {
+                              std::vector<std::string> trace_buffers = {},
+                              std::shared_ptr<slmrank::RunControl> control = nullptr) {
   slmrank::BatchSpec b;
   if (kind == "score") {
     b.kind = slmrank::Kind::kScore;
@@ -92,6 +93,7 @@ slmrank::BatchSpec batch_from(const std::string& kind, std::unordered_map<std::s
   b.beam_width = beam_width;
   b.new_tokens = new_tokens;
   b.trace_buffers = std::move(trace_buffers);
+  b.control = std::move(control);
   return b;
 }
 
@@ -208,6 +210,20 @@ PYBIND11_MODULE(_core, m) {
         "Merge two partial attention results over disjoint keys through their LSEs.\n"
         "out_*: [N, H, E] float dtype; lse_*: [N, H] float32 (-inf = no keys).\n"
         "Returns (out [N, H, E] in out_a's dtype, lse [N, H] float32).");
+  py::register_exception<slmrank::RunCancelled>(m, "RunCancelled", PyExc_RuntimeError);
+  py::class_<slmrank::RunControl, std::shared_ptr<slmrank::RunControl>>(
+      m, "RunControl",
+      "What a caller tells a run of Executor.run / submit while it runs: cancel() stops it before its\n"
+      "next node (RunCancelled); heavy: on the CPU it waits between its nodes while a light run is in progress.")
+      .def(py::init([](bool heavy) {
+             auto c = std::make_shared<slmrank::RunControl>();
+             c->heavy = heavy;
+             return c;
+           }),
+           py::arg("heavy") = false)
+      .def("cancel", &slmrank::RunControl::cancel)
+      .def_property_readonly("cancelled", &slmrank::RunControl::is_cancelled)
+      .def_readonly("heavy", &slmrank::RunControl::heavy);
   // One way to make an executor: from an artifact directory (its manifest, weights, DAGs).
   py::class_<slmrank::Executor, ExecutorPtr>(m, "Executor",
                                  "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
@@ -236,8 +252,10 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
-            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens,
+             std::shared_ptr<slmrank::RunControl> control) {
+            slmrank::BatchSpec batch =
+                batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, {}, std::move(control));
             slmrank::RunOutput out;
             {
               py::gil_scoped_release nogil;
@@ -246,10 +264,11 @@ PYBIND11_MODULE(_core, m) {
             return output_to_tuple(out);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
-          py::arg("new_tokens") = 1,
+          py::arg("new_tokens") = 1, py::arg("control") = nullptr,
           "Blocking run of one batch (GIL released). Returns ([output tensors], timings tuple): submit_ns,\n"
-          "start_ns, h2d_end_ns, launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...)\n"
-          "(service.runtime.timings.BatchTimings.from_executor makes the record of it).")
+          "start_ns, h2d_end_ns, launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...),\n"
+          "paused_ns (service.runtime.timings.BatchTimings.from_executor makes the record of it).\n"
+          "control: a RunControl (cancel between nodes: RunCancelled; heavy: pause for light runs on the CPU).")
       .def(
           "trace",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
@@ -270,8 +289,10 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "submit",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             py::function callback, int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
-            slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
+             py::function callback, int64_t num_requests, int64_t beam_width, int64_t new_tokens,
+             std::shared_ptr<slmrank::RunControl> control) {
+            slmrank::BatchSpec batch =
+                batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, {}, std::move(control));
             PyCallback cb(std::move(callback));
             // no GIL release: a queue push under a mutex the worker holds only to pop (it never takes
             // the GIL while holding it). Releasing would make the event loop wait up to the interpreter's
@@ -279,7 +300,7 @@ PYBIND11_MODULE(_core, m) {
             ex.submit(std::move(batch), cb);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("callback"), py::arg("num_requests") = 0,
-          py::arg("beam_width") = 0, py::arg("new_tokens") = 1,
+          py::arg("beam_width") = 0, py::arg("new_tokens") = 1, py::arg("control") = nullptr,
           "Queue one batch for the worker thread; callback((outputs, timings tuple), None) or\n"
           "callback(None, error) "
           "runs on that thread (use loop.call_soon_threadsafe to reach an asyncio loop).")

@@ -113,9 +113,10 @@ std::vector<const Node*> Executor::plan(const BatchSpec& batch) const {
 
 void Executor::run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
                          std::vector<double>* host_ms, const std::vector<std::string>* trace_buffers,
-                         std::vector<TraceEntry>* trace) const {
+                         std::vector<TraceEntry>* trace, const std::function<void(size_t)>* before) const {
   for (size_t k = 0; k < nodes.size(); ++k) {
     const NodeSpec& spec = nodes[k]->spec();
+    if (before && k > 0) (*before)(k);
     const int64_t start = now_ns();
     try {
       nodes[k]->run(ctx_, env);
@@ -214,8 +215,25 @@ double Executor::prepare(const BatchSpec& example) {
 RunOutput Executor::run(const BatchSpec& batch) {
   const int64_t submit_ns = now_ns();
   Lane& lane = *lanes_.front();
+  if (!device_.is_cuda()) return run_timed(lane, batch, submit_ns);  // a CPU lane holds nothing to guard
   std::lock_guard<std::mutex> lock(lane.busy);
   return run_timed(lane, batch, submit_ns);
+}
+
+void Executor::between_nodes(const BatchSpec& batch, const std::string& next, int64_t& paused_ns) {
+  const RunControl* control = batch.control.get();
+  if (control == nullptr) return;
+  if (control->is_cancelled()) throw RunCancelled("cancelled before node " + next);
+  if (!control->heavy || device_.is_cuda()) return;
+  std::unique_lock<std::mutex> lock(gate_mu_);
+  if (light_running_ == 0) return;
+  const int64_t t0 = now_ns();
+  // cancel() does not know this condition variable: look at the flag every few ms while paused
+  while (!gate_cv_.wait_for(lock, std::chrono::milliseconds(5), [&] { return light_running_ == 0; })) {
+    if (control->is_cancelled()) break;
+  }
+  paused_ns += now_ns() - t0;
+  if (control->is_cancelled()) throw RunCancelled("cancelled before node " + next);
 }
 
 RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns) {
@@ -225,6 +243,7 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   RunTimings& t = out.timings;
   t.submit_ns = submit_ns;
   t.start_ns = now_ns();
+  if (batch.control && batch.control->is_cancelled()) throw RunCancelled("cancelled before it started");
   std::vector<const Node*> nodes = plan(batch);
   if (use_graphs_ && batch.trace_buffers.empty()) {
     CapturedGraph& graph = graph_for(lane, batch, nullptr);
@@ -243,14 +262,33 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   t.h2d_end_ns = now_ns();
   t.launch_ns = t.h2d_end_ns;
   std::vector<double> host_ms;
+  const std::function<void(size_t)> before = [&](size_t k) { between_nodes(batch, nodes[k]->spec().name, t.paused_ns); };
   if (device_.is_cuda()) {  // eager on the GPU: events between nodes give device times
     CudaNodeTimer timer(nodes.size());
     timer.start();
-    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms, &batch.trace_buffers, &out.trace);
+    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms, &batch.trace_buffers, &out.trace, &before);
     std::vector<double> device_ms = timer.elapsed_ms(nodes.size());
     for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], device_ms[k]});
   } else {
-    run_nodes(nodes, env, [](size_t) {}, &host_ms, &batch.trace_buffers, &out.trace);
+    // a light run holds heavy ones between their nodes for as long as it runs
+    const bool light = !(batch.control && batch.control->heavy);
+    if (light) {
+      std::lock_guard<std::mutex> lock(gate_mu_);
+      ++light_running_;
+    }
+    struct LightDone {
+      Executor* ex;
+      bool light;
+      ~LightDone() {
+        if (!light) return;
+        {
+          std::lock_guard<std::mutex> lock(ex->gate_mu_);
+          --ex->light_running_;
+        }
+        ex->gate_cv_.notify_all();
+      }
+    } light_done{this, light};
+    run_nodes(nodes, env, [](size_t) {}, &host_ms, &batch.trace_buffers, &out.trace, &before);
     for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], -1});
   }
   for (const auto& name : output_names(batch.kind)) out.outputs.push_back(env.at(name).to(at::kCPU));

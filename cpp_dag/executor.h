@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -32,6 +34,7 @@ struct RunTimings {
   int64_t submit_ns = 0, start_ns = 0, h2d_end_ns = 0, launch_ns = 0, d2h_end_ns = 0, done_ns = 0;
   bool graph = false;  // replayed from a captured CUDA graph
   std::vector<NodeTiming> nodes;
+  int64_t paused_ns = 0;  // inside start..done, a heavy run waiting for light ones (not running)
 };
 
 // Host copies of named buffers after one node (step-by-step checks against the Python runtime).
@@ -48,11 +51,29 @@ struct RunOutput {
 
 enum class Kind { kScore, kBeam };
 
+// What a caller tells a run while it runs (shared with the run; set from any thread).
+// cancelled: the run stops before its next node (or before it starts) with RunCancelled, its
+// outputs never made. heavy: run eagerly on the CPU, it waits between its nodes while a light
+// run (any run not heavy) is in progress: two runs at once share the cores, and this way the
+// light one overlaps at most the one heavy node already running.
+struct RunControl {
+  std::atomic<bool> cancelled{false};
+  bool heavy = false;
+  void cancel() { cancelled.store(true, std::memory_order_relaxed); }
+  bool is_cancelled() const { return cancelled.load(std::memory_order_relaxed); }
+};
+
+// Thrown by a run whose RunControl was cancelled.
+struct RunCancelled : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct BatchSpec {
   Kind kind = Kind::kScore;
   Env inputs;  // host tensors named as service/runtime/batch.py packs them
   int64_t num_requests = 0, beam_width = 0, new_tokens = 1;  // beam only
   std::vector<std::string> trace_buffers;  // copy these to the host after every node (forces eager)
+  std::shared_ptr<RunControl> control;  // may be null: never cancelled, light
 };
 
 class Executor {
@@ -74,7 +95,9 @@ class Executor {
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  // Blocking: runs on the calling thread, in lane 0 (waits while that lane is busy).
+  // Blocking: runs on the calling thread, in lane 0 (waits while that lane is busy). On the CPU
+  // (no graphs, no streams: nothing of a lane's to guard) concurrent calls run at once, each on
+  // its caller's thread and that thread's intra-op threads (their CPU priority is the caller's).
   RunOutput run(const BatchSpec& batch);
   // Asynchronous: queued to the worker thread; callback(output, "") or callback(nullptr, error).
   // Throws std::runtime_error after shutdown().
@@ -112,10 +135,14 @@ class Executor {
   RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);
   Env device_env(const BatchSpec& batch) const;              // the inputs, on the device
   std::vector<const Node*> plan(const BatchSpec& batch) const;
-  // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given.
+  // Runs nodes in order; mark(k) after node k; appends host times when host_ms is given; before(k)
+  // ahead of node k > 0 when given (in no node's time).
   void run_nodes(const std::vector<const Node*>& nodes, Env& env, const std::function<void(size_t)>& mark,
                  std::vector<double>* host_ms, const std::vector<std::string>* trace_buffers = nullptr,
-                 std::vector<TraceEntry>* trace = nullptr) const;
+                 std::vector<TraceEntry>* trace = nullptr, const std::function<void(size_t)>* before = nullptr) const;
+  // Between two nodes of an eager run: RunCancelled if its control says so; a heavy run on the CPU
+  // waits while a light one runs (the wait added to paused_ns).
+  void between_nodes(const BatchSpec& batch, const std::string& next, int64_t& paused_ns);
   CapturedGraph& graph_for(Lane& lane, const BatchSpec& batch, double* capture_ms);  // lane.busy held
   void worker_loop(Lane& lane);
 
@@ -131,6 +158,11 @@ class Executor {
   std::deque<Job> queue_;
   bool stopping_ = false;
   bool joined_ = false;
+
+  // light runs in progress on the CPU, which heavy ones pause for between nodes
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  int light_running_ = 0;
 };
 
 int64_t now_ns();

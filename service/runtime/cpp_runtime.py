@@ -51,6 +51,7 @@ class CppRuntime:
         if kernels == "triton" and self.device.type != "cuda":
             raise ValueError("kernels='triton': the C++ runtime launches the Triton kernels on CUDA only")
         self.kernels = kernels
+        self._core = core
         self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
                                                      verify=False, num_lanes=num_lanes)
         if kernels == "triton":
@@ -77,6 +78,21 @@ class CppRuntime:
         self.last_timings = BatchTimings.from_executor(raw)
         return seqs, scores
 
+    def control(self, heavy: bool = False) -> Any:
+        """A RunControl for one run (run_batch, submit): cancel() stops it before its next node (or
+        before it starts); heavy: on the CPU it waits between its nodes while a light run is in progress."""
+        return self._core.RunControl(heavy)
+
+    def run_batch(self, batch: ScoreBatch | BeamBatch, control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
+        """Blocking run on the calling thread: (outputs, BatchTimings). On the CPU, runs from several
+        threads go at once, each on its thread's intra-op threads (and CPU priority). A cancelled
+        control raises the executor's RunCancelled."""
+        if isinstance(batch, ScoreBatch):
+            outputs, raw = self._executor.run("score", batch.inputs, control=control)
+        else:
+            outputs, raw = self._executor.run("beam", batch.inputs, **self._beam_dims(batch), control=control)
+        return list(outputs), BatchTimings.from_executor(raw)
+
     def trace(self, batch: ScoreBatch | BeamBatch, buffers: list[str]) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """Runs one batch node by node, returning host copies of `buffers` after every node."""
         if isinstance(batch, ScoreBatch):
@@ -85,9 +101,10 @@ class CppRuntime:
             trace = self._executor.trace("beam", batch.inputs, buffers, **self._beam_dims(batch))
         return [(node, dict(bufs)) for node, bufs in trace]
 
-    def submit(self, batch: ScoreBatch | BeamBatch) -> "asyncio.Future[tuple[list[torch.Tensor], BatchTimings]]":
+    def submit(self, batch: ScoreBatch | BeamBatch,
+               control: Any = None) -> "asyncio.Future[tuple[list[torch.Tensor], BatchTimings]]":
         """Queues the batch on the executor's worker; the future resolves on the running loop to
-        (outputs, BatchTimings)."""
+        (outputs, BatchTimings). control: a RunControl (control()), to cancel it."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -101,9 +118,9 @@ class CppRuntime:
             loop.call_soon_threadsafe(_resolve, fut, result, error)
 
         if isinstance(batch, ScoreBatch):
-            self._executor.submit("score", batch.inputs, done)
+            self._executor.submit("score", batch.inputs, done, control=control)
         else:
-            self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch))
+            self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch), control=control)
         return fut
 
     @property

@@ -45,10 +45,10 @@ class BatchTimings:
     @classmethod
     def from_executor(cls, raw: tuple[Any, ...]) -> BatchTimings:
         """The C++ executor's timings tuple (submit_ns, start_ns, h2d_end_ns, launch_ns, d2h_end_ns,
-        done_ns, graph, [(name, host_ms, device_ms)]) as the record: the only conversion."""
-        submit, start, h2d_end, launch, d2h_end, done, graph, nodes = raw
+        done_ns, graph, [(name, host_ms, device_ms)], paused_ns) as the record: the only conversion."""
+        submit, start, h2d_end, launch, d2h_end, done, graph, nodes, paused = raw
         return cls(submit, start, h2d_end, launch, d2h_end, done, graph,
-                   tuple([_tuple_new(NodeTiming, n) for n in nodes]))
+                   tuple([_tuple_new(NodeTiming, n) for n in nodes]), paused)
 
     @classmethod
     def host(cls, submit_ns: int, start_ns: int, done_ns: int, nodes: tuple[NodeTiming, ...] = (),

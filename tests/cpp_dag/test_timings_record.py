@@ -66,11 +66,12 @@ def test_both_runtimes_return_one_record_with_the_same_nodes(qwen2_small, helper
 
 
 def test_from_executor_is_the_record_of_the_tuple() -> None:
-    raw = (1, 2, 3, 4, 5, 6, True, (("masks", 0.5, 0.25), ("layer.0", 1.0, 0.75)))
+    raw = (1, 2, 3, 4, 5, 9, True, (("masks", 0.5, 0.25), ("layer.0", 1.0, 0.75)), 3)
     t = BatchTimings.from_executor(raw)
-    assert t == BatchTimings(1, 2, 3, 4, 5, 6, True, (NodeTiming("masks", 0.5, 0.25), NodeTiming("layer.0", 1.0, 0.75)))
+    assert t == BatchTimings(1, 2, 3, 4, 5, 9, True, (NodeTiming("masks", 0.5, 0.25), NodeTiming("layer.0", 1.0, 0.75)),
+                             3)
     assert all(type(n) is NodeTiming for n in t.nodes) and t.nodes[1].device_ms == 0.75
-    assert (t.queue_ns, t.run_ns, t.paused_ns) == (1, 4, 0)
+    assert (t.queue_ns, t.run_ns, t.paused_ns) == (1, 4, 3)
 
 
 def test_node_timer_leaves_pauses_out_of_the_nodes() -> None:

@@ -265,6 +265,26 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_trace)
 
 
+def _cmd_traffic(args: argparse.Namespace) -> int:
+    from .loadgen.traffic import main as traffic_main  # numpy; torch only for the padding
+
+    return traffic_main(args)
+
+
+def _add_traffic_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("traffic", help="the request distribution of a server's JSON access log: shapes, arrivals "
+                                       "over time, in flight, the padding of bucket tables")
+    t.add_argument("log", help="the server's log (serve --access-log --log-format json): one JSON object a line")
+    t.add_argument("--png", metavar="OUT.png", help="write arrivals per second over time as a PNG chart")
+    t.add_argument("--json", metavar="OUT.json", help="write the whole report (per-second counts, every malformed "
+                                                      "line) as JSON")
+    t.add_argument("--bucket-table", nargs="+", action="extend", metavar="ARTIFACT_DIR_OR_MODEL",
+                   help="the padding of these tables: a built artifact's own, or the default table of a model "
+                        "(embedded:NAME, a checkpoint directory); default: the default table of the limits in the "
+                        "log's 'model loaded' record")
+    t.set_defaults(func=_cmd_traffic)
+
+
 def _version() -> str:
     """The installed package's version, from its metadata (not the artifact format's: reading it
     imports torch, seconds for a flag that should answer at once)."""
@@ -307,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     from .loadgen.command import add_bench_parser  # its flags only: grpc loads when `slmrank bench` runs
 
     add_bench_parser(sub)
+    _add_traffic_parser(sub)
 
     args = p.parse_args(argv)
     from .runtime.requests import BindError

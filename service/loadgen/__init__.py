@@ -6,4 +6,5 @@ service.serving, whose generated stubs and client it uses, and below service.cli
   loop.py         closed loop at levels, open loop at Poisson rates; the capacity at the SLO
   server_view.py  the server's /metrics over a measured window
   report.py       the table, bench.json, bench.csv, the PNG charts (png.py draws them)
+  traffic.py      `slmrank traffic LOG`: the request distribution of a server's JSON access log
 """

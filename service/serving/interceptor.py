@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -22,6 +23,49 @@ from ..observe.tracing import RequestTracer
 
 # the access log's `kind` of a method (`slmrank traffic` groups by it)
 KINDS = {"Score": "score", "BeamSearch": "beam"}
+
+
+log = logging.getLogger("slmrank.server")
+
+# A client's deadline reaches the server as a timeout in the request's headers, so the server's
+# copy of it ends a little after the client's own: a cancel this close to the server's deadline is
+# the client's deadline passing (that client saw DEADLINE_EXCEEDED), not a client that gave up.
+DEADLINE_SLACK_S = 0.25
+
+
+def request_id() -> str:
+    """An id for the log record of an unexpected failure, also given to its client (in INTERNAL's
+    message), so that one finds the other."""
+    return uuid.uuid4().hex[:16]
+
+
+def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+def ended_status(context: grpc.aio.ServicerContext) -> str:
+    """The status the client saw of an RPC that gRPC ended under its handler (a CancelledError):
+    DEADLINE_EXCEEDED when its deadline has (all but) passed, else CANCELLED (the client cancelled)."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
+
+
+async def end_rpc(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                  trailers: tuple[tuple[str, str], ...] = ()) -> NoReturn:
+    """context.abort(code, ...), unless gRPC has ended the RPC already (its deadline passed), or
+    ends it while the status is being sent (the deadline, or the client's cancel, racing the abort:
+    gRPC's core refuses the send with an ExecuteBatchError, which gRPC would log as a traceback):
+    then the handler ends as a cancelled one does, quietly. Raises AbortError or CancelledError."""
+    if deadline_passed(context):
+        raise asyncio.CancelledError
+    try:
+        await context.abort(code, message, trailing_metadata=trailers)
+    except grpc.aio.AbortError:
+        raise
+    except grpc.aio.BaseError:  # ExecuteBatchError (the call is over), UsageError (its status went out already)
+        raise asyncio.CancelledError from None
+    raise AssertionError("context.abort returned")  # (it always raises)
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
@@ -70,16 +114,19 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 trace.attrs["peer"] = context.peer()
             try:
                 return await behavior(request, context)
-            except asyncio.CancelledError:
-                self._finish(trace, "CANCELLED")
+            except asyncio.CancelledError:  # gRPC ended it (the deadline, the client's cancel), or end_rpc did
+                self._finish(trace, ended_status(context))
                 raise
             except grpc.aio.AbortError:
                 code = context.code()
-                self._finish(trace, code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN")
+                self._finish(trace, code.name if isinstance(code, grpc.StatusCode) else "INTERNAL")
                 raise
-            except BaseException:
-                self._finish(trace, "UNKNOWN")
-                raise
+            except Exception as e:  # noqa: BLE001 -- what the inner interceptor did not map: INTERNAL, never UNKNOWN
+                rid = request_id()
+                log.error("%s failed (request %s)", kind, rid, exc_info=e, extra={"request_id": rid, "method": kind})
+                self._finish(trace, "INTERNAL")
+                await end_rpc(context, grpc.StatusCode.INTERNAL,
+                              f"internal error ({type(e).__name__}); see the server log (request {rid})")
 
         def send(response: Any) -> bytes:
             start = time.monotonic_ns()

@@ -50,7 +50,7 @@ from ..runtime.requests import BindError, ExecutionError, RequestError
 from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..observe.records import current_trace
 from ..observe.tracing import RequestTracer, TracingConfig
-from .interceptor import TracingInterceptor
+from .interceptor import TracingInterceptor, deadline_passed, end_rpc, ended_status, request_id
 from .model_info import model_info
 from .reflection import enable_reflection
 from .tls import check_tls_settings, server_credentials
@@ -179,14 +179,27 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 response = await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError:  # gRPC ended the RPC: its deadline passed, or the client cancelled
+                self.counts[method, ended_status(context)] += 1
+                raise
             except Exception as e:  # noqa: BLE001 -- the one place where errors become status codes
                 code, message, trailers = status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", method)
-                self.counts[method, code.name] += 1
-                await context.abort(code, message, trailing_metadata=trailers)
+                if code == grpc.StatusCode.INTERNAL:  # logged once, with an id its client is given too
+                    rid = request_id()
+                    log.error("%s failed (request %s)", method, rid, exc_info=e,
+                              extra={"request_id": rid, "method": method})
+                    message = f"{message} (request {rid})"
+                # the status its client sees: a refusal racing gRPC's own deadline ends quietly (end_rpc)
+                self.counts[method, "DEADLINE_EXCEEDED" if deadline_passed(context) else code.name] += 1
+                await end_rpc(context, code, message, trailers)
             finally:
                 self.inflight -= 1
+            if deadline_passed(context):
+                # answered as the deadline passed: gRPC is ending (or has ended) the RPC with
+                # DEADLINE_EXCEEDED, and sending the answer into it would fail in gRPC's core with a
+                # logged traceback; as a cancelled handler, it ends quietly (as the fronts' do)
+                self.counts[method, "DEADLINE_EXCEEDED"] += 1
+                raise asyncio.CancelledError
             self.counts[method, "OK"] += 1
             return response
 

@@ -10,7 +10,6 @@ Nothing is ever downloaded and nothing is unpickled: safetensors only.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -19,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig
+from .files import check_safetensors, read_json
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -64,15 +64,22 @@ class _HFTensors:
     def __init__(self, ckpt: Path) -> None:
         index = ckpt / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            index_json = read_json(index)
+            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
+                raise ConfigError(f"{index}: weight_map must map tensor names to file names in {ckpt}")
             self.files = {name: ckpt / fname for name, fname in weight_map.items()}
+            for path in set(self.files.values()):
+                check_safetensors(path)
         else:
             files = sorted(ckpt.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{ckpt}: no *.safetensors weights (and pickled weights are never loaded)")
             self.files = {}
             for path in files:
-                with safe_open(str(path), framework="pt") as fh:
+                check_safetensors(path)  # a pickle named model.safetensors: one clear error
+                with _opened(path) as fh:
                     for name in fh.keys():
                         self.files[name] = path
 
@@ -82,15 +89,41 @@ class _HFTensors:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise ConfigError(f"checkpoint: tensor {name!r} not found")
-        with safe_open(str(self.files[name]), framework="pt") as fh:
-            return fh.get_tensor(name)
+        with _opened(self.files[name]) as fh:
+            try:
+                return fh.get_tensor(name)
+            except Exception as e:  # noqa: BLE001 -- SafetensorError and friends: a corrupted file
+                raise ConfigError(f"{self.files[name]}: tensor {name!r} cannot be read ({e})") from None
+
+
+class _opened:
+    """safe_open, its errors (a file the safetensors library refuses) as ConfigError naming the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.fh = safe_open(str(self.path), framework="pt")
+            return self.fh.__enter__()
+        except Exception as e:  # noqa: BLE001 -- SafetensorError is no ValueError
+            raise ConfigError(f"{self.path}: not a readable safetensors file ({e})") from None
+
+    def __exit__(self, *exc) -> None:
+        self.fh.__exit__(*exc)
 
 
 def load_hf_config(ckpt: Path) -> ModelConfig:
     path = ckpt / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{ckpt}: no config.json (expected a Hugging Face checkpoint directory)")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    hf = read_json(path)  # a regular file, of a config's size: a link to /dev/zero is refused unread
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    try:
+        return ModelConfig.from_hf(hf)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: missing or malformed key ({type(e).__name__}: {e})") from None
 
 
 def iter_hf_weights(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -60,6 +60,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from .files import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, read_bounded
+
 __all__ = [
     "CacheInfo",
     "EMBEDDED_NAMES",
@@ -411,7 +413,7 @@ def _build_encoding(data_sha: str, path_str: str, stamp: tuple, pat_str: str,
     import tiktoken
 
     path = Path(path_str)
-    data = path.read_bytes()
+    data = read_bounded(path, MAX_TOKENIZER_BYTES)
     if _sha256(data) != data_sha:  # file changed between hashing and reading
         raise ValueError(f"{path}: changed while loading")
     ranks = _parse_ranks(data, path)
@@ -450,7 +452,7 @@ class TiktokenTokenizer(Tokenizer):
         path = Path(ranks_path)
         if not path.is_file():
             raise FileNotFoundError(f"tiktoken ranks file not found: {path}")
-        data = path.read_bytes()
+        data = read_bounded(path, MAX_TOKENIZER_BYTES)
         sha = _sha256(data)
         if expected_sha256 is not None and sha != expected_sha256:
             raise ValueError(
@@ -577,7 +579,7 @@ def _embedded(name: str, **kw) -> TiktokenTokenizer:
 
 def _from_spec(spec_path: Path, **kw) -> TiktokenTokenizer:
     try:
-        spec = json.loads(spec_path.read_text(encoding="utf-8"))
+        spec = json.loads(read_bounded(spec_path, MAX_JSON_BYTES).decode("utf-8"))
         if not isinstance(spec, dict):
             raise ValueError("not a JSON object")
         if spec.get("format") != SPEC_FORMAT or spec.get("kind") != "tiktoken":
@@ -595,7 +597,7 @@ def _from_spec(spec_path: Path, **kw) -> TiktokenTokenizer:
         raise ValueError(f"{spec_path}: corrupt tokenizer spec: {e}") from None
     ranks_path = spec_path.parent / ranks_file
     notice_path = spec_path.parent / NOTICE_FILE
-    notice = notice_path.read_text(encoding="utf-8") if notice_path.is_file() else None
+    notice = read_bounded(notice_path, MAX_JSON_BYTES).decode("utf-8", "replace") if notice_path.is_file() else None
     tok = TiktokenTokenizer(
         ranks_path, name=name, special_tokens=specials, pat_str=pat_str,
         expected_sha256=sha, notice=notice, **kw,
@@ -629,7 +631,7 @@ class HFJsonTokenizer(Tokenizer):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer.json not found: {path}")
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_TOKENIZER_BYTES)
         try:
             data = json.loads(raw)
             if not isinstance(data, dict) or "model" not in data:

@@ -167,6 +167,7 @@ std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
     if (const Value* v = attr("layer")) s.layer = m.as(*v, af + "layer", [](const Value& x) { return x.as_int64(); });
     if (const Value* v = attr("step")) s.step = m.as(*v, af + "step", [](const Value& x) { return x.as_int64(); });
     if (const Value* v = attr("mode")) s.mode = m.as(*v, af + "mode", [](const Value& x) { return x.as_str(); });
+    if (const Value* v = attr("max_rows")) s.max_rows = m.as(*v, af + "max_rows", [](const Value& x) { return x.as_int64(); });
     if (const Value* v = attr("weight")) s.weight = m.as(*v, af + "weight", [](const Value& x) { return x.as_str(); });
     nodes.push_back(std::move(s));
   }

@@ -29,6 +29,7 @@ struct NodeSpec {
   int64_t step = 0;    // decode-step nodes: 1..max_new_tokens-1
   std::string mode;    // decoder_layer: score | prefill | decode
   std::string weight;  // rms_norm: the weight's name
+  int64_t max_rows = 0;  // score_masks / score decoder_layer: the most tokens of one request (a segment's bound)
 };
 
 // Named buffers of one run. Nodes read their inputs and (re)bind their outputs here.

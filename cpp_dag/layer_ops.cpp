@@ -9,6 +9,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/searchsorted.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -122,33 +123,34 @@ std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const a
   return {out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()};
 }
 
-at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_segments) {
+at::Tensor segment_bounds(const at::Tensor& seg, int64_t num_segments, int64_t pad_chunk) {
   const int64_t t = seg.size(0);
   at::Tensor rows = at::arange(t, seg.options().dtype(at::kLong));
   at::Tensor first = at::ones({1}, seg.options().dtype(at::kBool));
-  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))}).logical_or(rows.remainder(block_len).eq(0));
+  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))});
+  if (pad_chunk > 0) starts = starts.logical_or(seg.lt(0).logical_and(rows.remainder(pad_chunk).eq(0)));
   at::Tensor index = starts.cumsum(0).sub(1);
   at::Tensor bounds = at::full({num_segments + 1}, t, seg.options().dtype(at::kInt));
   return bounds.scatter_reduce(0, index, rows.to(at::kInt), "amin");
 }
 
-at::Tensor segment_key_ranges(const at::Tensor& seg, int64_t block_len, const at::Tensor& ctx) {
+at::Tensor segment_key_ranges(const at::Tensor& seg, const at::Tensor& ctx, const at::Tensor& request_rows,
+                              const at::Tensor& prefix_rows) {
   const int64_t t = seg.size(0);
   at::Tensor rows = at::arange(t, seg.options().dtype(at::kLong));
   at::Tensor first = at::ones({1}, seg.options().dtype(at::kBool));
-  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))}).logical_or(rows.remainder(block_len).eq(0));
+  at::Tensor starts = at::cat({first, seg.slice(0, 1).ne(seg.slice(0, 0, t - 1))});
   at::Tensor run_start = std::get<0>(rows.mul(starts).cummax(0));  // each row's run's first row
   at::Tensor self_start = run_start.where(seg.ge(0), rows.add(1));
   at::Tensor prefix_start, prefix_end;
   if (!ctx.defined()) {
     prefix_start = prefix_end = at::zeros_like(rows);
   } else {
-    const int64_t r = t / block_len;
-    at::Tensor prefix_seg = ctx.view({r, block_len}).amax(1);  // a block's prefix segment id (or < 0: none)
-    at::Tensor prefix_len = seg.view({r, block_len}).eq(prefix_seg.unsqueeze(1)).sum(1);  // [R]
+    // each row's request: how many requests end at or before it
+    at::Tensor request = at::searchsorted(request_rows.slice(0, 1).contiguous(), rows, false, true);
     at::Tensor has_prefix = ctx.ge(0);
-    prefix_start = rows.sub(rows.remainder(block_len)).mul(has_prefix);  // the block's first row
-    prefix_end = prefix_start.add(prefix_len.unsqueeze(1).expand({r, block_len}).reshape({t}).mul(has_prefix));
+    prefix_start = request_rows.index_select(0, request).mul(has_prefix);  // the request's first row
+    prefix_end = prefix_start.add(prefix_rows.index_select(0, request).mul(has_prefix));
   }
   return at::stack({prefix_start, prefix_end, self_start}).to(at::kInt);
 }

@@ -45,16 +45,18 @@ std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cf
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& mask, double scale);
 
-// seg [T] -> cu_seqlens [num_segments + 1] int32: the runs of equal ids (a run also ends at every
-// multiple of block_len); entries past the last run are T. Static shapes, no host sync.
-at::Tensor segment_bounds(const at::Tensor& seg, int64_t block_len, int64_t num_segments);
+// seg [T] -> cu_seqlens [num_segments + 1] int32: the runs of equal ids (with pad_chunk > 0 a padding
+// run, ids < 0, also ends at every multiple of pad_chunk); entries past the last run are T. Static
+// shapes, no host sync. kernels/attention.py::segment_bounds.
+at::Tensor segment_bounds(const at::Tensor& seg, int64_t num_segments, int64_t pad_chunk = 0);
 
 // seg [T] (ids; < 0: padding) -> key_ranges [3, T] int32 of the fused segment attention: row t sees keys
-// [out[0][t], out[1][t]) (its prefix) and [out[2][t], t] (its own run, causal; t + 1 for padding: none). Runs
-// end at every multiple of block_len; ctx [T] (Score): a sample's prefix segment id (< 0: none), the run
-// of that id at its block's start; undefined: no prefix. Static shapes, no host sync.
-// kernels/attention.py::segment_key_ranges.
-at::Tensor segment_key_ranges(const at::Tensor& seg, int64_t block_len, const at::Tensor& ctx = at::Tensor());
+// [out[0][t], out[1][t]) (its prefix) and [out[2][t], t] (its own run, causal; t + 1 for padding: none).
+// ctx [T] (Score): a sample's prefix segment id (< 0: none); request_rows [R+1] each request's first
+// row, then T; prefix_rows [R] each request's prefix length; ctx undefined: no prefix. Static shapes,
+// no host sync. kernels/attention.py::segment_key_ranges.
+at::Tensor segment_key_ranges(const at::Tensor& seg, const at::Tensor& ctx = at::Tensor(),
+                              const at::Tensor& request_rows = at::Tensor(), const at::Tensor& prefix_rows = at::Tensor());
 
 // FlashAttention varlen (CUDA): q [N, H, E]; k, v [M, G, E]; segment i: queries cu_q[i]..cu_q[i+1],
 // keys from cu_k[i] (seqused_k[i] of them when defined) -> out [N, H, E], lse [N, H] float32

@@ -104,10 +104,12 @@ class DecoderLayer final : public Node {
       return std::get<0>(varlen_attention(q, k, v, cu_self, cu_self, t, t, true, scale));
     }
     const at::Tensor& cu_blocks = read(env, "cu_blocks");
-    const int64_t block = q.size(0) / (cu_blocks.size(0) - 1);
-    auto [out_self, lse_self] = varlen_attention(q, k, v, cu_self, cu_self, block, block, true, scale);
-    // every row of a block against the block's prefix; only samples after a prefix keep it
-    auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, false, scale,
+    const int64_t rows = spec_.max_rows, t = q.size(0);
+    // each sample's segment (no longer than max_rows, the padding chunked to it), causal
+    auto [out_self, lse_self] = varlen_attention(q, k, v, cu_self, cu_self, rows, rows, true, scale);
+    // every row of a request (the last slot: up to T, with the padding) against the request's prefix;
+    // only samples after a prefix keep it
+    auto [out_ctx, lse_ctx] = varlen_attention(q, k, v, cu_blocks, cu_blocks, t, t, false, scale,
                                                read(env, "prefix_len"));
     lse_ctx = lse_ctx.masked_fill(read(env, "has_ctx").logical_not(), -std::numeric_limits<double>::infinity());
     // the log-sum-exp merge as one interpolation (exact algebra; weight 0 without a prefix)

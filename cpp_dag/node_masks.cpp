@@ -24,22 +24,22 @@ bool uses_varlen(const Context& ctx, const at::Tensor& seg) {
 class ScoreMasks final : public Node {
  public:
   explicit ScoreMasks(const NodeSpec& spec) : Node(spec) {
-    require(5, 0, {}, {"mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges"});
+    require(6, 0, {}, {"mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges"});
   }
   void run(const Context& ctx, Env& env) const override {
-    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &blocks = in(env, 3),
-                     &last = in(env, 4);
+    const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &prefix = in(env, 2), &request_rows = in(env, 3),
+                     &prefix_rows = in(env, 4), &last = in(env, 5);
     if (ctx.fused) {  // the fused segment attention (kernels/segment_attention.py): each row's key ranges
-      write(env, "key_ranges", segment_key_ranges(seg, seg.size(0) / blocks.size(0), prefix));
+      write(env, "key_ranges", segment_key_ranges(seg, prefix, request_rows, prefix_rows));
       return;
     }
-    if (uses_varlen(ctx, seg)) {  // varlen attention: segment bounds, and each request block's prefix (the shared K/V)
-      const int64_t r = blocks.size(0), t = seg.size(0), s = last.size(0), block = t / r;
-      // runs: at most a prefix and a padding run per block besides the samples
-      write(env, "cu_self", segment_bounds(seg, block, s + 2 * r));
-      write(env, "cu_blocks", at::arange(0, t + 1, block, seg.options().dtype(at::kInt)));  // [R+1]
-      at::Tensor prefix_seg = prefix.view({r, block}).amax(1);  // a block's prefix segment id, or NO_CONTEXT (-2)
-      write(env, "prefix_len", seg.view({r, block}).eq(prefix_seg.unsqueeze(1)).sum(1, false, at::kInt));  // [R]
+    if (uses_varlen(ctx, seg)) {  // varlen attention: segment bounds, and each request's prefix (the shared K/V)
+      const int64_t r = prefix_rows.size(0), s = last.size(0), chunk = spec_.max_rows;
+      if (chunk <= 0) throw std::invalid_argument("node " + spec_.name + ": score_masks needs max_rows > 0");
+      // runs: the prefixes and samples, and the padding in chunks of at most max_rows
+      write(env, "cu_self", segment_bounds(seg, s + r + seg.size(0) / chunk + 1, chunk));
+      write(env, "cu_blocks", request_rows.to(at::kInt));  // [R+1]: each request's rows
+      write(env, "prefix_len", prefix_rows.to(at::kInt));  // [R]
       write(env, "has_ctx", prefix.ge(0).unsqueeze(1));  // [T, 1]: a sample after a prefix
       return;
     }
@@ -57,9 +57,9 @@ class BeamMasks final : public Node {
     const at::Tensor &pos = in(env, 0), &seg = in(env, 1), &beam_req = in(env, 2), &plen = in(env, 3),
                      &last = in(env, 4);
     if (ctx.fused) {  // the fused segment attention: each row's key ranges, one causal segment per prompt
-      write(env, "key_ranges", segment_key_ranges(seg, seg.size(0)));
+      write(env, "key_ranges", segment_key_ranges(seg));
     } else if (uses_varlen(ctx, seg)) {  // varlen prefill attention: one causal segment per prompt (+ the padding run)
-      write(env, "cu_self", segment_bounds(seg, seg.size(0), last.size(0) + 1));
+      write(env, "cu_self", segment_bounds(seg, last.size(0) + 1));
     } else {
       write(env, "mask_self", causal_within(pos, seg));  // causal within a prompt
     }

@@ -30,42 +30,47 @@ def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
     return k.unsqueeze(-2).expand(*lead, g, num_heads // g, e).reshape(*lead, num_heads, e)
 
 
-def segment_bounds(seg: torch.Tensor, block_len: int, num_segments: int) -> torch.Tensor:
-    """cu_seqlens [num_segments + 1] int32 of the runs of equal ids in seg [T] (a run also ends at
-    every multiple of block_len); entries past the last run are T (zero-length segments). Static
-    shapes and no host sync; num_segments must bound the number of runs."""
+def segment_bounds(seg: torch.Tensor, num_segments: int, pad_chunk: int = 0) -> torch.Tensor:
+    """cu_seqlens [num_segments + 1] int32 of the runs of equal ids in seg [T] (with pad_chunk > 0, a
+    padding run (ids < 0) also ends at every multiple of pad_chunk, so no run is longer than the
+    longest real segment once pad_chunk bounds it); entries past the last run are T (zero-length
+    segments). Static shapes and no host sync; num_segments must bound the number of runs."""
     t = seg.shape[0]
     rows = torch.arange(t, device=seg.device)
     first = torch.ones(1, dtype=torch.bool, device=seg.device)
-    starts = torch.cat([first, seg[1:].ne(seg[:-1])]).logical_or(rows.remainder(block_len).eq(0))
+    starts = torch.cat([first, seg[1:].ne(seg[:-1])])
+    if pad_chunk > 0:
+        starts = starts.logical_or(seg.lt(0).logical_and(rows.remainder(pad_chunk).eq(0)))
     index = starts.cumsum(0).sub(1)  # [T]: each row's run
     bounds = torch.full((num_segments + 1,), t, dtype=torch.int32, device=seg.device)
     return bounds.scatter_reduce(0, index, rows.to(torch.int32), "amin")
 
 
-def segment_key_ranges(seg: torch.Tensor, block_len: int, ctx: torch.Tensor | None = None) -> torch.Tensor:
+def segment_key_ranges(seg: torch.Tensor, ctx: torch.Tensor | None = None, request_rows: torch.Tensor | None = None,
+                       prefix_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The key ranges of kernels/segment_attention.py: [3, T] int32 for the packed segments seg [T]
-    (ids; < 0: padding), on seg's device with static shapes and no host sync. A segment is a run of
-    equal ids, which also ends at every multiple of block_len. Row t sees keys [out[0, t], out[1, t])
-    (its prefix) and [out[2, t], t] (its own segment, causal); a padding row's out[2, t] is t + 1
-    (no key). ctx [T] (Score): a sample's prefix segment id (< 0: none), that prefix being the run
-    of that id at the start of the sample's block (service/runtime/batch.py); None (BeamSearch
-    prefill): no row has a prefix. cpp_dag/layer_ops.cpp::segment_key_ranges mirrors it op for op."""
+    (ids, each segment's differing from its neighbours'; < 0: padding), on seg's device with static
+    shapes and no host sync. Row t sees keys [out[0, t], out[1, t]) (its prefix) and [out[2, t], t]
+    (its own segment, causal); a padding row's out[2, t] is t + 1 (no key).
+
+    Score (service/runtime/batch.py): ctx [T] is a sample's prefix segment id (< 0: none);
+    request_rows [R+1] each request's first row, then T; prefix_rows [R] each request's prefix
+    length: a sample's prefix is its request's first prefix_rows rows. BeamSearch prefill (ctx
+    None): no row has a prefix. cpp_dag/layer_ops.cpp::segment_key_ranges mirrors it op for op."""
     t = seg.shape[0]
     rows = torch.arange(t, device=seg.device)
     first = torch.ones(1, dtype=torch.bool, device=seg.device)
-    starts = torch.cat([first, seg[1:].ne(seg[:-1])]).logical_or(rows.remainder(block_len).eq(0))
+    starts = torch.cat([first, seg[1:].ne(seg[:-1])])
     run_start = rows.mul(starts).cummax(0)[0]  # each row's run's first row
     self_start = torch.where(seg.ge(0), run_start, rows.add(1))
     if ctx is None:
         prefix_start = prefix_end = torch.zeros_like(rows)
     else:
-        r = t // block_len
-        prefix_seg = ctx.view(r, block_len).amax(1)  # a block's prefix segment id (or < 0: none)
-        prefix_len = seg.view(r, block_len).eq(prefix_seg.unsqueeze(1)).sum(1)  # [R]
+        assert request_rows is not None and prefix_rows is not None
+        request = torch.searchsorted(request_rows[1:].contiguous(), rows, right=True)  # [T]: each row's request
         has_prefix = ctx.ge(0)
-        prefix_start = rows.sub(rows.remainder(block_len)).mul(has_prefix)  # the block's first row
-        prefix_end = prefix_start.add(prefix_len.unsqueeze(1).expand(r, block_len).reshape(t).mul(has_prefix))
+        prefix_start = request_rows.index_select(0, request).mul(has_prefix)  # the request's first row
+        prefix_end = prefix_start.add(prefix_rows.index_select(0, request).mul(has_prefix))
     return torch.stack([prefix_start, prefix_end, self_start]).to(torch.int32)
 
 

@@ -640,7 +640,7 @@ def _prefill_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     env = {"cu_self": cu_self, "cu_blocks": cu_blocks, "prefix_len": prefix_len, "has_ctx": has_ctx}
 
     def by_sample() -> torch.Tensor:  # what the runtimes run (service/runtime/nodes.py), prefix call included
-        return varlen_layer_attention(q, k, v, env, "score", scale)
+        return varlen_layer_attention(q, k, v, env, "score", scale, block)
 
     # the fused path: one Triton kernel, each row's prefix and own-segment key ranges (kernels/segment_attention.py),
     # built here from the layout (the masks node computes them on the device: segment_key_ranges)

@@ -30,8 +30,9 @@ from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 5  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
-# 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention)
+FORMAT_VERSION = 6  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+# 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
+# 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows)
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,7 +157,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         "model": cfg.to_dict(),
         "limits": limits.to_dict(),
         "buckets": buckets.to_dict(),
-        "dags": {"score": dag_to_list(score_dag(cfg)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
+        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},

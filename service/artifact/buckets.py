@@ -15,31 +15,36 @@ from ..model.config import ConfigError, ServingLimits
 
 @dataclass(frozen=True, order=True)
 class ScoreBucket:
-    """max_requests blocks of request_tokens (= max_tokens / max_requests) rows each: request i of
-    a batch fills block i (its prefix, then its samples), padded to the block's end. Attention is
-    computed block by block, so a batch costs R x L^2, not (R x L)^2."""
+    """A Score batch's static shape: up to max_tokens rows, packed back to back with its requests
+    (each one's prefix, then its samples; padding after the last), up to max_samples samples (the
+    LM-head rows) and up to max_requests requests. The segment attention keeps each sample to its
+    own rows and its request's prefix, so a request costs its own tokens, not a block's."""
 
-    max_tokens: int  # rows: max_requests x request_tokens
+    max_tokens: int  # rows: the packed tokens of all requests, then padding
     max_samples: int  # samples of all requests, i.e. LM-head rows
     max_requests: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0 or self.max_samples <= 0 or self.max_requests <= 0:
             raise ConfigError(f"score bucket {self}: sizes must be > 0")
-        if self.max_tokens % self.max_requests:
-            raise ConfigError(f"score bucket {self}: max_tokens must be a multiple of max_requests")
-
-    @property
-    def request_tokens(self) -> int:
-        return self.max_tokens // self.max_requests
 
     @property
     def key(self) -> str:
-        return f"score.r{self.max_requests}.l{self.request_tokens}.s{self.max_samples}"
+        return f"score.t{self.max_tokens}.s{self.max_samples}.r{self.max_requests}"
 
-    def holds(self, num_requests: int, longest_request: int, num_samples: int) -> bool:
-        return (num_requests <= self.max_requests and longest_request <= self.request_tokens
-                and num_samples <= self.max_samples)
+    def holds(self, num_requests: int, tokens: int, num_samples: int) -> bool:
+        """tokens: the packed tokens of all the requests (prefixes and samples)."""
+        return num_requests <= self.max_requests and tokens <= self.max_tokens and num_samples <= self.max_samples
+
+    @staticmethod
+    def grow(totals: tuple[int, int, int], tokens: int, samples: int) -> tuple[int, int, int]:
+        """(requests, tokens, samples) of a batch with one more request of these dims."""
+        return totals[0] + 1, totals[1] + tokens, totals[2] + samples
+
+    @property
+    def rows(self) -> int:
+        """The padded work of a batch in this bucket: its token rows."""
+        return self.max_tokens
 
 
 @dataclass(frozen=True, order=True)
@@ -53,20 +58,105 @@ class BeamBucket:
         if min(self.new_tokens, self.max_requests, self.max_prompt_tokens, self.beam_width) <= 0:
             raise ConfigError(f"beam bucket {self}: sizes must be > 0")
 
+    def holds(self, num_requests: int, prompt_tokens: int, widest: int) -> bool:
+        """prompt_tokens: the packed prompts of all the requests; widest: their widest beam (a
+        batch's requests share new_tokens: the bucket's)."""
+        return num_requests <= self.max_requests and prompt_tokens <= self.max_prompt_tokens and widest <= self.beam_width
+
+    @staticmethod
+    def grow(totals: tuple[int, int, int], prompt_tokens: int, width: int) -> tuple[int, int, int]:
+        return totals[0] + 1, totals[1] + prompt_tokens, max(totals[2], width)
+
+    @property
+    def rows(self) -> int:
+        """The padded work of a batch in this bucket: its beam rows."""
+        return self.max_requests * self.beam_width
+
     @property
     def key(self) -> str:
         return (f"beam.n{self.new_tokens}.r{self.max_requests}"
                 f".p{self.max_prompt_tokens}.b{self.beam_width}")
 
 
+Bucket = ScoreBucket | BeamBucket
+
+
+def kind_of(bucket: Bucket) -> str:
+    """The kind of request a bucket runs: "score", or "beam.n<new_tokens>" (only requests of one
+    kind share a batch)."""
+    return "score" if isinstance(bucket, ScoreBucket) else f"beam.n{bucket.new_tokens}"
+
+
+def pick_order(bucket: Bucket) -> tuple[int, int]:
+    """The order buckets are tried in: least padded work first (token rows, then samples; beam
+    rows, then prompt tokens). The first that holds a batch is the one it runs in."""
+    if isinstance(bucket, ScoreBucket):
+        return bucket.max_tokens, bucket.max_samples
+    return bucket.rows, bucket.max_prompt_tokens
+
+
+class Fill:
+    """The one answer to "which bucket holds these requests": a forming batch's running totals and
+    the first bucket of its kind (in pick_order) that holds them. Used by the packer, the batcher,
+    the cost table, `slmrank run`'s planner and the traffic report alike.
+
+    Totals only grow, so a bucket that did not hold the batch never holds it again: the search for
+    the first that holds goes on from the current one (O(buckets) per batch, not per request).
+    dims: (tokens, samples) of a Score request, (prompt tokens, beam width) of a BeamSearch one."""
+
+    __slots__ = ("buckets", "totals", "bucket", "index")
+
+    def __init__(self, buckets: tuple[Bucket, ...]) -> None:
+        self.buckets = buckets  # one kind's, in pick_order (BucketTable.of_kind)
+        self.totals = (0, 0, 0)
+        self.bucket: Bucket | None = None
+        self.index = 0  # of self.bucket in buckets (0 while empty)
+
+    @property
+    def count(self) -> int:
+        return self.totals[0]
+
+    def fit(self, a: int, b: int) -> Bucket | None:
+        """The bucket the batch would run in with one more request of dims (a, b); None if none holds it."""
+        if not self.buckets:
+            return None
+        totals = self.buckets[0].grow(self.totals, a, b)
+        for i in range(self.index, len(self.buckets)):
+            if self.buckets[i].holds(*totals):
+                return self.buckets[i]
+        return None
+
+    def add(self, a: int, b: int) -> Bucket | None:
+        """Adds the request whatever fits; returns the bucket the batch now runs in (None: none)."""
+        self.totals = self.buckets[0].grow(self.totals, a, b) if self.buckets else self.totals
+        while self.index < len(self.buckets) and not self.buckets[self.index].holds(*self.totals):
+            self.index += 1
+        self.bucket = self.buckets[self.index] if self.index < len(self.buckets) else None
+        return self.bucket
+
+
 @dataclass(frozen=True)
 class BucketTable:
     score: tuple[ScoreBucket, ...]
     beam: tuple[BeamBucket, ...]
+    _kinds: dict[str, tuple[Bucket, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
 
     def __post_init__(self) -> None:
         if not self.score or not self.beam:
             raise ConfigError("bucket table: needs at least one score and one beam bucket")
+        kinds: dict[str, list[Bucket]] = {}
+        for b in (*self.score, *self.beam):
+            kinds.setdefault(kind_of(b), []).append(b)
+        self._kinds.update({k: tuple(sorted(bs, key=pick_order)) for k, bs in kinds.items()})
+
+    def of_kind(self, kind: str) -> tuple[Bucket, ...]:
+        """One kind's buckets in pick_order ("score", "beam.n<new_tokens>"); () for a kind with none."""
+        return self._kinds.get(kind, ())
+
+    @property
+    def kinds(self) -> dict[str, tuple[Bucket, ...]]:
+        return dict(self._kinds)
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": [dataclasses.asdict(b) for b in self.score],
@@ -83,8 +173,8 @@ class BucketTable:
             raise ConfigError(f"bucket table: no score bucket holds one request of the limits "
                               f"({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
         for n in range(1, limits.max_new_tokens + 1):
-            ok = [b for b in self.beam if b.new_tokens == n and b.beam_width >= limits.max_beam_width
-                  and b.max_prompt_tokens >= limits.max_prompt_tokens]
+            ok = [b for b in self.beam if b.new_tokens == n and b.holds(1, limits.max_prompt_tokens,
+                                                                          limits.max_beam_width)]
             if not ok:
                 raise ConfigError(f"bucket table: no beam bucket holds a request with new_tokens={n}, "
                                   f"beam_width={limits.max_beam_width}, {limits.max_prompt_tokens} prompt tokens")
@@ -98,20 +188,43 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def token_tiers(lo: int, hi: int, steps_per_octave: int = 4, align: int = 64) -> list[int]:
+    """lo, then steps_per_octave tiers an octave, multiples of align, up to hi (included): with 4 a
+    step, a batch pads at most 1/4 of its rows above 4 x align tokens, ~1/8 on average."""
+    out, octave = {lo, hi}, align
+    while octave < hi:
+        step = max(align, octave // steps_per_octave)
+        out.update(v for v in range(octave, 2 * octave + 1, step) if lo <= v <= hi)
+        octave *= 2
+    return sorted(out)
+
+
+def score_buckets(limits: ServingLimits, max_batch_tokens: int = 8192, steps_per_octave: int = 4) -> list[ScoreBucket]:
+    """Score buckets bounded by total tokens (token_tiers from 64 up to max_batch_tokens), two sample
+    tiers each (a sample a 32 tokens, the W1 kind of request; a sample an 8 tokens, short candidates,
+    up to 512: the LM-head rows and their float32 log-softmax; never fewer than one request of
+    max_samples), and requests (T / 64, 2 to 64)."""
+    top = max(max_batch_tokens, limits.max_score_tokens)
+    out = []
+    for t in token_tiers(min(64, top), top, steps_per_octave):
+        r = min(64, max(2, t // 64))
+        for s in sorted({_round_up(max(16, t // 32), 16), _round_up(max(limits.max_samples, min(t // 8, 512)), 16)}):
+            out.append(ScoreBucket(t, s, r))
+    return out
+
+
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
                          max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128, 512)) -> BucketTable:
-    """Powers-of-two tiers (padding waste < 2x) up to the limits.
-
-    max_batch_tokens bounds a Score batch (requests x a per-request token tier; 1, 2, 4 or 8
-    requests of up to 64, 128, ... max_score_tokens tokens each); max_beam_rows bounds
-    requests x beam_width of a BeamSearch batch; a BeamSearch bucket holds requests x a prompt
-    tier (prompt_tiers below the limit, and the limit) packed prompt tokens, so a short prompt is
-    not padded to the longest one.
+    """Score: score_buckets (quarter-octave token tiers up to max_batch_tokens; padding < 1/4).
+    BeamSearch: powers-of-two tiers up to the limits; max_beam_rows bounds requests x beam_width of
+    a batch; a bucket holds requests x a prompt tier (prompt_tiers below the limit, and the limit)
+    packed prompt tokens, so a short prompt is not padded to the longest one.
     """
-    max_batch_tokens = max(max_batch_tokens, limits.max_score_tokens)
-    score = [ScoreBucket(r * t, r * limits.max_samples, r)
-             for t in _powers_of_two(min(64, limits.max_score_tokens), limits.max_score_tokens)
-             for r in (1, 2, 4, 8) if r == 1 or r * t <= max_batch_tokens]
+    score = score_buckets(limits, max_batch_tokens)
     widths = sorted({w for w in (1, 4, 16, 64, 128, 256) if w < limits.max_beam_width}
                     | {limits.max_beam_width})
     prompts = sorted({p for p in prompt_tiers if p < limits.max_prompt_tokens} | {limits.max_prompt_tokens})

@@ -5,8 +5,8 @@ only buffers it declares as inputs (or outputs it updates) and writes only its d
 both runtimes refuse anything else (the Python runtime at each access, the C++ runtime when it
 loads the DAG). A declared output may be left unwritten where a device does not need it (the masks
 of the dense attention on a GPU in 16 bits). A batch's input buffers are:
-  Score: tokens, positions, seg, ctx [T] (R blocks of T/R rows, one request each);
-         block_tokens [R]; last [S]; labels [S, L]
+  Score: tokens, positions, seg, ctx [T] (the requests back to back, then padding);
+         request_rows [R+1] (each request's first row, then T); prefix_rows [R]; last [S]; labels [S, L]
   Beam:  tokens, positions, seg [N]; last, beam_width [R]; beam_req, beam_pos [R*B]
          (beam_pos = the request's prompt length: the position of the first generated token);
          beam_seqs [R, B, n] zeros (the generated tokens, filled step by step)
@@ -23,7 +23,7 @@ from ..model.config import ModelConfig
 
 NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_layer", "rms_norm", "gather_rows",
               "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step")
-SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "block_tokens", "last", "labels")
+SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels")
 BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_seqs")
 
 
@@ -70,12 +70,14 @@ class Node:
         return cls(d["name"], d["type"], tuple(d["inputs"]), tuple(d["outputs"]), dict(d["attrs"]))
 
 
-def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0) -> list[Node]:
+def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: int = 0) -> list[Node]:
     nodes = []
     for i in range(cfg.num_layers):
         attrs: dict[str, Any] = {"layer": i, "mode": mode, "precision": "model"}
         if step:
             attrs["step"] = step
+        if max_rows:
+            attrs["max_rows"] = max_rows
         if mode == "score":  # prefix part (shared K/V) + own-sample causal part, merged by LSE (or key_ranges: one kernel)
             ins = ("x", "positions", "mask_ctx", "mask_self", "cu_self", "cu_blocks", "prefix_len", "has_ctx",
                    "key_ranges")
@@ -108,13 +110,16 @@ def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]
     return nodes
 
 
-def score_dag(cfg: ModelConfig) -> list[Node]:
+def score_dag(cfg: ModelConfig, max_rows: int) -> list[Node]:
+    """max_rows: the most tokens of one Score request (limits.max_score_tokens), which bounds a
+    segment: the varlen attention's static longest run."""
     # on the CPU (and float32 on CUDA) the masks of the dense reference; on CUDA in 16 bits the varlen segment bounds;
     # with the fused kernels each row's key ranges (kernels/segment_attention.py)
-    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "block_tokens", "last"),
-                  ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges")),
+    nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "request_rows", "prefix_rows", "last"),
+                  ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges"),
+                  {"max_rows": max_rows}),
              Node("embed", "embedding", ("tokens",), ("x",))]
-    nodes += _layers(cfg, "", "score")
+    nodes += _layers(cfg, "", "score", max_rows=max_rows)
     nodes += _head(cfg, "", "last")
     if not cfg.has_cls_head:
         nodes.append(Node("label_logprobs", "label_logprobs", ("logits", "labels"), ("scores",)))

@@ -40,6 +40,8 @@ DIMS = {"score": (("samples", "samples / request"), ("sample_tokens", "tokens / 
                   ("labels", "labels / request")),
         "beam": (("prompt_tokens", "prompt tokens"), ("beam_width", "beam width"), ("new_tokens", "new tokens"),
                  ("beam_rows", "beam rows (width x new tokens)"))}
+SCORE_SHAPE = ("samples", "sample_tokens", "prefix_tokens", "labels")  # KindLog.shape's columns
+BEAM_SHAPE = ("prompt_tokens", "beam_width", "new_tokens")
 MAX_MALFORMED_SHOWN = 10
 SPARK = " ▁▂▃▄▅▆▇█"
 
@@ -118,7 +120,8 @@ def _add_access(log: TrafficLog, rec: dict[str, Any]) -> None:
     if kind == "score" and "samples" in rec:
         samples = _count(rec, "samples", 1)
         lens = rec.get("sample_tokens")
-        if type(lens) is not list or len(lens) != samples or not all(type(n) is int and n >= 0 for n in lens):
+        # (C-level checks: this runs for every Score line)
+        if type(lens) is not list or len(lens) != samples or set(map(type, lens)) != {int} or min(lens) < 0:
             raise _Bad(f"sample_tokens: {'missing' if lens is None else 'not'} a list of {samples} token counts")
         shape = (samples, lens, _count(rec, "prefix_tokens", 0), _count(rec, "labels", 0, 0))
     elif kind == "beam" and "prompt_tokens" in rec:
@@ -132,10 +135,10 @@ def _add_access(log: TrafficLog, rec: dict[str, Any]) -> None:
     if shape is not None:
         col.valid_arrival_s.append(arrival)
         col.valid_latency_ms.append(latency)
-        keys = ("samples", "sample_tokens", "prefix_tokens", "labels") if kind == "score" else \
-            ("prompt_tokens", "beam_width", "new_tokens")
-        for k, v in zip(keys, shape):
-            col.shape.setdefault(k, []).append(v)
+        if not col.shape:
+            col.shape = {k: [] for k in (SCORE_SHAPE if kind == "score" else BEAM_SHAPE)}
+        for values, v in zip(col.shape.values(), shape):
+            values.append(v)
 
 
 def parse_lines(lines: Sequence[bytes | str], path: str = "-") -> TrafficLog:

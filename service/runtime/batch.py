@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..artifact.buckets import BeamBucket, BucketTable, ScoreBucket
+from ..artifact.buckets import BeamBucket, Bucket, BucketTable, Fill, ScoreBucket
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 NO_CONTEXT = -2  # ctx of a token that has no shared prefix (never equal to any seg)
@@ -41,41 +41,53 @@ class BeamBatch:
     inputs: dict[str, torch.Tensor]
 
 
-def score_fits(bucket: ScoreBucket, requests: Sequence[ScoreRequest]) -> bool:
-    return bucket.holds(len(requests), max((r.num_tokens for r in requests), default=0),
-                        sum(r.num_samples for r in requests))
+def dims(req: ScoreRequest | BeamRequest) -> tuple[int, int]:
+    """What a request adds to a batch's totals (buckets.Fill): (tokens, samples) of a Score
+    request, (prompt tokens, beam width) of a BeamSearch one."""
+    if isinstance(req, ScoreRequest):
+        return req.num_tokens, req.num_samples
+    return len(req.prompt_ids), req.beam_width
 
 
-def beam_fits(bucket: BeamBucket, requests: Sequence[BeamRequest]) -> bool:
-    return (len(requests) <= bucket.max_requests
-            and all(r.new_tokens == bucket.new_tokens and r.beam_width <= bucket.beam_width for r in requests)
-            and sum(len(r.prompt_ids) for r in requests) <= bucket.max_prompt_tokens)
+def kind(req: ScoreRequest | BeamRequest) -> str:
+    """Requests of one kind may share a batch: "score", or "beam.n<new_tokens>" (buckets.kind_of)."""
+    return "score" if isinstance(req, ScoreRequest) else f"beam.n{req.new_tokens}"
+
+
+def pick_bucket(table: BucketTable, requests: Sequence[ScoreRequest | BeamRequest]) -> Bucket | None:
+    """The bucket a batch of these requests runs in (buckets.Fill, the one answer); None if they
+    are not of one kind or no bucket holds them."""
+    if not requests or any(kind(r) != kind(requests[0]) for r in requests):
+        return None
+    fill = Fill(table.of_kind(kind(requests[0])))
+    for req in requests:
+        if fill.add(*dims(req)) is None:
+            return None
+    return fill.bucket
 
 
 def pick_score_bucket(table: BucketTable, requests: Sequence[ScoreRequest]) -> ScoreBucket | None:
-    fits = [b for b in table.score if score_fits(b, requests)]
-    return min(fits, key=lambda b: (b.max_tokens, b.max_samples)) if fits else None
+    return pick_bucket(table, requests)  # type: ignore[return-value]
 
 
 def pick_beam_bucket(table: BucketTable, requests: Sequence[BeamRequest]) -> BeamBucket | None:
-    # Smallest padded work first: beam rows, then prompt tokens.
-    fits = [b for b in table.beam if beam_fits(b, requests)]
-    return min(fits, key=lambda b: (b.max_requests * b.beam_width, b.max_prompt_tokens)) if fits else None
+    return pick_bucket(table, requests)  # type: ignore[return-value]
 
 
 def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: int) -> ScoreBatch:
-    """tokens/positions/seg/ctx [T]; block_tokens [R]; last [S]; labels [S, L].
+    """tokens/positions/seg/ctx [T]; request_rows [R+1]; prefix_rows [R]; last [S]; labels [S, L].
 
-    Request i fills block i (rows i*request_tokens ...), padded to the block's end; blocks after
-    the last request are padding. Each prefix and each sample is a segment; a sample's ctx is its
-    request's prefix segment (the shared prefix K/V it attends to). block_tokens holds each
-    block's real token count (its length, R, is the bucket's block count).
+    The requests lie back to back from row 0, each its prefix (a segment, optional) then its
+    samples (a segment each); the rows after the last request are padding (seg -1). A sample's ctx
+    is its request's prefix segment (the shared prefix K/V it attends to). request_rows[i] is
+    request i's first row and request_rows[R] = T: the bucket's unused request slots are empty,
+    the last one holding the padding. prefix_rows[i] is request i's prefix length (0: none).
 
-    This runs on the event loop for every batch (8 W1 requests fill 8,192 rows): Python walks the
-    segments, never the tokens. The rows are runs (a segment, or a block's padding) and the
-    per-row columns are each run's value repeated over its rows, positions counting up inside a
-    segment and 0 in padding."""
-    r_max, block, s_max = bucket.max_requests, bucket.request_tokens, bucket.max_samples
+    This runs on the event loop for every batch (8 W1 requests are 7,680 rows): Python walks the
+    segments, never the tokens. The rows are runs (a segment, or the padding) and the per-row
+    columns are each run's value repeated over its rows, positions counting up inside a segment
+    and 0 in padding."""
+    r_max, s_max = bucket.max_requests, bucket.max_samples
     if len(requests) > r_max:
         raise ValueError(f"batch of {len(requests)} requests does not fit {bucket.key}")
     tokens: list[int] = []  # converted to int64 once at the end (array.extend per segment is ~2x slower)
@@ -85,12 +97,14 @@ def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: in
     run_ctx: list[int] = []
     last: list[int] = []
     labels: list[int] = []
-    block_tokens: list[int] = []
+    request_rows: list[int] = []
+    prefix_rows: list[int] = []
     num_segs = 0
     for req in requests:
-        start_row = len(tokens)
+        request_rows.append(len(tokens))
         prefix_seg = NO_CONTEXT
         n_prefix = len(req.prefix_ids)
+        prefix_rows.append(n_prefix)
         if n_prefix:
             prefix_seg, num_segs = num_segs, num_segs + 1
             tokens += req.prefix_ids
@@ -108,23 +122,23 @@ def pack_score(requests: list[ScoreRequest], bucket: ScoreBucket, num_labels: in
             num_segs += 1
             last.append(len(tokens) - 1)
             labels += row_labels
-        used = len(tokens) - start_row
-        if used > block:
-            raise ValueError(f"a request of {used} tokens does not fit {bucket.key}")
-        block_tokens.append(used)
-        _pad_run(tokens, block - used, run_len, run_pos0, run_seg, run_ctx)
+    used = len(tokens)
+    if used > bucket.max_tokens:
+        raise ValueError(f"batch of {used} tokens does not fit {bucket.key}")
     if len(last) > s_max:
         raise ValueError(f"batch of {len(last)} samples does not fit {bucket.key}")
-    _pad_run(tokens, bucket.max_tokens - len(tokens), run_len, run_pos0, run_seg, run_ctx)
+    _pad_run(tokens, bucket.max_tokens - used, run_len, run_pos0, run_seg, run_ctx)
     pad_s = s_max - len(last)
     labels.extend([0] * (num_labels * pad_s))
     positions, seg, ctx = _expand_runs(run_len, run_pos0, run_seg, run_ctx, bucket.max_tokens)
+    pad_r = r_max - len(requests)
     inputs = {
         "tokens": _i64(tokens),
         "positions": positions,
         "seg": seg,
         "ctx": ctx,
-        "block_tokens": _i64(block_tokens + [0] * (r_max - len(requests))),
+        "request_rows": _i64(request_rows + [used] * pad_r + [bucket.max_tokens]),
+        "prefix_rows": _i64(prefix_rows + [0] * pad_r),
         "last": _i64(last + [0] * pad_s),
         "labels": _i64(labels).reshape(s_max, num_labels),
     }

@@ -10,8 +10,9 @@ from typing import Protocol, Sequence, Union
 import torch
 
 from ..artifact.artifact import Artifact
-from .batch import (BeamBatch, ScoreBatch, beam_fits, pack_beam, pack_score, pick_beam_bucket,
-                    pick_score_bucket, score_fits, unpack_beam, unpack_score)
+from ..artifact.buckets import Fill
+from .batch import (BeamBatch, ScoreBatch, dims, kind, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket,
+                    unpack_beam, unpack_score)
 from .requests import (BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult,
                        validate_beam, validate_score)
 
@@ -36,26 +37,20 @@ def validate(artifact: Artifact, req: Request) -> None:
 
 def plan_batches(artifact: Artifact, requests: Sequence[Request]) -> list[list[int]]:
     """Greedy, in order: consecutive requests of one kind (and one new_tokens) share a batch while
-    some bucket holds them all. Returns lists of indices into requests. Never splits a request."""
-    table = artifact.buckets
+    some bucket holds them all (buckets.Fill). Returns lists of indices into requests. Never
+    splits a request."""
     batches: list[list[int]] = []
     current: list[int] = []
-
-    def fits(idx: list[int]) -> bool:
-        reqs = [requests[i] for i in idx]
-        if all(isinstance(r, ScoreRequest) for r in reqs):
-            return any(score_fits(b, reqs) for b in table.score)
-        if all(isinstance(r, BeamRequest) for r in reqs):
-            return any(beam_fits(b, reqs) for b in table.beam)
-        return False
-
-    for i in range(len(requests)):
-        if current and fits(current + [i]):
+    fill: Fill | None = None
+    for i, req in enumerate(requests):
+        if current and kind(req) == kind(requests[current[0]]) and fill is not None and fill.fit(*dims(req)):
+            fill.add(*dims(req))
             current.append(i)
             continue
         if current:
             batches.append(current)
-        current = [i]
+        current, fill = [i], Fill(artifact.buckets.of_kind(kind(req)))
+        fill.add(*dims(req))
     if current:
         batches.append(current)
     return batches

@@ -55,18 +55,16 @@ def _uses_varlen(ctx: NodeContext, seg: torch.Tensor) -> bool:
 
 
 def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
-    pos, seg, prefix, blocks, last = (env[n] for n in node.inputs)
+    pos, seg, prefix, request_rows, prefix_rows, last = (env[n] for n in node.inputs)
     if ctx.fused is not None:  # the fused segment attention (kernels/segment_attention.py): each row's key ranges
-        env["key_ranges"] = segment_key_ranges(seg, seg.shape[0] // blocks.shape[0], prefix)
+        env["key_ranges"] = segment_key_ranges(seg, prefix, request_rows, prefix_rows)
         return
-    if _uses_varlen(ctx, seg):  # varlen attention: segment bounds, and each request block's prefix (the shared K/V)
-        r, t, s = blocks.shape[0], seg.shape[0], last.shape[0]
-        block = t // r
-        # runs: at most a prefix and a padding run per block besides the samples
-        env["cu_self"] = segment_bounds(seg, block, s + 2 * r)
-        env["cu_blocks"] = torch.arange(0, t + 1, block, dtype=torch.int32, device=seg.device)  # [R+1]
-        prefix_seg = prefix.view(r, block).amax(1)  # a block's prefix segment id, or NO_CONTEXT (-2)
-        env["prefix_len"] = seg.view(r, block).eq(prefix_seg.unsqueeze(1)).sum(1, dtype=torch.int32)  # [R]
+    if _uses_varlen(ctx, seg):  # varlen attention: segment bounds, and each request's prefix (the shared K/V)
+        r, s, chunk = prefix_rows.shape[0], last.shape[0], node.attrs["max_rows"]
+        # runs: the prefixes and samples, and the padding in chunks of at most max_rows
+        env["cu_self"] = segment_bounds(seg, s + r + seg.shape[0] // chunk + 1, chunk)
+        env["cu_blocks"] = request_rows.to(torch.int32)  # [R+1]: each request's rows
+        env["prefix_len"] = prefix_rows.to(torch.int32)  # [R]
         env["has_ctx"] = prefix.ge(0).unsqueeze(1)  # [T, 1]: a sample after a prefix
         return
     env["mask_self"] = _causal_within(pos, seg)  # [T, T]: causal within a segment
@@ -76,9 +74,9 @@ def score_masks(ctx: NodeContext, node: Node, env: Env) -> None:
 def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
     pos, seg, beam_req, plen, last = (env[n] for n in node.inputs)
     if ctx.fused is not None:  # the fused segment attention: each row's key ranges, one causal segment per prompt
-        env["key_ranges"] = segment_key_ranges(seg, seg.shape[0])
+        env["key_ranges"] = segment_key_ranges(seg)
     elif _uses_varlen(ctx, seg):  # varlen prefill attention: one causal segment per prompt (+ the padding run)
-        env["cu_self"] = segment_bounds(seg, seg.shape[0], last.shape[0] + 1)
+        env["cu_self"] = segment_bounds(seg, last.shape[0] + 1)
     else:
         env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
     env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
@@ -101,7 +99,7 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
         if ctx.fused is not None:  # one kernel: each row's prefix and own-segment keys (the masks node's key_ranges)
             attn = ctx.fused.segment_attention(q, k, v, env["key_ranges"], ctx.scale)
         elif "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
-            attn = varlen_layer_attention(q, k, v, env, mode, ctx.scale)
+            attn = varlen_layer_attention(q, k, v, env, mode, ctx.scale, node.attrs.get("max_rows", 0))
         elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
         else:
@@ -127,16 +125,18 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
 
 
 def varlen_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, env: Env, mode: str,
-                            scale: float) -> torch.Tensor:
+                            scale: float, max_rows: int) -> torch.Tensor:
     cu_self = env["cu_self"]
     if mode == "prefill":
         t = q.shape[0]
         return varlen_attention(q, k, v, cu_self, cu_self, t, t, True, scale)[0]
-    cu_blocks = env["cu_blocks"]
-    block = q.shape[0] // (cu_blocks.shape[0] - 1)
-    out_self, lse_self = varlen_attention(q, k, v, cu_self, cu_self, block, block, True, scale)
-    # every row of a block against the block's prefix; only samples after a prefix keep it
-    out_ctx, lse_ctx = varlen_attention(q, k, v, cu_blocks, cu_blocks, block, block, False, scale, env["prefix_len"])
+    # each sample's segment (no longer than max_rows, the padding chunked to it), causal
+    out_self, lse_self = varlen_attention(q, k, v, cu_self, cu_self, max_rows, max_rows, True, scale)
+    # every row of a request (the last slot: up to T, with the padding) against the request's prefix;
+    # only samples after a prefix keep it
+    t = q.shape[0]
+    out_ctx, lse_ctx = varlen_attention(q, k, v, env["cu_blocks"], env["cu_blocks"], t, t, False, scale,
+                                        env["prefix_len"])
     lse_ctx = lse_ctx.masked_fill(env["has_ctx"].logical_not(), float("-inf"))
     # the log-sum-exp merge as one interpolation: out_self + sigmoid(lse_ctx - lse_self) * (out_ctx - out_self),
     # exact algebra (a row without a prefix gets weight 0); one pass over [T, H, E] instead of a float32 merge

@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,9 +42,8 @@ from .admission import (GROWTH_TOLERANCE, AdmissionConfig, AdmissionController, 
                         Overloaded, Priority, Ticket)
 from .cost import CostTable, RequestCost, request_kind
 from ..artifact.artifact import Artifact
-from ..runtime.batch import (BeamBatch, ScoreBatch, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam,
-                    unpack_score)
-from ..artifact.buckets import BeamBucket, ScoreBucket
+from ..runtime.batch import BeamBatch, ScoreBatch, dims, pack_beam, pack_score, pick_bucket, unpack_beam, unpack_score
+from ..artifact.buckets import Fill
 from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 from ..runtime.timings import BatchTimings, NodeTimer
@@ -86,57 +85,22 @@ class BatcherConfig:
                 raise ValueError(f"batcher.{name}: must be an integer >= 1, got {value!r}")
 
 
-def buckets_by_kind(artifact: Artifact) -> dict[str, tuple[ScoreBucket, ...] | tuple[BeamBucket, ...]]:
-    """Each kind's buckets in the order the runtime picks them (pick_score_bucket / pick_beam_bucket):
-    the first that holds a batch is the one it runs in."""
-    table = artifact.buckets
-    beam: dict[str, list[BeamBucket]] = {}
-    for b in table.beam:
-        beam.setdefault(f"beam.n{b.new_tokens}", []).append(b)
-    score = tuple(sorted(table.score, key=lambda b: (b.max_tokens, b.max_samples)))
-    return {"score": score, **{kind: tuple(sorted(bs, key=lambda b: (b.max_requests * b.beam_width,
-                                                                      b.max_prompt_tokens)))
-                               for kind, bs in beam.items()}}
+class _Fill(Fill):
+    """buckets.Fill (the one answer to "which bucket holds these requests") over whole requests, and
+    the most requests a bucket of the kind holds."""
 
-
-class _Fill:
-    """Running totals of a forming batch and the bucket it would run in. A request only adds to
-    the totals, so a bucket that did not hold the batch never holds it again: the search for the
-    first that holds goes on from the current one (O(buckets) per batch, not per request)."""
+    __slots__ = ("most",)
 
     def __init__(self, buckets: tuple[Any, ...]) -> None:
-        self.buckets = buckets
-        self.tokens = self.samples = self.width = 0  # width: the widest beam so far
-        self.longest = 0  # Score: the most tokens of one request so far
-        self.count = 0
-        self.bucket: Any = None
-        self.index = 0  # of self.bucket in buckets (0 while empty)
+        super().__init__(buckets)
         self.most = max((b.max_requests for b in buckets), default=0)  # no bucket holds more requests
 
-    def fit(self, req: Request) -> Any:
+    def fit_request(self, req: Request) -> Any:
         """The bucket the batch would run in with req added; None if no bucket holds it."""
-        count = self.count + 1
-        if isinstance(req, ScoreRequest):
-            longest, samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
-            found = next((i for i in range(self.index, len(self.buckets))
-                          if self.buckets[i].holds(count, longest, samples)), None)
-        else:
-            tokens, width = self.tokens + len(req.prompt_ids), max(self.width, req.beam_width)
-            found = next((i for i in range(self.index, len(self.buckets))
-                          if (b := self.buckets[i]).max_requests >= count and b.beam_width >= width
-                          and b.max_prompt_tokens >= tokens), None)
-        return None if found is None else self.buckets[found]
+        return self.fit(*dims(req))
 
-    def add(self, req: Request, bucket: Any) -> None:
-        if isinstance(req, ScoreRequest):
-            self.longest, self.samples = max(self.longest, req.num_tokens), self.samples + req.num_samples
-        else:
-            self.width = max(self.width, req.beam_width)
-        self.tokens += req.num_tokens if isinstance(req, ScoreRequest) else len(req.prompt_ids)
-        self.count += 1
-        self.bucket = bucket
-        # a bucket that holds the batch lies at or after the current index (see the class doc)
-        self.index = self.buckets.index(bucket, self.index)
+    def add_request(self, req: Request) -> None:
+        self.add(*dims(req))
 
 
 class ArrivalRates:
@@ -182,18 +146,59 @@ class _Plan:
         return min(t.enqueued for t in self.tickets)
 
 
+class _Flight:
+    """A batch handed to the executor: its control (to stop it), when it went, its bucket, and
+    which of its members are gone (cancelled or expired)."""
+
+    __slots__ = ("tickets", "control", "started_s", "bucket", "gone")
+
+    def __init__(self, tickets: list[Ticket], control: Any, started_s: float, bucket: Any) -> None:
+        self.tickets, self.control, self.started_s, self.bucket = tickets, control, started_s, bucket
+        self.gone: set[int] = set()
+
+
 # ---- executors ------------------------------------------------------------------------------------
 
+class BatchCancelled(RuntimeError):
+    """A batch stopped between two nodes (or before it started): every request in it was cancelled
+    or had expired."""
+
+
+class _Control:
+    """What the Scheduler tells one running batch (a runtime without a control of its own):
+    cancel() stops it at its next node boundary; heavy: it pauses there for light batches."""
+
+    __slots__ = ("heavy", "cancelled")
+
+    def __init__(self, heavy: bool = False) -> None:
+        self.heavy = heavy
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class _SubmitExecutor:
-    """The C++ runtime: runtime.submit(batch) -> future of (outputs, BatchTimings), resolved on the
-    loop. Its lanes (num_lanes) run that many batches at once."""
+    """The C++ runtime on a GPU: runtime.submit(batch, control) -> future of (outputs, BatchTimings),
+    resolved on the loop. Its lanes (num_lanes) run that many batches at once; a cancelled control
+    stops a batch before it starts (a CUDA graph runs whole), or between nodes where it runs eagerly."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
 
-    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
-        outputs, timings = await self.runtime.submit(batch)
+    def make_control(self, is_heavy: bool) -> Any:
+        return self.runtime.control(is_heavy) if hasattr(self.runtime, "control") else _Control(is_heavy)
+
+    def cancel(self, control: Any) -> None:
+        control.cancel()
+
+    async def run(self, batch: Batch, is_heavy: bool = False,
+                  control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
+        if control is not None and control.cancelled:
+            raise BatchCancelled("cancelled before it was handed over")
+        kw = {} if control is None or isinstance(control, _Control) else {"control": control}
+        outputs, timings = await self.runtime.submit(batch, **kw)
         return list(outputs), timings
 
     def close(self) -> None:
@@ -219,14 +224,20 @@ class _LightFirst:
             self._light -= 1
             self._cond.notify_all()
 
-    def pause_heavy(self) -> int:
-        """Blocks while a light batch runs; returns the nanoseconds it paused."""
+    def pause_heavy(self, control: Any = None) -> int:
+        """Blocks while a light batch runs (and the control is not cancelled); returns the
+        nanoseconds it paused."""
         with self._cond:
             if not self._light:
                 return 0
             t0 = time.monotonic_ns()
-            self._cond.wait_for(lambda: self._light == 0)
+            self._cond.wait_for(lambda: self._light == 0 or (control is not None and control.cancelled))
             return time.monotonic_ns() - t0
+
+    def wake(self) -> None:
+        """A paused batch looks at its control again (it was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
 
 
 HEAVY_NICE = 19  # the CPU priority of the threads that run heavy batches on a CPU (Linux nice, per thread)
@@ -243,8 +254,11 @@ def lower_thread_priority(nice: int = HEAVY_NICE) -> bool:
 
 
 class _ThreadExecutor:
-    """A synchronous runtime (run_score / run_beam) on worker threads, like the C++ runtime's lanes:
-    a light batch need not wait behind a heavy one. On a CPU the two share the cores, so
+    """A synchronous runtime on worker threads, like the C++ runtime's lanes on a GPU: a light batch
+    need not wait behind a heavy one. It serves the Python runtime (run_score / run_beam with a
+    trace hook called between nodes) and the C++ runtime on a CPU (run_batch with a RunControl of
+    its own: the same pause and cancellation, between nodes inside the executor, without the GIL).
+    On a CPU the two batches share the cores, so
 
     - a heavy batch pauses between its nodes while a light one runs (_LightFirst), and
     - heavy batches run on threads of their own at the lowest CPU priority (nice HEAVY_NICE, which
@@ -255,7 +269,9 @@ class _ThreadExecutor:
       1.5x at 19 (tests/service/test_overload.py, runs interleaved).
 
     Per-node host times come from the runtime's trace hook when it has one (the hook is also where
-    a heavy batch pauses): a BatchTimings timed on the host, its pauses in paused_ns."""
+    a heavy batch pauses): a BatchTimings timed on the host, its pauses in paused_ns. A cancelled
+    control (every request of the batch cancelled or expired) stops the batch at its next node
+    boundary: BatchCancelled (the C++ executor's RunCancelled)."""
 
     def __init__(self, runtime: Any, num_lanes: int = 1) -> None:
         self.runtime = runtime
@@ -265,20 +281,39 @@ class _ThreadExecutor:
         # heavy batches hold at most num_lanes - 1 slots (the Scheduler's rule), at least one
         self._heavy_pool = ThreadPoolExecutor(max_workers=max(num_lanes - 1, 1), thread_name_prefix="slmrank-heavy",
                                               initializer=lower_thread_priority if on_cpu else None)
-        self._has_trace = "trace" in inspect.signature(runtime.run_score).parameters
+        self._native = hasattr(runtime, "run_batch") and hasattr(runtime, "control")  # the C++ runtime
+        self._has_trace = not self._native and "trace" in inspect.signature(runtime.run_score).parameters
         self._gate = _LightFirst()
 
-    async def run(self, batch: Batch, is_heavy: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
+    def make_control(self, is_heavy: bool) -> Any:
+        return self.runtime.control(is_heavy) if self._native else _Control(is_heavy)
+
+    def cancel(self, control: Any) -> None:
+        control.cancel()
+        self._gate.wake()
+
+    async def run(self, batch: Batch, is_heavy: bool = False,
+                  control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
         submit_ns = time.monotonic_ns()
         pool = self._heavy_pool if is_heavy else self._pool
-        return await asyncio.get_running_loop().run_in_executor(pool, self._run, batch, submit_ns, is_heavy)
+        control = control if control is not None else self.make_control(is_heavy)
+        return await asyncio.get_running_loop().run_in_executor(pool, self._run, batch, submit_ns, is_heavy, control)
 
-    def _run(self, batch: Batch, submit_ns: int, is_heavy: bool) -> tuple[list[torch.Tensor], BatchTimings]:
+    def _run(self, batch: Batch, submit_ns: int, is_heavy: bool,
+             control: Any) -> tuple[list[torch.Tensor], BatchTimings]:
+        if control.cancelled:
+            raise BatchCancelled("cancelled before it started")
+        if self._native:  # the executor pauses and stops the batch between its nodes itself
+            outputs, timings = self.runtime.run_batch(batch, control)
+            return outputs, replace(timings, submit_ns=submit_ns)
         timer = NodeTimer(submit_ns)
 
         def trace(node: Any, env: Any) -> None:
             timer.lap(node.name)
-            timer.skip(self._gate.pause_heavy() if is_heavy else 0)
+            if is_heavy:
+                timer.skip(self._gate.pause_heavy(control))
+            if control.cancelled:
+                raise BatchCancelled(f"cancelled after node {node.name}")
 
         kw = {"trace": trace} if self._has_trace else {}
         if not is_heavy:
@@ -308,8 +343,11 @@ class Scheduler:
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
+        # the C++ runtime's lanes on a GPU; on a CPU (its lanes would share the cores without pausing
+        # for each other), worker threads as for any synchronous runtime
+        on_cpu = getattr(getattr(runtime, "device", None), "type", "cpu") == "cpu"
         self._executor: _SubmitExecutor | _ThreadExecutor = (
-            _SubmitExecutor(runtime) if hasattr(runtime, "submit")
+            _SubmitExecutor(runtime) if hasattr(runtime, "submit") and not (on_cpu and hasattr(runtime, "run_batch"))
             else _ThreadExecutor(runtime, self.config.max_inflight))
         self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
@@ -317,7 +355,6 @@ class Scheduler:
         # (request, own_s, share_s, idle_s)
         self.on_precheck: Callable[[Request, float, float, float | None], None] | None = None
         self._label_columns = artifact.label_columns
-        self._buckets = buckets_by_kind(artifact)
         self._wake = asyncio.Event()  # something changed: an arrival, a drop, a batch done
         self._progress = asyncio.Event()  # a batch finished or a ticket left the queue (for drain)
         self._loop_task: asyncio.Task | None = None
@@ -338,6 +375,9 @@ class Scheduler:
         self._arrivals = ArrivalRates()
         self._residence = Residence()
         self._inflight_by_kind: Counter[str] = Counter()  # requests in batches handed to the executor
+        self._flights: dict[int, _Flight] = {}  # id(ticket) -> its batch, while handed to the executor
+        self._dropped_in_flight: Counter[str] = Counter()  # "expired", "cancelled": members of running batches
+        self._num_cancelled_batches = 0  # stopped between nodes: none of their requests was left
 
     async def start(self) -> None:
         """Starts the batching loop on the running event loop."""
@@ -352,8 +392,10 @@ class Scheduler:
         Raises RequestError (invalid), Overloaded (refused now: queue_full / client_limit /
         deadline / draining), DeadlineUnmeetable (no request could meet the deadline),
         DeadlineExpired (the deadline passed while queued), ExecutionError (its batch failed).
-        Cancelling the awaiting task removes the request if it is still queued; once batched it
-        runs and its result is discarded."""
+        Cancelling the awaiting task removes the request if it is still queued; once batched, its
+        batch stops at the next node boundary when no member is left (cancelled or expired), else its
+        result is discarded. A batched request that can no longer finish by its deadline, or is
+        still running at it, gets DeadlineExpired then: it is never answered late."""
         if self._loop_task is None or self._loop_task.done():
             raise RuntimeError("the batching loop is not running (start() not called, or closed)")
         if not isinstance(request, (ScoreRequest, BeamRequest)):
@@ -381,7 +423,8 @@ class Scheduler:
             self.model.observe_lag(self.clock() - ticket.answered_s)
             return done
         except asyncio.CancelledError:
-            self.admission.remove(ticket, "cancelled")
+            if not self.admission.remove(ticket, "cancelled"):
+                self._leave(ticket, "cancelled")
             raise
         finally:
             if timer is not None:
@@ -432,8 +475,15 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         buckets = {key: {"batches": int(n), "occupancy_mean": total / n} for key, (n, total) in self._occupancy.items()}
         num = sum(n for n, _ in self._occupancy.values())
+        admitted = self.admission.stats()
         return {
-            **self.admission.stats(),
+            **admitted,
+            # dropped once admitted: in the queue (admission's count) or in a running batch
+            "expired": admitted["expired"] + self._dropped_in_flight["expired"],
+            "cancelled": admitted["cancelled"] + self._dropped_in_flight["cancelled"],
+            "expired_in_flight": self._dropped_in_flight["expired"],
+            "cancelled_in_flight": self._dropped_in_flight["cancelled"],
+            "batches_cancelled": self._num_cancelled_batches,
             "batches": self._num_batches,
             "batches_failed": self._num_failed_batches,
             "requests_executed": self._num_executed,
@@ -484,11 +534,11 @@ class Scheduler:
             head = next((t for t in self.admission.waiting() if not self._is_heavy(t, now)), None)
             if head is None:
                 return None
-        fill = _Fill(self._buckets.get(head.kind, ()))
-        bucket = fill.fit(head.payload)
+        fill = _Fill(self.artifact.buckets.of_kind(head.kind))
+        bucket = fill.fit_request(head.payload)
         if bucket is None:  # fits no bucket alone (not validated): it fails in _execute, alone
             return _Plan([head], True)
-        fill.add(head.payload, bucket)
+        fill.add_request(head.payload)
         tickets, is_full = [head], False
         deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
         misses = 0
@@ -503,7 +553,7 @@ class Scheduler:
                 break
             if misses >= MAX_MISSES:  # planning stays O(batch), not O(queue), under overload
                 break
-            bucket = fill.fit(t.payload)
+            bucket = fill.fit_request(t.payload)
             if bucket is None:
                 is_full = True  # first fit: a smaller one further back may still join
                 misses += 1
@@ -521,7 +571,7 @@ class Scheduler:
                     is_full = True
                     misses += 1
                     continue
-            fill.add(t.payload, bucket)
+            fill.add_request(t.payload)
             tickets.append(t)
             deadline = tighter
         # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
@@ -610,12 +660,17 @@ class Scheduler:
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
-        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket))
+        flight = _Flight(plan.tickets, self._executor.make_control(is_heavy), now, plan.bucket)
+        for t in plan.tickets:
+            self._flights[id(t)] = flight
+        task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket,
+                                                                    flight))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool,
-                       bucket: Any = None) -> None:
+                       bucket: Any = None, flight: _Flight | None = None) -> None:
+        control = None if flight is None else flight.control
         reqs = [t.payload for t in tickets]
         levels = dict(Counter(int(t.priority) for t in tickets))
         run: tuple[float, float] | None = None
@@ -625,9 +680,11 @@ class Scheduler:
             packed_from = self.clock()
             # a heavy batch's host work (thousands of beam rows) off the event loop, where light requests wait
             batch = await asyncio.to_thread(self._pack, reqs, bucket) if is_heavy else self._pack(reqs, bucket)
+            if control is not None and control.cancelled:  # every member left while it was packed
+                raise BatchCancelled("cancelled before it started")
             self._record_batch(batch)
             start_s = self.clock()
-            outputs, timings = await self._executor.run(batch, is_heavy)
+            outputs, timings = await self._executor.run(batch, is_heavy, control)
             end_s = self.clock()
             results = (await asyncio.to_thread(self._unpack, batch, outputs) if is_heavy
                        else self._unpack(batch, outputs))
@@ -637,23 +694,30 @@ class Scheduler:
             # what the batch held a slot for: packing, the run, the loop taking the results, unpacking
             service_s = (self.clock() - packed_from - timings.queue_ns / 1e9 - timings.paused_ns / 1e9)
         except Exception as e:  # only this batch's requests see the failure
-            self._num_failed_batches += 1
-            error = ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")
-            for t in tickets:
-                _settle(t.future, error=error)
+            if control is not None and control.cancelled:  # stopped: each member already has its answer
+                self._num_cancelled_batches += 1
+            else:
+                self._num_failed_batches += 1
+                error = ExecutionError(f"batch of {len(reqs)} request(s) failed: {e}")
+                for t in tickets:
+                    _settle(t.future, error=error)
         else:
             answered_s = self.clock()
             for i, (t, result) in enumerate(zip(tickets, results)):
                 t.answered_s = answered_s
                 self._residence.add(t.kind, answered_s - t.enqueued)
-                self._num_answered_late += t.deadline is not None and answered_s > t.deadline
                 if t.predicted_s and t.measured:  # whether or not its caller is still there to hear it
                     self.model.observe_prediction(t.predicted_s, answered_s + self.model.lag_s - t.enqueued, answered_s,
                                                   int(t.priority))
+                if t.deadline is not None and answered_s > t.deadline:  # done after the deadline timer could
+                    self._leave(t, "expired")  # act (the loop was busy): not answered late either
+                    continue
                 _settle(t.future, Completed(result, RequestTimings(
                     t.priority, t.enqueued, dequeued_s, start_s, end_s, batch_id, len(tickets), i,
                     batch.bucket.key, timings)))
         finally:
+            for t in tickets:
+                self._flights.pop(id(t), None)
             self._heavy_inflight -= is_heavy
             self._inflight_by_kind[tickets[0].kind] -= len(tickets)
             if self._inflight == self.config.max_inflight:
@@ -666,17 +730,14 @@ class Scheduler:
                                       levels, service_s)
 
     def _pack(self, reqs: list[Any], bucket: Any = None) -> Batch:
-        """bucket: the one the plan formed the batch in (the runtime's own pick: buckets_by_kind), or
+        """bucket: the one the plan formed the batch in (buckets.Fill, as the runtime picks it), or
         None to pick it here; packing checks that the requests fit it."""
+        bucket = bucket or pick_bucket(self.artifact.buckets, reqs)
+        if bucket is None:
+            raise ExecutionError(f"{len(reqs)} {request_kind(reqs[0])} request(s) fit no bucket")
         if isinstance(reqs[0], ScoreRequest):
-            bucket = bucket or pick_score_bucket(self.artifact.buckets, reqs)
-            if bucket is None:
-                raise ExecutionError(f"{len(reqs)} score request(s) fit no bucket")
             return pack_score(reqs, bucket, self._label_columns)
-        beam_bucket = bucket or pick_beam_bucket(self.artifact.buckets, reqs)
-        if beam_bucket is None:
-            raise ExecutionError(f"{len(reqs)} beam request(s) fit no bucket")
-        return pack_beam(reqs, beam_bucket)
+        return pack_beam(reqs, bucket)
 
     @staticmethod
     def _unpack(batch: Batch, outputs: list[torch.Tensor]) -> Sequence[ScoreResult | BeamResult]:
@@ -694,7 +755,38 @@ class Scheduler:
     # -- queue events --
 
     def _expire(self, ticket: Ticket) -> None:
-        self.admission.remove(ticket, "expired")  # a no-op once batched
+        if self.admission.remove(ticket, "expired"):
+            return
+        flight = self._flights.get(id(ticket))
+        if flight is None or ticket.future.done() or ticket.deadline is None:
+            return
+        # batched: it can no longer finish in time if its batch started too late to end by the
+        # deadline even as fast as its bucket ran lately; else look again at the deadline itself
+        now = self.clock()
+        fastest_s = 0.0 if flight.bucket is None else self.model.bucket_min_s(self.costs.info(flight.bucket), now)
+        if now < ticket.deadline and flight.started_s + fastest_s <= ticket.deadline:
+            asyncio.get_running_loop().call_later(ticket.deadline - now, self._expire, ticket)
+            return
+        self._leave(ticket, "expired")
+
+    def _leave(self, ticket: Ticket, reason: DropReason) -> None:
+        """A member of a batch handed to the executor is gone: cancelled by its caller (its future
+        is), or expired (answered DeadlineExpired here). Once no member is left, the batch stops
+        at its next node boundary."""
+        flight = self._flights.get(id(ticket))
+        if flight is None or id(ticket) in flight.gone:
+            return
+        if reason == "expired" and not ticket.future.done():
+            now = self.clock()
+            _settle(ticket.future, error=DeadlineExpired(
+                f"its batch could not finish by the deadline ({(ticket.deadline or now) - now:.4f} s left, "
+                f"{now - flight.started_s:.4f} s into the run); the answer was not sent"))
+        elif not ticket.future.done():
+            return  # still awaited: not gone
+        flight.gone.add(id(ticket))
+        self._dropped_in_flight[reason] += 1
+        if len(flight.gone) == len(flight.tickets) and not flight.control.cancelled:
+            self._executor.cancel(flight.control)
 
     def _on_drop(self, ticket: Ticket, reason: DropReason) -> None:
         if reason == "expired":
@@ -724,10 +816,7 @@ class Scheduler:
 
 def _occupancy(batch: Batch) -> float:
     """Useful share of the bucket: real tokens / bucket tokens (Score), real beams / beam rows (BeamSearch)."""
-    if isinstance(batch.bucket, ScoreBucket):
-        return sum(r.num_tokens for r in batch.requests) / batch.bucket.max_tokens
-    bucket: BeamBucket = batch.bucket
-    return sum(r.beam_width for r in batch.requests) / (bucket.max_requests * bucket.beam_width)
+    return sum(dims(r)[0] if isinstance(r, ScoreRequest) else r.beam_width for r in batch.requests) / batch.bucket.rows
 
 
 def _settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -22,7 +22,8 @@ from ..artifact.artifact import Artifact
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from ..model.config import ModelConfig
 from ..model.flops import beam_flops, score_flops
-from ..runtime.batch import pick_beam_bucket, pick_score_bucket
+from ..artifact.buckets import Fill
+from ..runtime.batch import dims, kind
 from ..runtime.requests import BeamRequest, ScoreRequest
 
 Request = ScoreRequest | BeamRequest
@@ -31,9 +32,7 @@ Bucket = ScoreBucket | BeamBucket
 
 def request_kind(request: Request) -> str:
     """Requests of one kind may share a batch: "score", or "beam.n<new_tokens>"."""
-    if isinstance(request, ScoreRequest):
-        return "score"
-    return f"beam.n{request.new_tokens}"
+    return kind(request)
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,12 @@ class RequestCost:
 
 
 def bucket_flops(cfg: ModelConfig, bucket: Bucket) -> float:
-    """A full bucket as its rows would be used: R request blocks of L tokens with S/R samples each
-    (Score); R requests with P/R prompt tokens each, beam_width beams, new_tokens steps (BeamSearch)."""
+    """A full bucket as its rows would be used: T tokens as samples of 64 (Score, a W1 sample; the
+    attention part is small beside the linear layers at these lengths); R requests with P/R prompt
+    tokens each, beam_width beams, new_tokens steps (BeamSearch)."""
     if isinstance(bucket, ScoreBucket):
-        per_request = max(bucket.max_samples // bucket.max_requests, 1)
-        length = bucket.request_tokens
-        lens = [length // per_request] * per_request
-        lens[-1] += length - sum(lens)
-        return float(bucket.max_requests * score_flops(cfg, 0, [n for n in lens if n > 0]))
+        lens = [64] * (bucket.max_tokens // 64) + ([bucket.max_tokens % 64] if bucket.max_tokens % 64 else [])
+        return float(score_flops(cfg, 0, lens))
     prompt = max(bucket.max_prompt_tokens // bucket.max_requests, 1)
     return float(bucket.max_requests * beam_flops(cfg, prompt, bucket.beam_width, bucket.new_tokens))
 
@@ -96,16 +93,15 @@ class CostTable:
         return cost
 
     def _compute(self, request: Request) -> RequestCost:
-        table = self.artifact.buckets
+        fill, d = Fill(self.artifact.buckets.of_kind(kind(request))), dims(request)
         packings: list[tuple[int, BucketInfo]] = []
         n = 1
         while n <= self.max_batch_requests:
-            copies = [request] * n
-            bucket = pick_score_bucket(table, copies) if isinstance(request, ScoreRequest) else pick_beam_bucket(
-                table, copies)
-            if bucket is None:
+            while fill.count < n and fill.add(*d) is not None:
+                pass
+            if fill.count < n or fill.bucket is None:
                 break
-            packings.append((n, self.info(bucket)))
+            packings.append((n, self.info(fill.bucket)))
             n *= 2
         if not packings:
             raise ValueError(f"no bucket holds this {request_kind(request)} request")

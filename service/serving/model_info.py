@@ -37,7 +37,6 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
         compute_dtype=str(dtype).removeprefix("torch."), runtime=runtime.name, device=str(device),
         kernels=getattr(runtime, "kernels", "aten"),
         limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),
-        score_buckets=[pb2.ScoreBucket(max_requests=b.max_requests, request_tokens=b.request_tokens,
-                                       max_samples=b.max_samples) for b in artifact.buckets.score],
+        score_buckets=[pb2.ScoreBucket(**dataclasses.asdict(b)) for b in artifact.buckets.score],
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
         server_version=server_version())

@@ -126,7 +126,7 @@ def test_plain_run_returns_outputs_and_timings_only(qwen2_small, helpers) -> Non
     art, rt = qwen2_small.artifact, qwen2_small.cpp
     batch = _score_batch(art, random.Random(4), helpers)
     result = rt._executor.run("score", batch.inputs)
-    assert len(result) == 2 and len(result[1]) == 8, f"a plain run returned more: {[type(r) for r in result]}"
+    assert len(result) == 2 and len(result[1]) == 9, f"a plain run returned more: {[type(r) for r in result]}"
     traced = rt._executor.trace("score", batch.inputs, ["x"])
     assert [node for node, _ in traced] == [n.name for n in art.score_dag]
 

@@ -148,10 +148,13 @@ def test_segment_attention_in_a_cuda_graph(kernels) -> None:
         i += n
     seg[block:block + 250] = len(lengths)  # block 1: one sample of 250 rows, no prefix
     seg, ctx = seg.cuda(), ctx.cuda()
+    # request 0: rows 0..299 (its prefix: the first 40), request 1: the rest (no prefix)
+    request_rows = torch.tensor([0, block, t], device="cuda")
+    prefix_rows = torch.tensor([40, 0], device="cuda")
     q = torch.randn(t, 14, 64, generator=g).to("cuda", torch.bfloat16)
     k, v = (torch.randn(t, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     scale = 0.125
-    ranges = segment_key_ranges(seg, block, ctx)
+    ranges = segment_key_ranges(seg, ctx, request_rows, prefix_rows)
     eager = kernels.segment_attention(q, k, v, ranges, scale)
     truth = segment_attention_ref(q.double(), k.double(), v.double(), ranges, scale)
     ref = segment_attention_ref(q, k, v, ranges, scale)
@@ -163,7 +166,7 @@ def test_segment_attention_in_a_cuda_graph(kernels) -> None:
         kernels.segment_attention(q, k, v, ranges, scale)  # warm-up on the stream
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            captured = kernels.segment_attention(q, k, v, segment_key_ranges(seg, block, ctx), scale)
+            captured = kernels.segment_attention(q, k, v, segment_key_ranges(seg, ctx, request_rows, prefix_rows), scale)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)

@@ -28,8 +28,9 @@ def _packed_segments(g: torch.Generator, n: int, block: int) -> torch.Tensor:
     return seg
 
 
-def _runs(seg: torch.Tensor, block: int) -> list[int]:
-    starts = [i for i in range(len(seg)) if i == 0 or seg[i] != seg[i - 1] or i % block == 0]
+def _runs(seg: torch.Tensor, pad_chunk: int) -> list[int]:
+    """The runs of equal ids, a padding run also ending at every multiple of pad_chunk."""
+    starts = [i for i in range(len(seg)) if i == 0 or seg[i] != seg[i - 1] or (seg[i] < 0 and i % pad_chunk == 0)]
     return starts + [len(seg)]
 
 
@@ -40,7 +41,7 @@ def test_segment_bounds_finds_every_run(seed: int) -> None:
     seg = _packed_segments(g, 4 * block, block)
     runs = _runs(seg, block)
     spare = 3
-    got = segment_bounds(seg, block, len(runs) - 1 + spare)
+    got = segment_bounds(seg, len(runs) - 1 + spare, block)
     assert got.dtype == torch.int32
     assert got.tolist() == runs + [len(seg)] * spare
 
@@ -52,7 +53,7 @@ def test_varlen_reference_equals_dense_masks(seed: int, heads: int, kv_heads: in
     block, n = 48, 3 * 48
     seg = _packed_segments(g, n, block)
     q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    cu = segment_bounds(seg, block, n)
+    cu = segment_bounds(seg, n, block)
     got, got_lse = varlen_attention_ref(q, k, v, cu, cu, True, dim ** -0.5)
     pos = torch.arange(n)
     run = torch.bucketize(pos, cu[1:], right=True)  # each row's run
@@ -85,8 +86,8 @@ def test_flash_varlen_matches_reference_cuda(seed: int, heads: int, kv_heads: in
     seg = _packed_segments(g, n, block)
     q, k, v = (torch.randn(n, h, dim, generator=g).to("cuda", torch.bfloat16) for h in (heads, kv_heads, kv_heads))
     num_runs = len(_runs(seg, block)) - 1
-    cu = segment_bounds(seg.cuda(), block, num_runs + 5)
-    assert cu.cpu().tolist() == segment_bounds(seg, block, num_runs + 5).tolist()
+    cu = segment_bounds(seg.cuda(), num_runs + 5, block)
+    assert cu.cpu().tolist() == segment_bounds(seg, num_runs + 5, block).tolist()
     scale = dim ** -0.5
     got, got_lse = varlen_attention(q, k, v, cu, cu, block, block, True, scale)
     want, want_lse = varlen_attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu.cpu(), cu.cpu(),

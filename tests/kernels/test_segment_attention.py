@@ -2,7 +2,7 @@
 the dense-mask reference and against what the ATen path computes from the batch's own masks
 (a sample: causal within itself + its request's whole prefix, merged by log-sum-exp), on fresh
 random batches packed by service/runtime/batch.py: prefixes or none, padding, samples straddling
-tile boundaries, samples longer than a tile, blocks that are not a multiple of the tile. Small
+tile boundaries, samples longer than a tile, requests that are not a multiple of the tile. Small
 shapes: Triton's interpreter on the CPU (compiled on a GPU where there is one); GPU (marked gpu):
 compiled, at the workloads' shapes, no less accurate than the varlen FlashAttention path it
 replaces, and inside a CUDA graph."""
@@ -51,22 +51,30 @@ def _aten_masks(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return mask_self, ctx[:, None] == seg[None, :]
 
 
-def _expected_ranges(seg: list[int], ctx: list[int] | None, block: int) -> list[list[int]]:
-    """key_ranges built row by row on the host, from the layout's definition."""
+def _expected_ranges(seg: list[int], ctx: list[int] | None) -> list[list[int]]:
+    """key_ranges built row by row on the host, from the layout's definition: a row's own segment is its run of
+    equal ids; a sample's prefix is the run of rows whose id is its ctx."""
     t = len(seg)
     out = [[0] * t, [0] * t, [0] * t]
     for i in range(t):
         start = i
-        while start > 0 and start % block and seg[start - 1] == seg[i]:
+        while start > 0 and seg[start - 1] == seg[i]:
             start -= 1
         out[2][i] = start if seg[i] >= 0 else i + 1
         if ctx is not None and ctx[i] >= 0:
-            b0 = i - i % block
+            b0 = seg.index(ctx[i])
             n = 0
             while b0 + n < t and seg[b0 + n] == ctx[i]:
                 n += 1
             out[0][i], out[1][i] = b0, b0 + n
     return out
+
+
+def _ranges(inputs: dict[str, torch.Tensor], ctx: torch.Tensor | None = None) -> torch.Tensor:
+    """The masks node's key ranges (segment_key_ranges) of a packed Score batch, on DEVICE (or ctx's)."""
+    ctx = inputs["ctx"].to(DEVICE) if ctx is None else ctx
+    return segment_key_ranges(inputs["seg"].to(ctx.device), ctx, inputs["request_rows"].to(ctx.device),
+                              inputs["prefix_rows"].to(ctx.device))
 
 
 def _qkv(g: torch.Generator, t: int, layout: str, dtype: torch.dtype, device: str):
@@ -80,11 +88,11 @@ def test_key_ranges_follow_the_layout(seed: int) -> None:
     block = rng.choice([40, 64, 96])
     inputs = _score_batch(rng, 3, block, requests=rng.choice([2, 3]))
     seg, ctx = inputs["seg"], inputs["ctx"]
-    got = segment_key_ranges(seg, block, ctx)
+    got = _ranges(inputs, ctx)
     assert got.dtype == torch.int32 and got.shape == (3, seg.shape[0])
-    assert got.tolist() == _expected_ranges(seg.tolist(), ctx.tolist(), block)
-    # beam prefill: the prompts packed in one block, no prefix
-    assert segment_key_ranges(seg, seg.shape[0]).tolist() == _expected_ranges(seg.tolist(), None, seg.shape[0])
+    assert got.tolist() == _expected_ranges(seg.tolist(), ctx.tolist())
+    # beam prefill: the prompts packed back to back, no prefix
+    assert segment_key_ranges(seg).tolist() == _expected_ranges(seg.tolist(), None)
     # the visibility is the ATen path's on every real row; padding rows see nothing
     mask_self, mask_ctx = _aten_masks(inputs)
     real = seg.ge(0)
@@ -102,7 +110,7 @@ def test_matches_reference_float32(seed: int, layout: str, tile: Tile | None) ->
     block = rng.choice([40, 72])
     inputs = _score_batch(rng, 3, block, requests=rng.choice([2, 3]))
     seg, ctx = inputs["seg"].to(DEVICE), inputs["ctx"].to(DEVICE)
-    ranges = segment_key_ranges(seg, block, ctx)
+    ranges = _ranges(inputs, ctx)
     q, k, v = _qkv(torch.Generator().manual_seed(seed), seg.shape[0], layout, torch.float32, DEVICE)
     scale = q.shape[-1] ** -0.5
     got = segment_attention(q, k, v, ranges, scale, tile=tile)
@@ -121,7 +129,7 @@ def test_no_less_accurate_than_the_reference_16bit(dtype: torch.dtype, layout: s
     rng = random.Random(7)
     inputs = _score_batch(rng, 2, 72, prefix=20)
     seg, ctx = inputs["seg"].to(DEVICE), inputs["ctx"].to(DEVICE)
-    ranges = segment_key_ranges(seg, 72, ctx)
+    ranges = _ranges(inputs, ctx)
     q, k, v = _qkv(torch.Generator().manual_seed(1), seg.shape[0], layout, dtype, DEVICE)
     scale = q.shape[-1] ** -0.5
     got = segment_attention(q, k, v, ranges, scale, tile=Tile(32, 16, 4, 2))
@@ -139,7 +147,7 @@ def test_beam_prefill_packed_prompts(seed: int) -> None:
     prompts = [37, 3, 50, 1]
     seg = torch.tensor([r for r, n in enumerate(prompts) for _ in range(n)] + [-1] * 13, device=DEVICE)
     pos = torch.cat([torch.arange(n) for n in prompts] + [torch.zeros(13, dtype=torch.int64)]).to(DEVICE)
-    ranges = segment_key_ranges(seg, seg.shape[0])
+    ranges = segment_key_ranges(seg)
     q, k, v = _qkv(g, seg.shape[0], "small", torch.float32, DEVICE)
     got = segment_attention(q, k, v, ranges, 0.3, tile=Tile(16, 16, 4, 2))
     mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # nodes.py::beam_masks' mask_self
@@ -151,7 +159,7 @@ def test_beam_prefill_packed_prompts(seed: int) -> None:
 
 def test_refuses_bad_arguments() -> None:
     q, k, v = _qkv(torch.Generator().manual_seed(0), 20, "small", torch.float32, DEVICE)
-    ranges = segment_key_ranges(torch.zeros(20, dtype=torch.int64, device=DEVICE), 20)
+    ranges = segment_key_ranges(torch.zeros(20, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="do not agree"):
         segment_attention(q[:, :3], k, v, ranges, 0.25)
     with pytest.raises(ValueError, match="int32"):
@@ -174,25 +182,23 @@ GPU_CASES = {
 def _gpu_case(case: str, dtype: torch.dtype, seed: int = 0):
     layout, blocks, block, prefix, samples, requests = GPU_CASES[case]
     inputs = _score_batch(random.Random(seed), blocks, block, samples, prefix, requests)
-    seg, ctx = inputs["seg"].cuda(), inputs["ctx"].cuda()
-    ranges = segment_key_ranges(seg, block, ctx)
+    seg = inputs["seg"].cuda()
+    ranges = _ranges(inputs, inputs["ctx"].cuda())
     q, k, v = _qkv(torch.Generator().manual_seed(seed), seg.shape[0], layout, dtype, "cuda")
     return inputs, seg, ranges, q, k, v
 
 
-def _varlen_path(inputs: dict[str, torch.Tensor], q, k, v, block: int, scale: float) -> torch.Tensor:
-    """The path the kernel replaces: the runtimes' varlen FlashAttention calls + lerp merge."""
+def _varlen_path(inputs: dict[str, torch.Tensor], q, k, v, max_rows: int, scale: float) -> torch.Tensor:
+    """The path the kernel replaces: the runtimes' varlen FlashAttention calls + lerp merge (the
+    masks node's buffers as service/runtime/nodes.py::score_masks makes them)."""
     from service.runtime.nodes import varlen_layer_attention
 
     seg, ctx = inputs["seg"].cuda(), inputs["ctx"].cuda()
-    t = seg.shape[0]
-    r = t // block
-    prefix_seg = ctx.view(r, block).amax(1)
-    env = {"cu_self": segment_bounds(seg, block, int(inputs["last"].shape[0]) + 2 * r),
-           "cu_blocks": torch.arange(0, t + 1, block, dtype=torch.int32, device="cuda"),
-           "prefix_len": seg.view(r, block).eq(prefix_seg.unsqueeze(1)).sum(1, dtype=torch.int32),
+    r, s = inputs["prefix_rows"].shape[0], inputs["last"].shape[0]
+    env = {"cu_self": segment_bounds(seg, s + r + seg.shape[0] // max_rows + 1, max_rows),
+           "cu_blocks": inputs["request_rows"].cuda().int(), "prefix_len": inputs["prefix_rows"].cuda().int(),
            "has_ctx": ctx.ge(0).unsqueeze(1)}
-    return varlen_layer_attention(q, k, v, env, "score", scale)
+    return varlen_layer_attention(q, k, v, env, "score", scale, max_rows)
 
 
 @pytest.mark.gpu
@@ -204,7 +210,7 @@ def test_cuda_16bit_no_less_accurate_than_flash(case: str, dtype: torch.dtype) -
     real = seg.ge(0)
     got = segment_attention(q, k, v, ranges, scale)
     truth = segment_attention_ref(q.double(), k.double(), v.double(), ranges, scale)
-    flash = _varlen_path(inputs, q, k, v, GPU_CASES[case][2], scale)
+    flash = _varlen_path(inputs, q, k, v, max(GPU_CASES[case][2], 2048), scale)
     err_got, err_flash = (got.double() - truth)[real].abs(), (flash.double() - truth)[real].abs()
     assert err_got.max() <= err_flash.max() + 1e-3 and err_got.mean() <= err_flash.mean() + 1e-4
     assert not got[~real].any()
@@ -231,14 +237,14 @@ def test_key_ranges_and_kernel_in_a_cuda_graph() -> None:
     scale = q.shape[-1] ** -0.5
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        segment_attention(q, k, v, segment_key_ranges(seg, 768, ctx), scale)  # compile and warm up
+        segment_attention(q, k, v, _ranges(inputs, ctx), scale)  # compile and warm up
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            ranges = segment_key_ranges(seg, 768, ctx)
+            ranges = _ranges(inputs, ctx)
             out = segment_attention(q, k, v, ranges, scale)
     ctx.copy_(inputs["ctx"])
     graph.replay()
     torch.cuda.synchronize()
-    want = segment_key_ranges(seg, 768, ctx)
+    want = _ranges(inputs, ctx)
     assert torch.equal(ranges, want)
     assert torch.equal(out, segment_attention(q, k, v, want, scale))

@@ -214,7 +214,7 @@ def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
         assert rt.started[2] == ["q3"]
         await s.close()
 
-        # the bucket full: 4 requests of 2048 tokens fill the largest score bucket (4 blocks of 2048); the fifth is left out
+        # the bucket full: 4 requests of 2048 tokens fill the largest score bucket (8,192 tokens); the fifth is left out
         s = await started(art, rt, max_wait_s=60.0)
         big = [ScoreRequest(samples=((9,) * 128,) * 16, label_ids=(1,), id=f"big{i}") for i in range(5)]
         tasks = [asyncio.create_task(s.submit(r)) for r in big]
@@ -223,8 +223,8 @@ def test_a_batch_waits_for_max_wait_unless_it_is_full(art):
         assert await s.drain(timeout_s=10)
         await asyncio.gather(*tasks)
         assert rt.started[4] == ["big4"]
-        assert s.stats()["buckets"] == {"score.r4.l2048.s256": {"batches": 1, "occupancy_mean": 1.0},
-                                        "score.r1.l2048.s64": {"batches": 1, "occupancy_mean": 1.0}}
+        assert s.stats()["buckets"] == {"score.t8192.s256.r64": {"batches": 1, "occupancy_mean": 1.0},
+                                        "score.t2048.s64.r32": {"batches": 1, "occupancy_mean": 1.0}}
         await s.close()
 
         # exactly the cap waiting and nothing behind it: full, it goes without waiting max_wait
@@ -604,13 +604,13 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
     from service.sched import batcher as bm
 
     calls = [0]
-    fit = bm._Fill.fit
+    fit = bm._Fill.fit_request
 
     def counting_fit(self, req):
         calls[0] += 1
         return fit(self, req)
 
-    monkeypatch.setattr(bm._Fill, "fit", counting_fit)
+    monkeypatch.setattr(bm._Fill, "fit_request", counting_fit)
 
     def plan(reqs: list) -> list:
         return _first_batch(art, reqs, before=lambda: calls.__setitem__(0, 0))
@@ -645,7 +645,7 @@ def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(
     def plan(reqs: list) -> list:
         return _first_batch(art, reqs)
 
-    sizes = sorted({b.max_requests for b in bm.buckets_by_kind(art)["beam.n1"] if b.beam_width >= 2})
+    sizes = sorted({b.max_requests for b in art.buckets.of_kind("beam.n1") if b.beam_width >= 2})
     most = sizes[-1]
     assert most >= 4, sizes  # the embedded artifact has buckets of 1, 2, 4, ... requests for narrow beams
     assert (plan([beam(f"b{i}") for i in range(most)])) == [f"b{i}" for i in range(most)]
@@ -656,9 +656,9 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
     """The batcher packs a batch into the bucket it formed it in (no second search over ~400 buckets
     on the event loop): that bucket must be the one pick_score_bucket / pick_beam_bucket choose."""
     from service.runtime.batch import pick_beam_bucket, pick_score_bucket
-    from service.sched.batcher import _Fill, buckets_by_kind
+    from service.sched.batcher import _Fill
 
-    by_kind, rng, lim = buckets_by_kind(art), random.Random(3), art.limits
+    rng, lim = random.Random(3), art.limits
     for _ in range(300):
         n = rng.randint(1, 8)
         if rng.random() < 0.5:
@@ -670,12 +670,12 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
             reqs = [BeamRequest(prompt_ids=(5,) * rng.randint(1, 300), beam_width=rng.randint(1, lim.max_beam_width),
                                 new_tokens=t) for _ in range(n)]
             kind, want = f"beam.n{t}", pick_beam_bucket(art.buckets, reqs)
-        fill = _Fill(by_kind[kind])
+        fill = _Fill(art.buckets.of_kind(kind))
         for r in reqs:
-            got = fill.fit(r)
+            got = fill.fit_request(r)
             if got is None:
                 break
-            fill.add(r, got)
+            fill.add_request(r)
         assert (got and fill.bucket) == want, reqs
 
 
@@ -796,17 +796,16 @@ def test_behind_a_busy_executor_the_load_wait_counts_from_the_slot_freeing(art, 
 
 
 def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
-    """_Fill searches on from its current bucket (a request only adds to the totals): after every
+    """Fill searches on from its current bucket (a request only adds to the totals): after every
     request it must still name the first bucket in the kind's order that holds the whole batch."""
-    from service.artifact.buckets import BeamBucket, ScoreBucket
+    from service.artifact.buckets import BeamBucket, ScoreBucket, pick_order
     from service.sched.batcher import _Fill
 
     rng = random.Random(5)
     score_buckets = tuple(sorted({ScoreBucket(r * rng.choice([64, 128, 256, 512]), rng.choice([16, 32, 64, 128, 512]), r)
-                                  for r in (1, 2, 4, 8) for _ in range(4)}, key=lambda b: (b.max_tokens, b.max_samples)))
+                                  for r in (1, 2, 4, 8) for _ in range(4)}, key=pick_order))
     beam_buckets = tuple(sorted({BeamBucket(5, r, r * rng.choice([128, 256, 512]), rng.choice([4, 16, 100, 128]))
-                                 for r in (1, 2, 4, 8) for _ in range(4)}, key=lambda b: (b.max_requests * b.beam_width,
-                                                                                      b.max_prompt_tokens)))
+                                 for r in (1, 2, 4, 8) for _ in range(4)}, key=pick_order))
     for trial in range(300):
         is_score = trial % 2 == 0
         fill = _Fill(score_buckets if is_score else beam_buckets)
@@ -819,17 +818,17 @@ def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
                 req = BeamRequest(prompt_ids=(1,) * rng.randint(1, 300), beam_width=rng.choice([1, 4, 16, 100]),
                                   new_tokens=5)
             if is_score:
-                want = next((b for b in score_buckets if b.holds(len(reqs) + 1, max(r.num_tokens for r in [*reqs, req]),
+                want = next((b for b in score_buckets if b.holds(len(reqs) + 1, sum(r.num_tokens for r in [*reqs, req]),
                                                                  sum(r.num_samples for r in [*reqs, req]))), None)
             else:
                 want = next((b for b in beam_buckets if b.max_requests >= len(reqs) + 1
                              and b.beam_width >= max(r.beam_width for r in [*reqs, req])
                              and b.max_prompt_tokens >= sum(len(r.prompt_ids) for r in [*reqs, req])), None)
-            got = fill.fit(req)
+            got = fill.fit_request(req)
             assert got == want, (trial, len(reqs), got, want)
             if got is None:
                 continue  # it does not join; the next request is tried against the same batch
-            fill.add(req, got)
+            fill.add_request(req)
             reqs.append(req)
             assert fill.bucket == want and fill.buckets[fill.index] == want
 

@@ -10,9 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.runtime.batch import (beam_fits, pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, score_fits,
-                           unpack_beam, unpack_score)
-from service.artifact.buckets import BeamBucket, ScoreBucket
+from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam, unpack_score
+from service.artifact.buckets import BeamBucket, BucketTable, ScoreBucket, token_tiers
 from service.runtime.engine import execute, plan_batches
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
@@ -173,14 +172,14 @@ def test_plan_batches_property(plan_artifact):
             if isinstance(group[0], ScoreRequest):
                 assert all(isinstance(r, ScoreRequest) for r in group)
                 bucket = pick_score_bucket(art.buckets, group)
-                assert bucket is not None and score_fits(bucket, group)
+                assert bucket is not None and len(group) <= bucket.max_requests
                 assert sum(r.num_tokens for r in group) <= bucket.max_tokens
                 assert sum(r.num_samples for r in group) <= bucket.max_samples
             else:
                 assert all(isinstance(r, BeamRequest) for r in group)
                 assert len({r.new_tokens for r in group}) == 1, "one new_tokens per beam batch"
                 bucket = pick_beam_bucket(art.buckets, group)
-                assert bucket is not None and beam_fits(bucket, group)
+                assert bucket is not None
                 assert isinstance(bucket, BeamBucket) and bucket.new_tokens == group[0].new_tokens
                 assert max(r.beam_width for r in group) <= bucket.beam_width
                 assert len(group) <= bucket.max_requests
@@ -238,32 +237,33 @@ def test_bucket_wider_than_the_vocabulary(tmp_path, hf_ref):
     assert max(abs(b.logprob - s) for b, s in zip(res_beam.beams, want_scores)) <= 1e-4
 
 
-# ---- Score request blocks ---------------------------------------------------------------------
+# ---- Score requests packed back to back -----------------------------------------------------
 
-def test_pack_score_puts_request_i_in_block_i() -> None:
-    bucket = ScoreBucket(max_tokens=4 * 16, max_samples=8, max_requests=4)
-    assert bucket.request_tokens == 16 and bucket.key == "score.r4.l16.s8"
+def test_pack_score_lays_the_requests_back_to_back() -> None:
+    bucket = ScoreBucket(max_tokens=64, max_samples=8, max_requests=4)
+    assert bucket.key == "score.t64.s8.r4"
     reqs = [ScoreRequest(samples=((5, 6), (7,)), label_ids=(1,), prefix_ids=(1, 2, 3)),
             ScoreRequest(samples=((8, 9, 10, 11),), label_ids=(2, 3))]
     batch = pack_score(reqs, bucket, num_labels=2)
     x = {k: v.tolist() for k, v in batch.inputs.items()}
-    assert len(x["tokens"]) == 64 and x["block_tokens"] == [6, 4, 0, 0]
-    assert x["tokens"][:6] == [1, 2, 3, 5, 6, 7] and x["tokens"][16:20] == [8, 9, 10, 11]
-    assert x["positions"][:6] == [0, 1, 2, 3, 4, 3] and x["positions"][16:20] == [0, 1, 2, 3]
-    assert x["seg"][:6] == [0, 0, 0, 1, 1, 2] and x["seg"][16:20] == [3] * 4
-    assert x["ctx"][:6] == [-2, -2, -2, 0, 0, 0] and x["ctx"][16:20] == [-2] * 4
-    pad = [i for i in range(64) if not (i < 6 or 16 <= i < 20)]
-    assert all(x["seg"][i] == -1 and x["tokens"][i] == 0 for i in pad)
-    assert x["last"] == [4, 5, 19, 0, 0, 0, 0, 0]
+    assert len(x["tokens"]) == 64 and x["request_rows"] == [0, 6, 10, 10, 64] and x["prefix_rows"] == [3, 0, 0, 0]
+    assert x["tokens"][:10] == [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
+    assert x["positions"][:10] == [0, 1, 2, 3, 4, 3, 0, 1, 2, 3]
+    assert x["seg"][:10] == [0, 0, 0, 1, 1, 2, 3, 3, 3, 3]
+    assert x["ctx"][:10] == [-2, -2, -2, 0, 0, 0, -2, -2, -2, -2]
+    assert all(x["seg"][i] == -1 and x["tokens"][i] == 0 and x["positions"][i] == 0 for i in range(10, 64))
+    assert x["last"] == [4, 5, 9, 0, 0, 0, 0, 0]
     assert x["labels"][:3] == [[1, 0], [1, 0], [2, 3]]
 
 
 def _pack_score_by_rows(reqs: list[ScoreRequest], bucket: ScoreBucket, num_labels: int) -> dict[str, list]:
     """pack_score's contract written out a row at a time (the reference for its run-based packing)."""
-    block, pad_row = bucket.request_tokens, (0, 0, -1, -2)
-    rows, last, labels, block_tokens, seg = [], [], [], [], 0
+    pad_row = (0, 0, -1, -2)
+    rows, last, labels, starts, prefixes, seg = [], [], [], [], [], 0
     for req in reqs:
-        start, prefix_seg = len(rows), -2
+        starts.append(len(rows))
+        prefixes.append(len(req.prefix_ids))
+        prefix_seg = -2
         if req.prefix_ids:
             prefix_seg, seg = seg, seg + 1
             rows += [(t, p, prefix_seg, -2) for p, t in enumerate(req.prefix_ids)]
@@ -272,14 +272,13 @@ def _pack_score_by_rows(reqs: list[ScoreRequest], bucket: ScoreBucket, num_label
             seg += 1
             last.append(len(rows) - 1)
             labels.append(list(req.label_ids) + [0] * (num_labels - len(req.label_ids)))
-        block_tokens.append(len(rows) - start)
-        rows += [pad_row] * (start + block - len(rows))
+    used, pad_r = len(rows), bucket.max_requests - len(reqs)
     rows += [pad_row] * (bucket.max_tokens - len(rows))
     pad_s = bucket.max_samples - len(last)
     cols = list(zip(*rows))
     return {"tokens": list(cols[0]), "positions": list(cols[1]), "seg": list(cols[2]), "ctx": list(cols[3]),
-            "block_tokens": block_tokens + [0] * (bucket.max_requests - len(reqs)), "last": last + [0] * pad_s,
-            "labels": labels + [[0] * num_labels] * pad_s}
+            "request_rows": starts + [used] * pad_r + [bucket.max_tokens], "prefix_rows": prefixes + [0] * pad_r,
+            "last": last + [0] * pad_s, "labels": labels + [[0] * num_labels] * pad_s}
 
 
 @settings(max_examples=60, deadline=None)
@@ -290,11 +289,9 @@ def test_pack_score_equals_its_row_by_row_contract(seed: int, num_requests: int)
     for i, r in enumerate(reqs):  # empty samples too: a sample's last row is then the row before it
         if rng.random() < 0.2:
             reqs[i] = ScoreRequest(samples=r.samples + ((),), label_ids=r.label_ids, prefix_ids=r.prefix_ids)
-    longest = max((r.num_tokens for r in reqs), default=1)
-    block = longest + rng.randint(0, 5)
     r_max = num_requests + rng.randint(0 if num_requests else 1, 2)
-    bucket = ScoreBucket(max_tokens=r_max * block, max_samples=sum(r.num_samples for r in reqs) + rng.randint(0, 3) or 1,
-                         max_requests=r_max)
+    bucket = ScoreBucket(max_tokens=sum(r.num_tokens for r in reqs) + rng.randint(0 if reqs else 1, 9),
+                         max_samples=sum(r.num_samples for r in reqs) + rng.randint(0, 3) or 1, max_requests=r_max)
     got = {k: v.tolist() for k, v in pack_score(reqs, bucket, 4).inputs.items()}
     assert got == _pack_score_by_rows(reqs, bucket, 4)
     assert all(v.dtype == torch.int64 for v in pack_score(reqs, bucket, 4).inputs.values())
@@ -333,7 +330,7 @@ def test_packing_runs_no_torch_op_that_fans_out_over_threads(monkeypatch) -> Non
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
     rng = random.Random(3)
     reqs = _score_reqs(rng, 3, 1000, 2)
-    bucket = ScoreBucket(max_tokens=4 * 128, max_samples=32, max_requests=4)
+    bucket = ScoreBucket(max_tokens=512, max_samples=32, max_requests=4)
     assert pack_score(reqs, bucket, 2).inputs["seg"].shape == (512,)
     beams = [BeamRequest(prompt_ids=_ids(rng, 5, 1000), beam_width=4, new_tokens=2) for _ in range(2)]
     assert pack_beam(beams, BeamBucket(max_requests=4, beam_width=4, max_prompt_tokens=16, new_tokens=2)
@@ -341,27 +338,68 @@ def test_packing_runs_no_torch_op_that_fans_out_over_threads(monkeypatch) -> Non
 
 
 def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:
-    bucket = ScoreBucket(max_tokens=2 * 8, max_samples=4, max_requests=2)
+    bucket = ScoreBucket(max_tokens=16, max_samples=4, max_requests=2)
     one = ScoreRequest(samples=((1,) * 5,), label_ids=(1,))
-    with pytest.raises(ValueError, match="does not fit score.r2.l8.s4"):
-        pack_score([one] * 3, bucket, 1)  # three requests, two blocks
-    with pytest.raises(ValueError, match="a request of 9 tokens does not fit"):
-        pack_score([ScoreRequest(samples=((1,) * 4, (2,) * 5), label_ids=(1,))], bucket, 1)
-    assert not score_fits(bucket, [one] * 3)
-    assert not score_fits(bucket, [ScoreRequest(samples=((1,) * 9,), label_ids=(1,))])
-    assert score_fits(bucket, [one, one])
+    with pytest.raises(ValueError, match="batch of 3 requests does not fit score.t16.s4.r2"):
+        pack_score([one] * 3, bucket, 1)
+    with pytest.raises(ValueError, match="batch of 17 tokens does not fit"):
+        pack_score([ScoreRequest(samples=((1,) * 8, (2,) * 9), label_ids=(1,))], bucket, 1)
+    with pytest.raises(ValueError, match="batch of 5 samples does not fit"):
+        pack_score([ScoreRequest(samples=((1,),) * 5, label_ids=(1,))], bucket, 1)
+    table = BucketTable((bucket,), (BeamBucket(1, 1, 8, 1),))
+    assert pick_score_bucket(table, [one] * 3) is None  # three requests, two slots
+    assert pick_score_bucket(table, [ScoreRequest(samples=((1,) * 17,), label_ids=(1,))]) is None
+    assert pick_score_bucket(table, [one, one]) == bucket  # 10 tokens, whatever the longest
 
 
-def test_default_score_buckets_are_request_blocks(plan_artifact) -> None:
+def test_default_score_buckets_are_bounded_by_total_tokens(plan_artifact) -> None:
+    """The default tiers: total tokens in quarter octaves (a batch pads at most a quarter of its
+    rows above 256 tokens), each with a few-samples and a many-samples tier; the smallest bucket
+    that holds a batch's total tokens and samples is the one it runs in."""
     lim = plan_artifact.limits
-    table = plan_artifact.buckets.score
-    assert {b.max_requests for b in table} == {1, 2, 4, 8}
-    for b in table:
-        assert b.request_tokens & (b.request_tokens - 1) == 0 and b.request_tokens <= lim.max_score_tokens
-        assert b.max_samples == b.max_requests * lim.max_samples
-    # the smallest padded bucket wins: 3 requests of 100 tokens go to 4 blocks of 128
+    table = plan_artifact.buckets
+    tiers = sorted({b.max_tokens for b in table.score})
+    assert tiers == token_tiers(64, max(8192, lim.max_score_tokens))
+    assert all(hi <= lo * 1.25 for lo, hi in zip(tiers, tiers[1:]) if lo >= 256)
+    assert any(b.holds(1, lim.max_score_tokens, lim.max_samples) for b in table.score)
+    # 3 requests of 100 tokens: 300 tokens run in 320 rows, not 3 blocks of 128 (384)
     reqs = [ScoreRequest(samples=((1,) * 50, (2,) * 50), label_ids=(1,))] * 3
-    assert pick_score_bucket(plan_artifact.buckets, reqs).key == f"score.r4.l128.s{4 * lim.max_samples}"
+    assert pick_score_bucket(table, reqs).max_tokens == 320
+    # a 1,100-token request beside a 60-token one: 1,160 tokens in 1,280 rows (was 2 x 2,048)
+    reqs = [ScoreRequest(samples=((1,) * 1100,), label_ids=(1,)), ScoreRequest(samples=((1,) * 60,), label_ids=(1,))]
+    assert pick_score_bucket(table, reqs).max_tokens == 1280
+
+
+def _brute_force_pick(table: BucketTable, reqs: list) -> object:
+    """The least padded bucket of the kind that holds the batch, by trying every bucket."""
+    if isinstance(reqs[0], ScoreRequest):
+        fits = [b for b in table.score if b.holds(len(reqs), sum(r.num_tokens for r in reqs),
+                                                   sum(r.num_samples for r in reqs))]
+        return min(fits, key=lambda b: (b.max_tokens, b.max_samples), default=None)
+    fits = [b for b in table.beam if b.new_tokens == reqs[0].new_tokens
+            and b.holds(len(reqs), sum(len(r.prompt_ids) for r in reqs), max(r.beam_width for r in reqs))]
+    return min(fits, key=lambda b: (b.max_requests * b.beam_width, b.max_prompt_tokens), default=None)
+
+
+def test_every_batch_runs_in_the_least_padded_bucket_that_holds_it(plan_artifact) -> None:
+    """pick_score_bucket / pick_beam_bucket (buckets.Fill, the one answer the packer, the batcher,
+    the cost table and plan_batches share) equal a brute-force search over the whole table."""
+    table, lim, rng = plan_artifact.buckets, plan_artifact.limits, random.Random(11)
+    for _ in range(300):
+        if rng.random() < 0.5:
+            reqs = [ScoreRequest(samples=tuple((1,) * rng.randint(1, 160) for _ in range(rng.randint(1, 30))),
+                                 label_ids=(1,), prefix_ids=(2,) * rng.choice([0, rng.randint(1, 256)]))
+                    for _ in range(rng.randint(1, 12))]
+            reqs = [r for r in reqs if r.num_tokens <= lim.max_score_tokens and r.num_samples <= lim.max_samples]
+            got = pick_score_bucket(table, reqs) if reqs else None
+        else:
+            n = rng.randint(1, lim.max_new_tokens)
+            reqs = [BeamRequest(prompt_ids=(1,) * rng.randint(1, lim.max_prompt_tokens),
+                                beam_width=rng.randint(1, lim.max_beam_width), new_tokens=n)
+                    for _ in range(rng.randint(1, 6))]
+            got = pick_beam_bucket(table, reqs)
+        if reqs:
+            assert got == _brute_force_pick(table, reqs)
 
 
 def test_unpacked_beam_results_keep_their_own_rows_and_equal_the_eager_beams() -> None:

@@ -44,7 +44,7 @@ def test_node_env_admits_only_declared_buffers() -> None:
 @pytest.mark.parametrize("kind", ["score", "beam"])
 def test_the_built_dags_hold_together(kind: str, qwen2_tiny) -> None:
     cfg = qwen2_tiny.artifact.config
-    nodes = score_dag(cfg) if kind == "score" else beam_dag(cfg, 5)
+    nodes = score_dag(cfg, 2048) if kind == "score" else beam_dag(cfg, 5)
     check_dataflow(nodes, SCORE_INPUTS if kind == "score" else BEAM_INPUTS,
                    ("scores",) if kind == "score" else ("beam_seqs", "beam_scores"))
     broken = [dataclasses.replace(n, inputs=n.inputs + ("nowhere",)) if n.type == "lm_head" else n for n in nodes]

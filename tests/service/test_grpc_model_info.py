@@ -40,8 +40,8 @@ def test_model_info_describes_the_artifact(server: ServerThread, model) -> None:
     assert info.weights_dtype == art.manifest["weights"]["dtype"] == info.compute_dtype
     limits = {f.name: getattr(info.limits, f.name) for f in dataclasses.fields(art.limits)}
     assert limits == dataclasses.asdict(art.limits)
-    assert [(b.max_requests, b.request_tokens, b.max_samples) for b in info.score_buckets] == [
-        (b.max_requests, b.request_tokens, b.max_samples) for b in art.buckets.score]
+    assert [(b.max_requests, b.max_tokens, b.max_samples) for b in info.score_buckets] == [
+        (b.max_requests, b.max_tokens, b.max_samples) for b in art.buckets.score]
     assert [(b.new_tokens, b.max_requests, b.max_prompt_tokens, b.beam_width) for b in info.beam_buckets] == [
         (b.new_tokens, b.max_requests, b.max_prompt_tokens, b.beam_width) for b in art.buckets.beam]
     assert info.server_version

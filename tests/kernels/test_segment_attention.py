@@ -233,7 +233,8 @@ def test_key_ranges_and_kernel_in_a_cuda_graph() -> None:
     """The masks node's key ranges and the kernel replay in a CUDA graph (no host sync), as the
     runtimes capture them, on the device's own copy of a batch's inputs."""
     inputs, _, _, q, k, v = _gpu_case("W4x8", torch.bfloat16)
-    seg, ctx = inputs["seg"].cuda(), torch.full_like(inputs["ctx"], -2).cuda()  # filled after the capture
+    inputs = {name: x.cuda() for name, x in inputs.items()}  # the runtimes' device copy: no host copy in the capture
+    ctx = torch.full_like(inputs["ctx"], -2)  # filled after the capture
     scale = q.shape[-1] ** -0.5
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):

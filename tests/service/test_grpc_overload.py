@@ -103,9 +103,11 @@ class GatedRuntime:
 
 
 def _score_msg(seed: int, priority: int) -> Any:
+    # 128 tokens: Score requests are packed back to back, so a batch costs its requests' tokens (the
+    # load below is sized against the capacity this gives on a CPU)
     rng = random.Random(seed)
-    return pb2.ScoreRequest(prefix=pb2.Segment(ids=[rng.randrange(1000) for _ in range(6)]),
-                            samples=[pb2.Segment(ids=[rng.randrange(1000) for _ in range(3)]) for _ in range(2)],
+    return pb2.ScoreRequest(prefix=pb2.Segment(ids=[rng.randrange(1000) for _ in range(32)]),
+                            samples=[pb2.Segment(ids=[rng.randrange(1000) for _ in range(48)]) for _ in range(2)],
                             label_ids=[11, 22], priority=priority)
 
 

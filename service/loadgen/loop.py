@@ -135,6 +135,7 @@ class Window:
         self.t_begin = time.perf_counter()
         self.t_start, self.t_end = self.t_begin + warmup_s, self.t_begin + warmup_s + measure_s
         self.lat_ms: list[float] = []
+        self.lat_by_method: dict[str, list[float]] = {}  # a mix's kinds, each on its own (neither may starve)
         self.errors: Counter[str] = Counter()
         self.sent = self.not_sent = 0
         self.flops = 0
@@ -144,6 +145,7 @@ class Window:
         if self.t_start <= done <= self.t_end:  # completed inside the measured window
             if code == "OK":
                 self.lat_ms.append((done - sent) * 1e3)
+                self.lat_by_method.setdefault(entry.method, []).append(self.lat_ms[-1])
                 if entry.flops is None:
                     self.flops_known = False
                 else:
@@ -220,6 +222,8 @@ def _result(window: Window, measured: dict[str, Any], measure_s: float, warmup_s
             "sent": window.sent, "not_sent": window.not_sent,
             "flops_per_s": window.flops / measure_s if window.flops_known else None,
             "client_cpu": round(measured["client_cpu"], 3), "histogram": histogram(lat_sorted),
+            "by_method": {m: {"completed": len(v), "qps": len(v) / measure_s, **latency_summary(v)}
+                          for m, v in sorted(window.lat_by_method.items())},
             "warmup_s": warmup_s, "measure_s": measure_s, "tail_s": round(tail_s, 3)}
 
 

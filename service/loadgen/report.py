@@ -35,6 +35,12 @@ def table(result: dict[str, Any]) -> str:
                      f"{_ms(r['p99_ms'])} {_ms(r['max_ms'])} {r['num_errors']:7d} "
                      + (f"{tf / 1e12:8.3f} {tf / peak:7.2%}" if tf is not None else f"{'-':>8s} {'-':>7s}")
                      + f" {r['client_cpu']:6.2f}  {'ok' if r['within_slo'] else 'over'}")
+    for r in result["levels"]:  # a mix: each kind on its own, so that one starving the other shows
+        kinds = r.get("by_method") or {}
+        if len(kinds) > 1:
+            lines.append(f"by kind at {load_of(r)}: " + "; ".join(
+                f"{m} {k['qps']:.1f} req/s, mean {k['mean_ms']:.2f} / P99 {k['p99_ms']:.2f} ms"
+                for m, k in kinds.items()))
     for r in result["levels"]:
         if r["errors"]:
             lines.append(f"errors at {load_of(r)}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())))

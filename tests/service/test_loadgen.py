@@ -288,3 +288,28 @@ def test_png_writer_round_trips_and_draws_text(tmp_path: Path) -> None:
     assert all(len(rows) == 7 and all(len(r) == 5 for r in rows) for rows in png.FONT.values())
     assert png.linear_ticks(0, 1000) == [0, 200, 400, 600, 800, 1000]
     assert png.log_ticks(1, 100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_a_mixed_level_reports_each_kind_on_its_own() -> None:
+    """A mix's level keeps each method's latencies apart (one kind starving the other shows), and
+    the table prints them only where a level saw more than one kind."""
+    window = loop.Window("level 2", warmup_s=0.0, measure_s=1e6)
+    score, beam = loop.Entry("Score", b"", 10), loop.Entry("BeamSearch", b"", 30)
+    t0 = window.t_start
+    for i in range(30):
+        window.record(score, t0, t0 + 0.005 + i * 1e-4, "OK")
+    for i in range(10):
+        window.record(beam, t0, t0 + 0.050 + i * 1e-3, "OK")
+    window.record(beam, t0, t0 + 0.5, "UNAVAILABLE")
+    measured = {"client_cpu": 0.1, "scraped": (None, None)}
+    r = loop._result(window, measured, 2.0, 0.0, 0.0, mode="closed", level=2, rate=None)
+    kinds = r["by_method"]
+    assert set(kinds) == {"Score", "BeamSearch"} and kinds["Score"]["completed"] == 30
+    assert kinds["BeamSearch"]["completed"] == 10 and kinds["BeamSearch"]["qps"] == 5.0
+    assert kinds["Score"]["max_ms"] < 10 < 50 <= kinds["BeamSearch"]["mean_ms"]  # each its own, not the mix's
+    assert r["completed"] == 40 and r["num_errors"] == 1
+    r["within_slo"] = loop.within_slo(r, 20, 80, 0.001)
+    result = {**synthetic_result(), "levels": [r]}
+    assert "by kind at 2: BeamSearch 5.0 req/s, mean 54.50 / P99" in report.table(result)
+    one_kind = synthetic_result()
+    assert "by kind" not in report.table(one_kind)

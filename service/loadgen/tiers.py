@@ -60,7 +60,9 @@ from ..sched.cost import bucket_flops
 from . import traffic
 
 ACT_BYTES = 2  # bfloat16: what serves on a GPU
-QUANTILES = tuple(range(5, 101, 5))  # of the batches' totals: candidate tiers
+# of the batches' totals: candidate tiers of the main dimension (tokens, prompt tokens) and of the others
+TIER_QUANTILES = tuple(range(1, 101))
+SIDE_QUANTILES = (50, 90, 99, 100)
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,10 @@ def _head_width(cfg: ModelConfig) -> int:
 
 # ---- per kind: the only code that knows a bucket's fields ----------------------------------------
 
-def _quantiles(values: np.ndarray, to: int) -> set[int]:
+def _quantiles(values: np.ndarray, to: int, qs: Sequence[int] = SIDE_QUANTILES) -> set[int]:
     if not values.size:
         return set()
-    return {_round_up(int(v), to) for v in np.percentile(values, QUANTILES, method="inverted_cdf")}
+    return {_round_up(int(v), to) for v in np.percentile(values, qs, method="inverted_cdf")}
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class ScoreTiers:
         (top,) = frame
         requests, tokens, samples = totals.T
         out: set[Bucket] = set(default)
-        for t in _quantiles(tokens, 64):
+        for t in _quantiles(tokens, 64, TIER_QUANTILES):
             if t > top.max_tokens:  # type: ignore[union-attr]
                 continue
             under = tokens <= t
@@ -165,10 +167,10 @@ class BeamTiers:
         requests, prompts, widest = totals.T
         n = frame[0].new_tokens  # type: ignore[union-attr]
         out: set[Bucket] = set(default)
-        for w in _quantiles(widest, 4) | {b.beam_width for b in default}:  # type: ignore[union-attr]
+        for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in default}:  # type: ignore[union-attr]
             for r in (1, 2, 4, 8):
                 under = (requests <= r) & (widest <= w)
-                for p in _quantiles(prompts[under], 64):
+                for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):
                     b = BeamBucket(n, r, p, w)
                     if self._inside(b, frame):
                         out.add(b)

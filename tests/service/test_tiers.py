@@ -207,7 +207,9 @@ def test_build_records_the_table_and_model_info_reports_it(tmp_path: Path, capsy
     assert info.bucket_origin.source == "traffic log" and info.bucket_origin.log_sha256 == origin["log_sha256"]
     assert {p.kind: (p.requests, p.batches, round(p.packed, 4)) for p in info.bucket_origin.padding} == \
         {kind: (k["requests"], k["packed"]["batches"], k["packed"]["padding"]) for kind, k in origin["kinds"].items()}
-    assert "chosen for a traffic log" in info_summary(info)
+    summary = info_summary(info)
+    assert "chosen for a traffic log: sha256 " + origin["log_sha256"][:16] in summary
+    assert f"score {100 * origin['kinds']['score']['packed']['padding']:.1f}%" in summary
     assert [b.max_tokens for b in info.score_buckets] == [b.max_tokens for b in art.buckets.score]
     # a build without a log: the default table, and ModelInfo says so
     plain = load_artifact(cli_main(["build", "--model", "embedded:tiny", "--out", str(tmp_path / "d"), "--quiet"])

@@ -187,51 +187,60 @@ def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) ->
 
 # ---- replay --------------------------------------------------------------------------------------
 
-Batches = dict[tuple, list[int]]  # a batch's totals -> [batches, their real rows]
-
-
 Request = tuple[tuple[int, int], int, int]  # dims, real rows, requests of its kind in flight as it arrived
+
+
+@dataclass
+class Batch:
+    """The batches of one totals: the bucket Fill runs them in, how many, their real rows."""
+
+    bucket: Bucket
+    count: int = 0
+    real_rows: int = 0
+
+
+Batches = dict[tuple, Batch]  # by the batch's totals (Fill.totals)
 
 
 def pack(buckets: Sequence[Bucket], requests: Sequence[Request], alone: bool = False) -> Batches:
     """requests in arrival order, into batches of consecutive requests: as many as some bucket
     holds (Fill) and fewer than were in flight as the batch's first arrived (alone: one)."""
     out: Batches = {}
-    fill, real, cap = Fill(tuple(buckets)), 0, 1
+    ordered = tuple(sorted(buckets, key=pick_order))
+    fill, real, cap = Fill(ordered), 0, 1
+
+    def close() -> None:
+        batch = out.setdefault(fill.totals, Batch(fill.bucket))  # type: ignore[arg-type]
+        batch.count += 1
+        batch.real_rows += real
+
     for d, rows, in_flight in requests:
         if fill.count and (fill.count >= cap or fill.fit(*d) is None):
-            slot = out.setdefault(fill.totals, [0, 0])
-            slot[0] += 1
-            slot[1] += real
-            fill, real = Fill(tuple(buckets)), 0
+            close()
+            fill, real = Fill(ordered), 0
         if not fill.count:
             cap = 1 if alone else in_flight
         fill.add(*d)
         real += rows
     if fill.count:
-        slot = out.setdefault(fill.totals, [0, 0])
-        slot[0] += 1
-        slot[1] += real
+        close()
     return out
 
 
-def padding_of(buckets: Sequence[Bucket], batches: Batches) -> dict[str, Any]:
-    """Each batch in its bucket (the first in pick_order that holds it): per bucket its batches,
-    their real rows and the bucket's rows; and the totals."""
-    ordered = sorted(buckets, key=pick_order)
-    per: dict[str, list[int]] = {}
-    for totals, (count, real) in batches.items():
-        b = next(b for b in ordered if b.holds(*totals))
-        slot = per.setdefault(b.key, [0, 0, 0])
-        slot[0] += count
-        slot[1] += real
-        slot[2] += count * b.rows
+def padding_of(batches: Batches) -> dict[str, Any]:
+    """Per bucket its batches, their real rows and the bucket's rows; and the totals."""
+    per: dict[Bucket, list[int]] = {}
+    for batch in batches.values():
+        slot = per.setdefault(batch.bucket, [0, 0, 0])
+        slot[0] += batch.count
+        slot[1] += batch.real_rows
+        slot[2] += batch.count * batch.bucket.rows
     real = sum(v[1] for v in per.values())
     rows = sum(v[2] for v in per.values())
     return {"batches": sum(v[0] for v in per.values()), "real_rows": real, "rows": rows,
             "padding": round((rows - real) / real, 4) if real else None,
-            "buckets": [{"key": b.key, "batches": per[b.key][0], "real_rows": per[b.key][1], "rows": per[b.key][2]}
-                        for b in ordered if b.key in per]}
+            "buckets": [{"key": b.key, "batches": v[0], "real_rows": v[1], "rows": v[2]}
+                        for b, v in sorted(per.items(), key=lambda bv: pick_order(bv[0]))]}
 
 
 @dataclass
@@ -288,7 +297,8 @@ def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
 
 @dataclass
 class _Search:
-    """One kind's candidates (frame first chosen) against its batches, in pick_order."""
+    """One kind's candidates (frame first chosen) against its batches, in pick_order; the rows
+    each candidate would save, kept up to date as buckets are taken."""
 
     buckets: list[Bucket]
     holds: np.ndarray  # [K, D]: bucket k holds batch totals d
@@ -297,27 +307,31 @@ class _Search:
     weight: float  # FLOPs a row
     chosen: np.ndarray = field(init=False)
     runs_in: np.ndarray = field(init=False)  # [D] the bucket each batch runs in (its first chosen holder)
-
-    def __post_init__(self) -> None:
-        self.chosen = np.zeros(len(self.buckets), dtype=bool)
+    saved: np.ndarray = field(init=False)  # [K] rows each bucket would save if taken
 
     def start(self, frame: Sequence[Bucket]) -> None:
-        ids = {id(b) for b in frame}
-        self.chosen[:] = [id(b) in ids for b in self.buckets]
+        keys = {b.key for b in frame}
+        self.chosen = np.array([b.key in keys for b in self.buckets], dtype=bool)
         first = np.where(self.holds & self.chosen[:, None], np.arange(len(self.buckets))[:, None], len(self.buckets))
         self.runs_in = first.min(axis=0)
+        self.saved = self._saved(np.arange(self.counts.size))
+
+    def _saved(self, cols: np.ndarray) -> np.ndarray:
+        """[K]: rows each bucket would save on the batches cols, as they run now."""
+        now = self.runs_in[cols]
+        earlier = self.holds[:, cols] & (np.arange(len(self.buckets))[:, None] < now[None, :])
+        return np.where(earlier, (self.rows[now][None, :] - self.rows[:, None]) * self.counts[cols][None, :], 0).sum(1)
 
     def gains(self) -> np.ndarray:
-        """FLOPs of padding each bucket would save if added."""
-        earlier = self.holds & (np.arange(len(self.buckets))[:, None] < self.runs_in[None, :])
-        saved = (self.rows[self.runs_in][None, :] - self.rows[:, None]) * self.counts[None, :]
-        g = np.where(earlier, saved, 0).sum(axis=1).astype(np.float64) * self.weight
-        g[self.chosen] = 0.0
-        return g
+        """FLOPs of padding each bucket would save if taken (0 for those taken)."""
+        return np.where(self.chosen, 0, self.saved).astype(np.float64) * self.weight
 
     def take(self, k: int) -> None:
+        moved = np.flatnonzero(self.holds[k] & (k < self.runs_in))
+        self.saved -= self._saved(moved)
+        self.runs_in[moved] = k
+        self.saved += self._saved(moved)
         self.chosen[k] = True
-        self.runs_in[self.holds[k] & (k < self.runs_in)] = k
 
 
 def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, weight: float) -> _Search:
@@ -326,7 +340,7 @@ def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, weig
     totals = list(batches)
     holds = np.array([[b.holds(*t) for t in totals] for b in buckets], dtype=bool)
     s = _Search(buckets, holds, np.array([b.rows for b in buckets], dtype=np.int64),
-                np.array([batches[t][0] for t in totals], dtype=np.int64), weight)
+                np.array([batches[t].count for t in totals], dtype=np.int64), weight)
     s.start(frame)
     return s
 
@@ -389,41 +403,22 @@ def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
                          f"(one that holds a request of the limits for each of {len(frames)} kinds, and the "
                          "largest of each logged kind)")
     total = sum(len(k.requests) for k in kinds.values())
-    searches: dict[str, _Search] = {}
-    batches: dict[str, Batches] = {}
     with Progress("choose bucket tiers", 2 * total, quiet=quiet) as bar:
+        searches = {}
         for k, kt in kinds.items():
-            tiers, frame = tiers_of(k, cfg, limits), frames[k]
-            batches[k] = pack(frame, kt.requests)
-            top = max(frame, key=lambda b: b.rows)
-            fits = [b for b in default.of_kind(k) if tiers.activation_bytes(b) <= budget.max_activation_bytes]  # type: ignore
-            cands = tiers.candidates(np.array(list(batches[k]), dtype=np.int64), frame, fits)
-            searches[k] = _search(frame, {b for b in cands if tiers.activation_bytes(b) <= budget.max_activation_bytes},  # type: ignore
-                                  batches[k], bucket_flops(cfg, top) / top.rows)  # type: ignore[arg-type]
-            bar.advance(len(kt.requests), f"{k}: {len(batches[k])} batch shapes, {len(searches[k].buckets)} candidates")
-        left = budget.max_graphs - num_frame
-        gains = {k: s.gains() for k, s in searches.items()}
-        while left > 0 and gains:
-            k = max(gains, key=lambda name: gains[name].max(initial=0.0))
-            if gains[k].max(initial=0.0) <= 0:
-                break
-            searches[k].take(int(gains[k].argmax()))
-            gains[k] = searches[k].gains()
-            left -= 1
-        chosen = {k: [b for b, c in zip(s.buckets, s.chosen) if c] for k, s in searches.items()}
-        buckets = [b for k, frame in frames.items() for b in chosen.get(k, frame)]
+            searches[k] = _search_of(kt, frames[k], default.of_kind(k), cfg, limits, budget)
+            bar.advance(len(kt.requests), f"{k}: {len(searches[k].holds[0])} batch shapes, "
+                                          f"{len(searches[k].buckets)} candidates")
+        _greedy(searches, budget.max_graphs - num_frame)
+        buckets = [b for k, frame in frames.items()
+                   for b in ([b for b, c in zip(searches[k].buckets, searches[k].chosen) if c] if k in searches
+                             else frame)]
         table = BucketTable(tuple(sorted(b for b in buckets if kind_of(b) == "score")),  # type: ignore[misc]
                             tuple(sorted(b for b in buckets if kind_of(b) != "score")))  # type: ignore[misc]
         table.fits_one(limits)
         report: dict[str, Any] = {}
         for k, kt in kinds.items():
-            alone = pack(frames[k], kt.requests, alone=True)
-            report[k] = {"requests": len(kt.requests), "concurrency": kt.concurrency,
-                         "packed": padding_of(table.of_kind(k), batches[k]),
-                         "alone": _summary(padding_of(table.of_kind(k), alone)),
-                         "default_packed": _summary(padding_of(default.of_kind(k),
-                                                               pack(default.of_kind(k), kt.requests))),
-                         "default_alone": _summary(padding_of(default.of_kind(k), alone))}
+            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k))
             bar.advance(len(kt.requests), k)
     origin = {"source": "traffic log", "log": Path(log.path).name, "log_sha256": log.sha256,
               "log_requests": total, "model": log.model,
@@ -431,6 +426,41 @@ def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
               "graphs": len(buckets), "max_activation_bytes": max(activation_bytes(b, cfg, limits) for b in buckets),
               "kinds": report}
     return table, origin
+
+
+def _search_of(kt: KindTraffic, frame: list[Bucket], default: Sequence[Bucket], cfg: ModelConfig,
+               limits: ServingLimits, budget: Budget) -> _Search:
+    """The kind's batches (packed in its frame) against its candidates within the memory budget."""
+    tiers = tiers_of(kt.kind, cfg, limits)
+
+    def fits(b: Any) -> bool:
+        return tiers.activation_bytes(b) <= budget.max_activation_bytes
+
+    batches = pack(frame, kt.requests)
+    cands = tiers.candidates(np.array(list(batches), dtype=np.int64), frame, [b for b in default if fits(b)])
+    top = max(frame, key=lambda b: b.rows)
+    return _search(frame, {b for b in cands if fits(b)}, batches, bucket_flops(cfg, top) / top.rows)  # type: ignore
+
+
+def _greedy(searches: dict[str, _Search], left: int) -> None:
+    """Adds, one at a time, the candidate of any kind that saves the most, while one saves any."""
+    gains = {k: s.gains() for k, s in searches.items()}
+    while left > 0 and gains:
+        k = max(gains, key=lambda name: gains[name].max(initial=0.0))
+        if gains[k].max(initial=0.0) <= 0:
+            return
+        searches[k].take(int(gains[k].argmax()))
+        gains[k] = searches[k].gains()
+        left -= 1
+
+
+def _kind_report(kt: KindTraffic, chosen: Sequence[Bucket], default: Sequence[Bucket]) -> dict[str, Any]:
+    """The kind's padding: packed (per bucket) and alone, in the chosen table and the default."""
+    return {"requests": len(kt.requests), "concurrency": kt.concurrency,
+            "packed": padding_of(pack(chosen, kt.requests)),
+            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True))),
+            "default_packed": _summary(padding_of(pack(default, kt.requests))),
+            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True)))}
 
 
 def _pct(v: float | None) -> str:

@@ -122,17 +122,17 @@ class ScoreTiers:
         """totals: [batches, 3], a row a batch. Token tiers at the batches' token quantiles (64-row
         aligned, as token_tiers), each with sample tiers at the quantiles of the batches it would take
         and room for as many requests as they have; and the default's buckets."""
-        (top,) = frame
+        top: ScoreBucket = frame[0]  # type: ignore[assignment]
         requests, tokens, samples = totals.T
-        out: set[Bucket] = set(default)
+        out: set[ScoreBucket] = set(default)  # type: ignore[arg-type]
         for t in _quantiles(tokens, 64, TIER_QUANTILES):
-            if t > top.max_tokens:  # type: ignore[union-attr]
+            if t > top.max_tokens:
                 continue
             under = tokens <= t
-            r = min(top.max_requests, max(2, t // 64, int(requests[under].max(initial=0))))  # type: ignore[union-attr]
+            r = min(top.max_requests, max(2, t // 64, int(requests[under].max(initial=0))))
             for s in _quantiles(samples[under], 16):
-                out.add(ScoreBucket(t, min(s, top.max_samples), r))  # type: ignore[union-attr]
-        return {b for b in out if top.holds(b.max_requests, b.max_tokens, b.max_samples)}  # type: ignore[union-attr]
+                out.add(ScoreBucket(t, min(s, top.max_samples), r))
+        return {b for b in out if top.holds(b.max_requests, b.max_tokens, b.max_samples)}
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ class BeamTiers:
 
     def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
         requests, prompts, widest = totals.T
-        n = frame[0].new_tokens  # type: ignore[union-attr]
+        beams: list[BeamBucket] = [*frame, *default]  # type: ignore[list-item]
+        n = beams[0].new_tokens
         out: set[Bucket] = set(default)
-        for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in default}:  # type: ignore[union-attr]
+        for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in beams}:
             for r in (1, 2, 4, 8):
                 under = (requests <= r) & (widest <= w)
                 for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):

@@ -170,12 +170,12 @@ def test_a_narrow_traffic_gets_a_table_that_pads_it_less_than_the_default(tmp_pa
 
 def test_the_default_table_does_well_on_varied_traffic(chosen) -> None:
     """Quarter-octave token tiers: a Score batch pads under a quarter of its rows, ~1/8 on average,
-    whether the requests come alone or packed; the table chosen for the log does better, not much."""
+    whether the requests come alone or packed: within 10 points of a table chosen for this very log."""
     _, _, origin = chosen
     score = origin["kinds"]["score"]
     for name in ("default_packed", "default_alone"):
         assert score[name]["padding"] < 0.15, (name, score[name])
-    assert score["default_packed"]["padding"] < 5 * score["packed"]["padding"] + 0.02
+        assert score[name]["padding"] - score[name.removeprefix("default_")]["padding"] < 0.10, score
 
 
 def test_build_records_the_table_and_model_info_reports_it(tmp_path: Path, capsys) -> None:

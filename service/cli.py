@@ -22,11 +22,32 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .artifact.artifact import build_artifact, load_artifact
 
     limits = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
-    out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits)
+    if args.traffic is None and (args.max_graphs or args.max_activation_mib):
+        raise ValueError("--max-graphs and --max-activation-mib bound a table chosen with --traffic LOG")
+    table, origin = _traffic_table(args, limits) if args.traffic is not None else (None, None)
+    out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits,
+                         buckets=table, bucket_origin=origin)
     art = load_artifact(out)
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}, "
           f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets; limits {art.limits.to_dict()}")
     return 0
+
+
+def _traffic_table(args: argparse.Namespace, limit_overrides: dict[str, int]):
+    """`build --traffic LOG`: the bucket table chosen for the log within the budgets, printed."""
+    from .artifact.buckets import default_bucket_table
+    from .loadgen.tiers import Budget, choose_from_log, default_budget, format_choice
+    from .model.checkpoint import weight_source
+    from .model.config import ServingLimits
+
+    cfg, _, _ = weight_source(args.model)
+    limits = ServingLimits.for_model(cfg, **limit_overrides)
+    default = default_budget(default_bucket_table(limits), cfg, limits)
+    budget = Budget(args.max_graphs or default.max_graphs,
+                    int(args.max_activation_mib * 2**20) if args.max_activation_mib else default.max_activation_bytes)
+    table, origin = choose_from_log(args.traffic, cfg, limits, budget, quiet=args.quiet)
+    print(format_choice(origin))
+    return table, origin
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -311,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, what in LIMIT_FLAGS.items():
         b.add_argument("--" + name.replace("_", "-"), type=int, default=None, metavar="N",
                        help=f"serving limit: {what} (default: the model's, see the manifest)")
+    b.add_argument("--traffic", metavar="LOG", help="choose the bucket tiers that pad this access log's requests "
+                                                    "least (serve --access-log --log-format json; see `slmrank "
+                                                    "traffic`), within --max-graphs and --max-activation-mib")
+    b.add_argument("--max-graphs", type=int, metavar="N", help="with --traffic: at most N buckets, a CUDA graph each "
+                                                               "(default: the default table's count)")
+    b.add_argument("--max-activation-mib", type=float, metavar="MIB", help="with --traffic: the activation memory of "
+                                                                          "any one bucket (default: the default table's "
+                                                                          "largest)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

@@ -115,14 +115,17 @@ class Artifact:
 
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False,
-                   limit_overrides: dict[str, int] | None = None) -> Path:
+                   limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
-    limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given)."""
+    limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
+    bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
+    the log and the table's expected padding on it); default {"source": "default"}, or "given"."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
     limits = limits or ServingLimits.for_model(cfg, **(limit_overrides or {}))
     limits.check_positions(cfg)
+    given_buckets = buckets is not None
     buckets = buckets or default_bucket_table(limits)
     buckets.fits_one(limits)
     target = None if dtype == "auto" else DTYPES.get(dtype)
@@ -157,6 +160,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         "model": cfg.to_dict(),
         "limits": limits.to_dict(),
         "buckets": buckets.to_dict(),
+        "bucket_origin": bucket_origin or {"source": "given" if given_buckets else "default"},
         "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
         "tokenizer": {"kind": tok_kind,

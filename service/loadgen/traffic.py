@@ -17,6 +17,7 @@ padding (the packer's bucket choice).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -78,6 +79,7 @@ class TrafficLog:
     model: str | None = None  # of the last "model loaded" record
     limits: dict[str, int] | None = None
     num_starts: int = 0  # "model loaded" records
+    sha256: str = ""  # of the file's bytes (read_log)
 
     @property
     def num_requests(self) -> int:
@@ -173,6 +175,7 @@ def read_log(path: str | Path) -> TrafficLog:
     BeamSearch access record."""
     raw = Path(path).read_bytes()
     log = parse_lines(raw.split(b"\n"), str(path))
+    log.sha256 = hashlib.sha256(raw).hexdigest()
     if not log.num_requests:
         shown = "; ".join(f"line {n}: {why}" for n, why in log.malformed[:1])
         raise TrafficError(f"{path}: no Score or BeamSearch access records in {log.num_lines} lines"
@@ -215,17 +218,28 @@ def shape_columns(kind: str, col: KindLog) -> dict[str, np.ndarray]:
             "new_tokens": new, "beam_rows": width * new}
 
 
+def _flight(arrival_s: np.ndarray, latency_ms: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(by arrival, by end, per request how many arrived by its arrival, how many ended by then)."""
+    end_s = arrival_s + latency_ms / 1e3
+    by_arrival, by_end = np.argsort(arrival_s, kind="stable"), np.argsort(end_s, kind="stable")
+    arrived = np.searchsorted(arrival_s[by_arrival], arrival_s, side="right")  # j with arrival_j <= t
+    ended = np.searchsorted(end_s[by_end], arrival_s, side="right")  # j with end_j <= t
+    return by_arrival, by_end, arrived, ended
+
+
+def requests_in_flight(arrival_s: np.ndarray, latency_ms: np.ndarray) -> np.ndarray:
+    """As each request arrives, the requests in flight, itself included (in_flight)."""
+    _, _, arrived, ended = _flight(arrival_s, latency_ms)
+    return arrived - ended
+
+
 def in_flight(arrival_s: np.ndarray, latency_ms: np.ndarray, weights: dict[str, np.ndarray]) -> dict[str, Any]:
     """What is in flight as each request arrives, itself included: request j is in flight at t
     when arrival_j <= t < arrival_j + latency_j. Per weight (requests: 1 each; tokens, ...), the
     sum over those requests, as percentiles over the arrivals."""
     if not arrival_s.size:
         return {}
-    end_s = arrival_s + latency_ms / 1e3
-    by_arrival, by_end = np.argsort(arrival_s, kind="stable"), np.argsort(end_s, kind="stable")
-    sorted_a, sorted_e = arrival_s[by_arrival], end_s[by_end]
-    arrived = np.searchsorted(sorted_a, arrival_s, side="right")  # j with arrival_j <= t
-    ended = np.searchsorted(sorted_e, arrival_s, side="right")  # j with end_j <= t
+    by_arrival, by_end, arrived, ended = _flight(arrival_s, latency_ms)
     out = {"requests": percentiles(arrived - ended)}
     for name, w in weights.items():
         cum_a = np.concatenate(([0], np.cumsum(w[by_arrival])))
@@ -251,16 +265,10 @@ def _rows(bucket: Any) -> int:
     return bucket.max_tokens if hasattr(bucket, "max_samples") else bucket.max_requests * bucket.beam_width
 
 
-def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
-    """The padding `table` adds to these requests, each alone in its smallest bucket (the packer's
-    choice: service.runtime.batch.pick_score_bucket / pick_beam_bucket of the one request, built
-    from the logged shape with dummy token ids; cached by shape).
-
-    Score: token rows (the bucket's rows against the request's tokens) and LM-head rows (the
-    bucket's max_samples against its samples). BeamSearch: beam rows over its steps (the bucket's
-    rows x its new_tokens against beam width x new tokens) and prompt tokens (the bucket's
-    max_prompt_tokens against the prompt's). `not_held`: requests no bucket holds alone."""
-    from ..runtime.batch import pick_beam_bucket, pick_score_bucket
+def logged_requests(kind: str, col: KindLog) -> list[Any]:
+    """The kind's valid requests in log order as ScoreRequest / BeamRequest objects with dummy token
+    ids (what the packer and the buckets see of a request is its shape); one object per distinct
+    shape, shared by the requests of that shape."""
     from ..runtime.requests import BeamRequest, ScoreRequest
 
     zeros: dict[int, tuple[int, ...]] = {}
@@ -271,26 +279,52 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
             t = zeros[n] = (0,) * n
         return t
 
-    cache: dict[Any, tuple[int, int, int, int] | None] = {}
+    cache: dict[Any, Any] = {}
+    out = []
     s = col.shape
-    padded = real = padded_aux = real_aux = not_held = 0
     if kind == "score":
         keys: Any = zip(s.get("prefix_tokens", []), map(tuple, s.get("sample_tokens", [])), s.get("labels", []))
     else:
         keys = zip(s.get("prompt_tokens", []), s.get("beam_width", []), s.get("new_tokens", []))
     for key in keys:
-        hit = cache.get(key, False)
-        if hit is False:
+        req = cache.get(key)
+        if req is None:
             if kind == "score":
                 prefix, lens, labels = key
                 req = ScoreRequest(tuple(z(n) for n in lens), z(labels), z(prefix))
-                b = pick_score_bucket(table, [req])
-                hit = None if b is None else (_rows(b), req.num_tokens, b.max_samples, len(lens))
             else:
                 prompt, width, new = key
-                b = pick_beam_bucket(table, [BeamRequest(z(prompt), width, new)])
-                hit = None if b is None else (_rows(b) * b.new_tokens, width * new, b.max_prompt_tokens, prompt)
-            cache[key] = hit
+                req = BeamRequest(z(prompt), width, new)
+            cache[key] = req
+        out.append(req)
+    return out
+
+
+def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
+    """The padding `table` adds to these requests, each alone in its smallest bucket (the packer's
+    choice: service.runtime.batch.pick_bucket of the one request, built from the logged shape with
+    dummy token ids; cached by shape).
+
+    Score: token rows (the bucket's rows against the request's tokens) and LM-head rows (the
+    bucket's max_samples against its samples). BeamSearch: beam rows over its steps (the bucket's
+    rows x its new_tokens against beam width x new tokens) and prompt tokens (the bucket's
+    max_prompt_tokens against the prompt's). `not_held`: requests no bucket holds alone."""
+    from ..runtime.batch import pick_bucket
+
+    cache: dict[int, tuple[int, int, int, int] | None] = {}
+    padded = real = padded_aux = real_aux = not_held = 0
+    for req in logged_requests(kind, col):
+        hit = cache.get(id(req), False)
+        if hit is False:
+            b: Any = pick_bucket(table, [req])
+            if b is None:
+                hit = None
+            elif kind == "score":
+                hit = (_rows(b), req.num_tokens, b.max_samples, req.num_samples)
+            else:
+                hit = (_rows(b) * b.new_tokens, req.beam_width * req.new_tokens, b.max_prompt_tokens,
+                       len(req.prompt_ids))
+            cache[id(req)] = hit
         if hit is None:
             not_held += 1
         else:

@@ -130,10 +130,22 @@ def info_summary(info: Any) -> str:
         ("", f"BeamSearch: max_prompt_tokens {lim.max_prompt_tokens}, max_beam_width {lim.max_beam_width}, "
              f"max_new_tokens {lim.max_new_tokens}"),
         ("buckets", f"{len(info.score_buckets)} score, {len(info.beam_buckets)} beam"),
+        *bucket_origin_rows(info.bucket_origin),
         ("server_version", info.server_version),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
+
+
+def bucket_origin_rows(origin: Any) -> list[tuple[str, str]]:
+    """Where the bucket table came from: the default tiers, or a traffic log and each kind's
+    expected padding on it (the default table's in brackets)."""
+    if origin.source != "traffic log":
+        return [("bucket_table", f"{origin.source or 'default'} tiers")]
+    pads = ", ".join(f"{p.kind} {100 * p.packed:.1f}% ({100 * p.default_packed:.1f}%)" for p in origin.padding)
+    return [("bucket_table", f"chosen for a traffic log: sha256 {origin.log_sha256[:16]}…, {origin.log_requests} "
+                             "requests"),
+            ("", f"expected padding (default table's): {pads}")]
 
 
 def describe_error(e: grpc.RpcError) -> str:

@@ -39,4 +39,15 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
         limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),
         score_buckets=[pb2.ScoreBucket(**dataclasses.asdict(b)) for b in artifact.buckets.score],
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
-        server_version=server_version())
+        server_version=server_version(), bucket_origin=bucket_origin(pb2, artifact.manifest))
+
+
+def bucket_origin(pb2: Any, manifest: dict[str, Any]) -> Any:
+    """The manifest's bucket_origin (an artifact built before it was recorded: the default table)."""
+    origin = manifest.get("bucket_origin") or {"source": "default"}
+    padding = [pb2.KindPadding(kind=kind, requests=k["requests"], batches=k["packed"]["batches"],
+                               packed=k["packed"]["padding"] or 0.0, alone=k["alone"]["padding"] or 0.0,
+                               default_packed=k["default_packed"]["padding"] or 0.0)
+               for kind, k in origin.get("kinds", {}).items()]
+    return pb2.BucketOrigin(source=origin["source"], log_sha256=origin.get("log_sha256", ""),
+                            log_requests=origin.get("log_requests", 0), padding=padding)

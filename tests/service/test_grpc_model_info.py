@@ -110,6 +110,7 @@ def test_client_info_prints_a_summary(server: ServerThread, model, capsys: pytes
     assert "num_labels 0" in rows["limits"] and f"max_labels {art.limits.max_labels}" in rows["limits"]
     assert f"max_beam_width {art.limits.max_beam_width}" in out and f"max_score_tokens {art.limits.max_score_tokens}" in out
     assert rows["buckets"].split(None, 1)[1] == f"{len(art.buckets.score)} score, {len(art.buckets.beam)} beam"
+    assert rows["bucket_table"].split(None, 1)[1] == "default tiers"
 
 
 def test_client_info_json_has_every_field(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,499 @@
+"""`slmrank build --traffic LOG`: the bucket tiers that pad a logged traffic least, within a
+start-up budget (graphs) and a memory budget (the largest bucket's activations).
+
+Expected padded work, per kind of request ("score", "beam.n<new_tokens>": only one kind shares a
+batch), is what the chooser minimises:
+
+  the kind's valid requests of the log, in arrival order, packed greedily at the concurrency the
+  log shows: a batch takes the next request while some bucket holds it (buckets.Fill) and it has
+  fewer requests than were in flight of its kind when its first request arrived (itself included:
+  the log's arrivals and latencies, traffic.requests_in_flight), else it goes and the next one
+  starts: lone requests in a lull, full batches in a burst. Each batch runs in its bucket (Fill's:
+  the first in pick_order that holds it), and
+      padding = sum over batches of rows(bucket) - sum over requests of their real rows,
+  reported as a share of the real rows. rows: a bucket's padded work (Score: token rows;
+  BeamSearch: beam rows a step); a request's real rows: its tokens, its beam width. The padding
+  of each request alone (c = 1) is reported beside it, as is the default table's; neither is
+  minimised. Across kinds a row is weighed by its kind's logical FLOPs (sched.cost.bucket_flops of
+  the kind's largest bucket over its rows), so the kinds share one graph budget in one unit.
+
+Budgets: buckets (a CUDA graph each per lane, captured at start-up) <= max_graphs, by default the
+default table's count (start-up no slower than the default's); every bucket's activation memory
+<= max_activation_bytes, by default the default table's largest (no more memory than the
+default's). In bfloat16 (e = 2 bytes), with A = 2h + 2q + 2kv + 3i the live values of one token
+row in a layer (residual and normed input, q/k/v, attention output, gate-up and SiLU.up; h hidden,
+q = heads x head_dim, kv = kv_heads x head_dim, i intermediate), L layers and V the head's width
+(vocabulary, or num_labels of a classification head):
+  Score, T tokens, S samples:           e*T*A + S*V*(e + 4)   (logits and their float32 log-softmax)
+  BeamSearch, R requests of width B, P prompt tokens, n new tokens:
+      e*P*(A + 2*L*kv) + R*B*(e*A + V*(e + 4) + 2*L*n*kv*e)
+  (the prefill's rows and the prompt K/V kept for every layer; then R*B rows a step: activations,
+  logits, and the beams' suffix K/V).
+
+Search: per kind a frame, the largest default buckets within the memory budget (every candidate
+lies inside one of them, so whether a batch fits depends on the frame alone and the batches are
+formed once), and candidate tiers from the quantiles of those batches and the default's tiers.
+Greedy: add the candidate that saves the most padding until the graph budget is spent or none
+saves any. Every kind of the limits keeps a bucket that holds one request of the limits
+(BucketTable.fits_one): a request the log never showed is still served.
+
+Only ScoreTiers and BeamTiers know a bucket's fields and the layout of a batch's totals; the rest
+asks Fill, holds, rows, pick_order and kind_of.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..artifact.buckets import (BeamBucket, Bucket, BucketTable, Fill, ScoreBucket, default_bucket_table, kind_of,
+                                pick_order)
+from ..model.config import ModelConfig, ServingLimits
+from ..model.progress import Progress
+from ..runtime.batch import dims, kind as request_kind
+from ..runtime.requests import BeamRequest, RequestError, ScoreRequest, validate_beam, validate_score
+from ..sched.cost import bucket_flops
+from . import traffic
+
+ACT_BYTES = 2  # bfloat16: what serves on a GPU
+# of the batches' totals: candidate tiers of the main dimension (tokens, prompt tokens) and of the others
+TIER_QUANTILES = tuple(range(1, 101))
+SIDE_QUANTILES = (50, 90, 99, 100)
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_graphs: int  # buckets in the table (one CUDA graph each per lane)
+    max_activation_bytes: int  # of any one bucket
+
+    def __post_init__(self) -> None:
+        if self.max_graphs <= 0 or self.max_activation_bytes <= 0:
+            raise ValueError(f"budget {self}: must be > 0")
+
+
+def _round_up(n: int, to: int) -> int:
+    return max(to, -(-n // to) * to)
+
+
+def _row_bytes(cfg: ModelConfig) -> int:
+    """A, above: the live values of one token row in a layer."""
+    return 2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+
+
+def _head_width(cfg: ModelConfig) -> int:
+    return cfg.num_labels if cfg.has_cls_head else cfg.vocab_size
+
+
+# ---- per kind: the only code that knows a bucket's fields ----------------------------------------
+
+def _quantiles(values: np.ndarray, to: int, qs: Sequence[int] = SIDE_QUANTILES) -> set[int]:
+    if not values.size:
+        return set()
+    return {_round_up(int(v), to) for v in np.percentile(values, qs, method="inverted_cdf")}
+
+
+@dataclass(frozen=True)
+class ScoreTiers:
+    """Score buckets (max_tokens, max_samples, max_requests); a batch's totals (requests, tokens, samples)."""
+
+    cfg: ModelConfig
+    limits: ServingLimits
+
+    def activation_bytes(self, b: ScoreBucket) -> int:
+        return ACT_BYTES * b.max_tokens * _row_bytes(self.cfg) + b.max_samples * _head_width(self.cfg) * (ACT_BYTES + 4)
+
+    def largest_request(self, kind: str) -> ScoreRequest:
+        n = self.limits.max_samples
+        return ScoreRequest(((0,) * (self.limits.max_score_tokens - n + 1),) + ((0,),) * (n - 1))
+
+    def real_rows(self, d: tuple[int, int]) -> int:
+        return d[0]  # tokens
+
+    def frame(self, default: Sequence[Bucket], max_bytes: int) -> list[Bucket]:
+        """The largest default bucket within the budget: it holds every other (the default's tiers grow together)."""
+        fits = [b for b in default if self.activation_bytes(b) <= max_bytes]  # type: ignore[arg-type]
+        return fits[-1:]
+
+    def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
+        """totals: [batches, 3], a row a batch. Token tiers at the batches' token quantiles (64-row
+        aligned, as token_tiers), each with sample tiers at the quantiles of the batches it would take
+        and room for as many requests as they have; and the default's buckets."""
+        top: ScoreBucket = frame[0]  # type: ignore[assignment]
+        requests, tokens, samples = totals.T
+        out: set[ScoreBucket] = set(default)  # type: ignore[arg-type]
+        for t in _quantiles(tokens, 64, TIER_QUANTILES):
+            if t > top.max_tokens:
+                continue
+            under = tokens <= t
+            r = min(top.max_requests, max(2, t // 64, int(requests[under].max(initial=0))))
+            for s in _quantiles(samples[under], 16):
+                out.add(ScoreBucket(t, min(s, top.max_samples), r))
+        return {b for b in out if top.holds(b.max_requests, b.max_tokens, b.max_samples)}
+
+
+@dataclass(frozen=True)
+class BeamTiers:
+    """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width); a batch's totals
+    (requests, prompt tokens, widest). Kept small: the beam buckets are being reworked."""
+
+    cfg: ModelConfig
+    limits: ServingLimits
+
+    def activation_bytes(self, b: BeamBucket) -> int:
+        c, e = self.cfg, ACT_BYTES
+        step = e * _row_bytes(c) + _head_width(c) * (e + 4) + 2 * c.num_layers * b.new_tokens * c.kv_size * e
+        return e * b.max_prompt_tokens * (_row_bytes(c) + 2 * c.num_layers * c.kv_size) + b.max_requests * b.beam_width * step
+
+    def largest_request(self, kind: str) -> BeamRequest:
+        return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, int(kind.split(".n")[1]))
+
+    def real_rows(self, d: tuple[int, int]) -> int:
+        return d[1]  # beam width
+
+    @staticmethod
+    def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
+        return any(f is not b and f.holds(b.max_requests, b.max_prompt_tokens, b.beam_width) for f in frame)
+
+    def frame(self, default: Sequence[Bucket], max_bytes: int) -> list[Bucket]:
+        """The default buckets within the budget that no other of them holds."""
+        fits = [b for b in default if self.activation_bytes(b) <= max_bytes]  # type: ignore[arg-type]
+        return [b for b in fits if not self._inside(b, fits)]  # type: ignore[arg-type]
+
+    def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
+        requests, prompts, widest = totals.T
+        beams: list[BeamBucket] = [*frame, *default]  # type: ignore[list-item]
+        n = beams[0].new_tokens
+        out: set[Bucket] = set(default)
+        for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in beams}:
+            for r in (1, 2, 4, 8):
+                under = (requests <= r) & (widest <= w)
+                for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):
+                    b = BeamBucket(n, r, p, w)
+                    if self._inside(b, frame):
+                        out.add(b)
+        return out
+
+
+def tiers_of(kind: str, cfg: ModelConfig, limits: ServingLimits) -> ScoreTiers | BeamTiers:
+    return ScoreTiers(cfg, limits) if kind == "score" else BeamTiers(cfg, limits)
+
+
+def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) -> int:
+    return tiers_of(kind_of(bucket), cfg, limits).activation_bytes(bucket)  # type: ignore[arg-type]
+
+
+# ---- replay --------------------------------------------------------------------------------------
+
+Request = tuple[tuple[int, int], int, int]  # dims, real rows, requests of its kind in flight as it arrived
+
+
+@dataclass
+class Batch:
+    """The batches of one totals: the bucket Fill runs them in, how many, their real rows."""
+
+    bucket: Bucket
+    count: int = 0
+    real_rows: int = 0
+
+
+Batches = dict[tuple, Batch]  # by the batch's totals (Fill.totals)
+
+
+def pack(buckets: Sequence[Bucket], requests: Sequence[Request], alone: bool = False) -> Batches:
+    """requests in arrival order, into batches of consecutive requests: as many as some bucket
+    holds (Fill) and fewer than were in flight as the batch's first arrived (alone: one)."""
+    out: Batches = {}
+    ordered = tuple(sorted(buckets, key=pick_order))
+    fill, real, cap = Fill(ordered), 0, 1
+
+    def close() -> None:
+        batch = out.setdefault(fill.totals, Batch(fill.bucket))  # type: ignore[arg-type]
+        batch.count += 1
+        batch.real_rows += real
+
+    for d, rows, in_flight in requests:
+        if fill.count and (fill.count >= cap or fill.fit(*d) is None):
+            close()
+            fill, real = Fill(ordered), 0
+        if not fill.count:
+            cap = 1 if alone else in_flight
+        fill.add(*d)
+        real += rows
+    if fill.count:
+        close()
+    return out
+
+
+def padding_of(batches: Batches) -> dict[str, Any]:
+    """Per bucket its batches, their real rows and the bucket's rows; and the totals."""
+    per: dict[Bucket, list[int]] = {}
+    for batch in batches.values():
+        slot = per.setdefault(batch.bucket, [0, 0, 0])
+        slot[0] += batch.count
+        slot[1] += batch.real_rows
+        slot[2] += batch.count * batch.bucket.rows
+    real = sum(v[1] for v in per.values())
+    rows = sum(v[2] for v in per.values())
+    return {"batches": sum(v[0] for v in per.values()), "real_rows": real, "rows": rows,
+            "padding": round((rows - real) / real, 4) if real else None,
+            "buckets": [{"key": b.key, "batches": v[0], "real_rows": v[1], "rows": v[2]}
+                        for b, v in sorted(per.items(), key=lambda bv: pick_order(bv[0]))]}
+
+
+@dataclass
+class KindTraffic:
+    """One kind's logged requests in arrival order."""
+
+    kind: str
+    requests: list[Request]
+
+    @property
+    def concurrency(self) -> int:
+        """The p50 of the requests in flight as one arrives."""
+        return int(np.percentile([r[2] for r in self.requests], 50, method="inverted_cdf"))
+
+
+def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimits) -> dict[str, KindTraffic]:
+    """The log's valid requests by kind, each checked against the build's limits (ValueError
+    naming the limit and how many requests break it)."""
+    out: dict[str, KindTraffic] = {}
+    for name, col in log.kinds.items():
+        if not col.num_valid:
+            continue
+        reqs = traffic.logged_requests(name, col)
+        validate = validate_score if name == "score" else validate_beam
+        shapes: dict[int, tuple[str, tuple[int, int], int] | str] = {}  # id -> (kind, dims, real rows), or why not
+        bad: dict[str, int] = {}
+        for req in reqs:
+            shape = shapes.get(id(req))
+            if shape is None:
+                try:
+                    validate(req, cfg, limits, True)  # type: ignore[arg-type]
+                    k, d = request_kind(req), dims(req)
+                    shape = shapes[id(req)] = (k, d, tiers_of(k, cfg, limits).real_rows(d))
+                except RequestError as e:
+                    shape = shapes[id(req)] = str(e)
+            if isinstance(shape, str):
+                bad[shape] = bad.get(shape, 0) + 1
+        if bad:
+            why, count = max(bad.items(), key=lambda kv: kv[1])
+            raise ValueError(f"--traffic {log.path}: {sum(bad.values())} {name} requests of the log break this "
+                             f"build's limits (most often, {count} times: {why}); build with limits that hold them")
+        arrival = np.asarray(col.valid_arrival_s, dtype=np.float64)
+        latency = np.asarray(col.valid_latency_ms, dtype=np.float64)
+        by_kind: dict[str, list[int]] = {}
+        for i in np.argsort(arrival, kind="stable").tolist():
+            by_kind.setdefault(shapes[id(reqs[i])][0], []).append(i)  # type: ignore[index]
+        for k, idx in sorted(by_kind.items()):
+            flight = traffic.requests_in_flight(arrival[idx], latency[idx]).tolist()
+            out[k] = KindTraffic(k, [(*shapes[id(reqs[i])][1:], n) for i, n in zip(idx, flight)])  # type: ignore
+    return out
+
+
+# ---- the search ----------------------------------------------------------------------------------
+
+@dataclass
+class _Search:
+    """One kind's candidates (frame first chosen) against its batches, in pick_order; the rows
+    each candidate would save, kept up to date as buckets are taken."""
+
+    buckets: list[Bucket]
+    holds: np.ndarray  # [K, D]: bucket k holds batch totals d
+    rows: np.ndarray  # [K]
+    counts: np.ndarray  # [D] batches of these totals
+    weight: float  # FLOPs a row
+    chosen: np.ndarray = field(init=False)
+    runs_in: np.ndarray = field(init=False)  # [D] the bucket each batch runs in (its first chosen holder)
+    saved: np.ndarray = field(init=False)  # [K] rows each bucket would save if taken
+
+    def start(self, frame: Sequence[Bucket]) -> None:
+        keys = {b.key for b in frame}
+        self.chosen = np.array([b.key in keys for b in self.buckets], dtype=bool)
+        first = np.where(self.holds & self.chosen[:, None], np.arange(len(self.buckets))[:, None], len(self.buckets))
+        self.runs_in = first.min(axis=0)
+        self.saved = self._saved(np.arange(self.counts.size))
+
+    def _saved(self, cols: np.ndarray) -> np.ndarray:
+        """[K]: rows each bucket would save on the batches cols, as they run now."""
+        now = self.runs_in[cols]
+        earlier = self.holds[:, cols] & (np.arange(len(self.buckets))[:, None] < now[None, :])
+        return np.where(earlier, (self.rows[now][None, :] - self.rows[:, None]) * self.counts[cols][None, :], 0).sum(1)
+
+    def gains(self) -> np.ndarray:
+        """FLOPs of padding each bucket would save if taken (0 for those taken)."""
+        return np.where(self.chosen, 0, self.saved).astype(np.float64) * self.weight
+
+    def take(self, k: int) -> None:
+        moved = np.flatnonzero(self.holds[k] & (k < self.runs_in))
+        self.saved -= self._saved(moved)
+        self.runs_in[moved] = k
+        self.saved += self._saved(moved)
+        self.chosen[k] = True
+
+
+def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, weight: float) -> _Search:
+    keys = {b.key for b in frame}
+    buckets = sorted([*frame, *(b for b in candidates if b.key not in keys)], key=pick_order)
+    totals = list(batches)
+    holds = np.array([[b.holds(*t) for t in totals] for b in buckets], dtype=bool)
+    s = _Search(buckets, holds, np.array([b.rows for b in buckets], dtype=np.int64),
+                np.array([batches[t].count for t in totals], dtype=np.int64), weight)
+    s.start(frame)
+    return s
+
+
+def default_budget(default: BucketTable, cfg: ModelConfig, limits: ServingLimits) -> Budget:
+    """The default table's graphs and its largest bucket's activations: never slower to start, never bigger."""
+    buckets = (*default.score, *default.beam)
+    return Budget(len(buckets), max(activation_bytes(b, cfg, limits) for b in buckets))
+
+
+def _frame(kind: str, default: Sequence[Bucket], in_log: bool, cfg: ModelConfig, limits: ServingLimits,
+           budget: Budget) -> list[Bucket]:
+    """The kind's largest buckets within the memory budget (a kind the log lacks: the smallest
+    that holds one request of the limits); ValueError when none within it holds one."""
+    tiers = tiers_of(kind, cfg, limits)
+    largest = dims(tiers.largest_request(kind))
+    fits = [b for b in default if tiers.activation_bytes(b) <= budget.max_activation_bytes]  # type: ignore[arg-type]
+    frame = tiers.frame(default, budget.max_activation_bytes) if in_log else \
+        [b for b in (Fill(tuple(fits)).add(*largest),) if b is not None]
+    if Fill(tuple(sorted(frame, key=pick_order))).add(*largest) is None:
+        need = min(tiers.activation_bytes(b) for b in default if Fill((b,)).add(*largest) is not None)  # type: ignore
+        raise ValueError(f"--max-activation-mib {budget.max_activation_bytes / 2**20:.0f}: no {kind} bucket within it "
+                         f"holds one request of the limits (that needs {need / 2**20:.0f} MiB)")
+    return frame
+
+
+def check_limits(log: traffic.TrafficLog, limits: ServingLimits) -> None:
+    """The log's server must have run with the build's limits: its traffic was shaped by them."""
+    if log.limits is None:
+        return
+    ours = limits.to_dict()
+    diff = {k: v for k, v in log.limits.items() if ours.get(k) != v}
+    if diff:
+        said = ", ".join(f"{k} {v} (this build: {ours.get(k, 'none')})" for k, v in sorted(diff.items()))
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(diff.items()) if k in ours)
+        raise ValueError(f"--traffic {log.path}: the log's server ran with other limits than this build's: {said}; "
+                         f"build with the log's limits ({flags}) or with a log of a server of these limits")
+
+
+def _summary(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in p.items() if k != "buckets"}
+
+
+def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimits, budget: Budget | None = None,
+                 quiet: bool = False) -> tuple[BucketTable, dict[str, Any]]:
+    """The table that pads the log's requests least (module docstring) and its record for the
+    manifest: where it came from, the budgets, and per kind its expected padding, packed (what was
+    minimised, per bucket) and alone, beside the default table's."""
+    check_limits(log, limits)
+    default = default_bucket_table(limits)
+    budget = budget or default_budget(default, cfg, limits)
+    kinds = kinds_of_log(log, cfg, limits)
+    if not kinds:
+        raise ValueError(f"--traffic {log.path}: no request of the log has its shape (all were refused or invalid "
+                         "before they were decoded)")
+    frames = {k: _frame(k, bs, k in kinds, cfg, limits, budget) for k, bs in default.kinds.items()}
+    num_frame = sum(map(len, frames.values()))
+    if num_frame > budget.max_graphs:
+        raise ValueError(f"--max-graphs {budget.max_graphs}: a table needs at least {num_frame} buckets here "
+                         f"(one that holds a request of the limits for each of {len(frames)} kinds, and the "
+                         "largest of each logged kind)")
+    total = sum(len(k.requests) for k in kinds.values())
+    with Progress("choose bucket tiers", 2 * total, quiet=quiet) as bar:
+        searches = {}
+        for k, kt in kinds.items():
+            searches[k] = _search_of(kt, frames[k], default.of_kind(k), cfg, limits, budget)
+            bar.advance(len(kt.requests), f"{k}: {len(searches[k].holds[0])} batch shapes, "
+                                          f"{len(searches[k].buckets)} candidates")
+        _greedy(searches, budget.max_graphs - num_frame)
+        buckets = [b for k, frame in frames.items()
+                   for b in ([b for b, c in zip(searches[k].buckets, searches[k].chosen) if c] if k in searches
+                             else frame)]
+        table = BucketTable(tuple(sorted(b for b in buckets if kind_of(b) == "score")),  # type: ignore[misc]
+                            tuple(sorted(b for b in buckets if kind_of(b) != "score")))  # type: ignore[misc]
+        table.fits_one(limits)
+        report: dict[str, Any] = {}
+        for k, kt in kinds.items():
+            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k))
+            bar.advance(len(kt.requests), k)
+    origin = {"source": "traffic log", "log": Path(log.path).name, "log_sha256": log.sha256,
+              "log_requests": total, "model": log.model,
+              "budget": {"max_graphs": budget.max_graphs, "max_activation_bytes": budget.max_activation_bytes},
+              "graphs": len(buckets), "max_activation_bytes": max(activation_bytes(b, cfg, limits) for b in buckets),
+              "kinds": report}
+    return table, origin
+
+
+def _search_of(kt: KindTraffic, frame: list[Bucket], default: Sequence[Bucket], cfg: ModelConfig,
+               limits: ServingLimits, budget: Budget) -> _Search:
+    """The kind's batches (packed in its frame) against its candidates within the memory budget."""
+    tiers = tiers_of(kt.kind, cfg, limits)
+
+    def fits(b: Any) -> bool:
+        return tiers.activation_bytes(b) <= budget.max_activation_bytes
+
+    batches = pack(frame, kt.requests)
+    cands = tiers.candidates(np.array(list(batches), dtype=np.int64), frame, [b for b in default if fits(b)])
+    top = max(frame, key=lambda b: b.rows)
+    return _search(frame, {b for b in cands if fits(b)}, batches, bucket_flops(cfg, top) / top.rows)  # type: ignore
+
+
+def _greedy(searches: dict[str, _Search], left: int) -> None:
+    """Adds, one at a time, the candidate of any kind that saves the most, while one saves any."""
+    gains = {k: s.gains() for k, s in searches.items()}
+    while left > 0 and gains:
+        k = max(gains, key=lambda name: gains[name].max(initial=0.0))
+        if gains[k].max(initial=0.0) <= 0:
+            return
+        searches[k].take(int(gains[k].argmax()))
+        gains[k] = searches[k].gains()
+        left -= 1
+
+
+def _kind_report(kt: KindTraffic, chosen: Sequence[Bucket], default: Sequence[Bucket]) -> dict[str, Any]:
+    """The kind's padding: packed (per bucket) and alone, in the chosen table and the default."""
+    return {"requests": len(kt.requests), "concurrency": kt.concurrency,
+            "packed": padding_of(pack(chosen, kt.requests)),
+            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True))),
+            "default_packed": _summary(padding_of(pack(default, kt.requests))),
+            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True)))}
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def format_choice(origin: dict[str, Any]) -> str:
+    """The printed table: per kind each bucket its batches of the log and their padding."""
+    b = origin["budget"]
+    lines = [f"bucket table from {origin['log']} (sha256 {origin['log_sha256'][:16]}…, {origin['log_requests']:,} "
+             f"requests): {origin['graphs']} buckets (budget {b['max_graphs']}), largest "
+             f"{origin['max_activation_bytes'] / 2**20:,.0f} MiB of activations (budget "
+             f"{b['max_activation_bytes'] / 2**20:,.0f} MiB)"]
+    for kind, k in origin["kinds"].items():
+        p = k["packed"]
+        lines += ["", f"{kind}: {k['requests']:,} requests in arrival order, packed at most as many a batch as "
+                      f"were in flight (p50 {k['concurrency']}): {p['batches']:,} batches",
+                  f"  {'bucket':<28}{'batches':>10}{'real rows':>14}{'bucket rows':>14}{'padding':>9}"]
+        for row in p["buckets"]:
+            pad = (row["rows"] - row["real_rows"]) / row["real_rows"] if row["real_rows"] else None
+            lines.append(f"  {row['key']:<28}{row['batches']:>10,}{row['real_rows']:>14,}{row['rows']:>14,}"
+                         f"{_pct(pad):>9}")
+        lines.append(f"  expected padding: packed {_pct(p['padding'])} (default table {_pct(k['default_packed']['padding'])}),"
+                     f" each request alone {_pct(k['alone']['padding'])} (default {_pct(k['default_alone']['padding'])})")
+    return "\n".join(lines)
+
+
+def choose_from_log(path: str, cfg: ModelConfig, limits: ServingLimits, budget: Budget | None = None,
+                    quiet: bool = False) -> tuple[BucketTable, dict[str, Any]]:
+    """choose_table of the log at path; an unreadable or empty log is a ValueError naming it."""
+    try:
+        log = traffic.read_log(path)
+    except OSError as e:
+        raise ValueError(f"--traffic {path}: cannot read it ({e.strerror or e})") from None
+    return choose_table(log, cfg, limits, budget, quiet)

@@ -243,14 +243,6 @@ def arrivals_per_second(arrival_s: Sequence[float], origin: int, seconds: int) -
 
 # ---- padding -------------------------------------------------------------------------------------
 
-def _rows(bucket: Any) -> int:
-    """The padded rows of a batch in the bucket: Score token rows, BeamSearch beam rows a step."""
-    rows = getattr(bucket, "rows", None)
-    if rows is not None:
-        return int(rows)
-    return bucket.max_tokens if hasattr(bucket, "max_samples") else bucket.max_requests * bucket.beam_width
-
-
 def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     """The padding `table` adds to these requests, each alone in its smallest bucket (the packer's
     choice: service.runtime.batch.pick_score_bucket / pick_beam_bucket of the one request, built
@@ -285,11 +277,11 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
                 prefix, lens, labels = key
                 req = ScoreRequest(tuple(z(n) for n in lens), z(labels), z(prefix))
                 b = pick_score_bucket(table, [req])
-                hit = None if b is None else (_rows(b), req.num_tokens, b.max_samples, len(lens))
+                hit = None if b is None else (b.rows, req.num_tokens, b.max_samples, len(lens))
             else:
                 prompt, width, new = key
                 b = pick_beam_bucket(table, [BeamRequest(z(prompt), width, new)])
-                hit = None if b is None else (_rows(b) * b.new_tokens, width * new, b.max_prompt_tokens, prompt)
+                hit = None if b is None else (b.rows * b.new_tokens, width * new, b.max_prompt_tokens, prompt)
             cache[key] = hit
         if hit is None:
             not_held += 1

@@ -68,7 +68,8 @@ class BeamState final : public SuffixOwner {
 };
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-constexpr int64_t kNoKey = std::numeric_limits<int64_t>::min();  // below every candidate key: a rank not had
+// a rank its request does not have (nodes.py NO_KEY): below every candidate's key, decoded to parent 0, token 0
+constexpr int64_t kNoKey = std::numeric_limits<int64_t>::min() + 0xFFFFFFFF;
 
 at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) {
   at::Tensor rank = at::arange(scores.size(1), scores.options().dtype(at::kLong)).unsqueeze(0);

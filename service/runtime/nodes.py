@@ -196,7 +196,9 @@ def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
     set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=seqs.device))
 
 
-NO_KEY = -(2 ** 63)  # below every candidate key of kernels/beam_topk.py: a rank its request does not have
+# a rank its request does not have (kernels/beam_topk.py keys): below every candidate's key (its
+# score bits under -inf's) and decoded to parent 0, token 0, so that every index stays in range
+NO_KEY = -(2 ** 63) + 0xFFFFFFFF
 
 
 def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:

@@ -19,7 +19,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 6;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 7;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;

@@ -1,14 +1,17 @@
 // beam_state, beam_init and beam_step: the beam bookkeeping.
-//   beam_state: the zeroed per-beam suffix K/V, sized from the batch's beam_seqs
+//   beam_state: the zeroed per-beam suffix K/V, one row per packed beam row (beam_slot [N])
 //   beam_init: top-B of the prompt's next-token log-probs (every beam starts equal)
 //   beam_step: log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder
-// With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each parent row's
-// top-B keys in one pass over the model-dtype logits, then top-B of each request's B x B keys;
-// every layer's suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and
-// not at all after the last step. A request narrower than the bucket's beam keeps its extra ranks
-// dead (-inf). Mirrors service/runtime/nodes.py::beam_init / beam_step, op for op.
+// The forward runs over N packed beam rows (each request's own width of rows); the bookkeeping is
+// [R, B] (beam_slot: each row's rank r * B + p, R * B for padding; beam_src: each rank's row, N for
+// a rank its request does not have). A request narrower than B keeps its extra ranks dead (-inf).
+// With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each row's top-B keys
+// in one pass over the model-dtype logits, then top-B of each request's B x B keys; every layer's
+// suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all
+// after the last step. Mirrors service/runtime/nodes.py::beam_init / beam_step, op for op.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -43,16 +46,16 @@ class SuffixOwner : public Node {
   }
 };
 
-// beam_state: the zeroed suffix K/V of a beam batch, sized from beam_seqs [R, B, n]: R*B rows,
-// max(n-1, 1) slots (one per decode step).
+// beam_state: the zeroed suffix K/V of a beam batch: a row per packed beam row (beam_slot [N]),
+// max(n-1, 1) slots (one per decode step; beam_seqs [R, B, n]).
 class BeamState final : public SuffixOwner {
  public:
-  explicit BeamState(const NodeSpec& spec) : SuffixOwner(spec) { require(1, 0, {}, {"suffix_kv"}); }
+  explicit BeamState(const NodeSpec& spec) : SuffixOwner(spec) { require(2, 0, {}, {"suffix_kv"}); }
   void run(const Context& ctx, Env& env) const override {
     const ModelConfig& cfg = ctx.cfg;
-    const at::Tensor& seqs = in(env, 0);
-    const std::vector<int64_t> shape = {seqs.size(0) * seqs.size(1), std::max<int64_t>(seqs.size(2) - 1, 1),
-                                        cfg.num_kv_heads, cfg.head_dim};
+    const at::Tensor &seqs = in(env, 0), &slot = in(env, 1);
+    const std::vector<int64_t> shape = {slot.size(0), std::max<int64_t>(seqs.size(2) - 1, 1), cfg.num_kv_heads,
+                                        cfg.head_dim};
     auto options = seqs.options().dtype(ctx.rope_cos.scalar_type());
     if (!ctx.fused) {
       for (int64_t i = 0; i < cfg.num_layers; ++i) {
@@ -64,9 +67,18 @@ class BeamState final : public SuffixOwner {
   }
 };
 
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+// a rank its request does not have (nodes.py NO_KEY): below every candidate's key, decoded to parent 0, token 0
+constexpr int64_t kNoKey = std::numeric_limits<int64_t>::min() + 0xFFFFFFFF;
+
 at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) {
   at::Tensor rank = at::arange(scores.size(1), scores.options().dtype(at::kLong)).unsqueeze(0);
-  return scores.masked_fill(rank.ge(widths.unsqueeze(1)), -std::numeric_limits<double>::infinity());
+  return scores.masked_fill(rank.ge(widths.unsqueeze(1)), kNegInf);
+}
+
+// nodes.py::to_rows: [R, B] bookkeeping -> [N] packed rows (slot R*B, a padding row, takes pad).
+at::Tensor to_rows(const at::Tensor& rect, const at::Tensor& slot, const at::Scalar& pad) {
+  return at::constant_pad_nd(rect.reshape({-1}), {0, 1}, pad).index_select(0, slot);
 }
 
 // kernels/beam_topk.py::merge_candidates + decode_keys: keys [R x P, K] -> the B best of each
@@ -87,10 +99,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor
 class BeamInit final : public Node {
  public:
   explicit BeamInit(const NodeSpec& spec) : Node(spec) {
-    require(3, 0, {"beam_seqs"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents"});
+    require(4, 0, {"beam_seqs"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents"});
   }
   void run(const Context& ctx, Env& env) const override {
-    const at::Tensor &logits = in(env, 0), &widths = in(env, 1);  // [R, V] (model dtype when fused), [R]
+    // [R, V] (model dtype when fused), [R], [N]
+    const at::Tensor &logits = in(env, 0), &widths = in(env, 1), &slot = in(env, 3);
     at::Tensor seqs = in(env, 2).clone();  // [R, B, n]; the batch's input buffer stays as the caller made it
     const int64_t b = seqs.size(1);
     at::Tensor scores, tokens;
@@ -105,7 +118,7 @@ class BeamInit final : public Node {
     seqs.select(2, 0).copy_(tokens);
     write(env, "beam_seqs", seqs);
     write(env, "beam_scores", mask_extra_beams(scores, widths));
-    write(env, "beam_tokens", tokens.reshape({-1}));
+    write(env, "beam_tokens", to_rows(tokens, slot, 0));  // [N]: the next step's input, per packed row
     write(env, "beam_parents", at::zeros_like(tokens));
   }
 };
@@ -113,35 +126,42 @@ class BeamInit final : public Node {
 class BeamStep final : public SuffixOwner {
  public:
   explicit BeamStep(const NodeSpec& spec) : SuffixOwner(spec) {
-    require(5, 0, {"suffix_kv"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents", "suffix_kv"});
-    if (spec.inputs[4] != "suffix_kv") {  // inputs[5:] are the per-layer suffix buffers of the ATen path
-      throw std::invalid_argument("node " + spec.name + " (beam_step): input 4 must be suffix_kv, not '" +
-                                  spec.inputs[4] + "'");
+    require(7, 0, {"suffix_kv"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents", "suffix_kv"});
+    if (spec.inputs[6] != "suffix_kv") {  // inputs[7:] are the per-layer suffix buffers of the ATen path
+      throw std::invalid_argument("node " + spec.name + " (beam_step): input 6 must be suffix_kv, not '" +
+                                  spec.inputs[6] + "'");
     }
   }
   void run(const Context& ctx, Env& env) const override {
-    const at::Tensor &logits = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2), &widths = in(env, 3);
+    // [N, V], [R, B], [R, B, n], [R], [N], [R*B]
+    const at::Tensor &logits = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2), &widths = in(env, 3),
+                     &slot = in(env, 4), &src = in(env, 5);
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
+    at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
     at::Tensor top_scores, parents, tokens;
     if (ctx.fused) {
-      std::tie(top_scores, parents, tokens) =
-          merge_candidates(ctx.fused->beam_candidates(logits, scores.reshape({-1}), b, b), r, b, vocab);
+      at::Tensor keys = ctx.fused->beam_candidates(logits, row_scores, b, 1);  // [N, B]: flat index = token
+      keys = keys.sub(slot.remainder(b).mul(vocab).unsqueeze(1));  // flat index p * V + token of the row's rank
+      keys = at::constant_pad_nd(keys, {0, 0, 0, 1}, kNoKey).index_select(0, src);  // [R*B, B]
+      std::tie(top_scores, parents, tokens) = merge_candidates(keys, r, b, vocab);
     } else {
-      at::Tensor cand = logits.log_softmax(-1).reshape({r, b, vocab}).add(scores.unsqueeze(-1));
+      at::Tensor cand = logits.log_softmax(-1).add(row_scores.unsqueeze(1));  // [N, V]
+      cand = at::constant_pad_nd(cand, {0, 0, 0, 1}, kNegInf).index_select(0, src);  // [R*B, V]
       at::Tensor top_idx;
       std::tie(top_scores, top_idx) = cand.reshape({r, b * vocab}).topk(b, -1);
       parents = top_idx.div(vocab, "floor");
       tokens = top_idx.sub(parents.mul(vocab));
     }
-    at::Tensor rows = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
+    at::Tensor ranks = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
+    at::Tensor rows = to_rows(src.index_select(0, ranks), slot, 0);  // [N]: each packed row's parent row
     at::Tensor new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();
     new_seqs.select(2, spec_.step).copy_(tokens);
     write(env, "beam_seqs", new_seqs);
     write(env, "beam_scores", mask_extra_beams(top_scores, widths));
-    write(env, "beam_tokens", tokens.reshape({-1}));
+    write(env, "beam_tokens", to_rows(tokens, slot, 0));
     write(env, "beam_parents", parents);
     if (!ctx.fused) {
-      for (size_t i = 5; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[4]: suffix_kv)
+      for (size_t i = 7; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[6]: suffix_kv)
         const std::string& name = spec_.inputs[i];
         write(env, name, read(env, name).index_select(0, rows));
       }

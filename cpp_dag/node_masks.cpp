@@ -63,10 +63,11 @@ class BeamMasks final : public Node {
     } else {
       write(env, "mask_self", causal_within(pos, seg));  // causal within a prompt
     }
-    write(env, "mask_beam", beam_req.unsqueeze(1).eq(seg.unsqueeze(0)));  // a beam sees its request's prompt
+    // a beam row sees its request's prompt; a padding row (request R) no prompt token (seg < R)
+    write(env, "mask_beam", beam_req.unsqueeze(1).eq(seg.unsqueeze(0)));
     if (ctx.fused) {  // the fused decode attention reads each beam row's prompt range instead of mask_beam
-      write(env, "kv_len", plen);
-      write(env, "kv_start", last.index_select(0, beam_req).sub(plen).add(1));
+      write(env, "kv_len", plen);  // 0 for a padding row: no prompt key
+      write(env, "kv_start", last.index_select(0, beam_req.clamp_max(last.size(0) - 1)).sub(plen).add(1));
     }
   }
 };

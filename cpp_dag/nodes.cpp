@@ -91,8 +91,8 @@ void Node::require(size_t min_inputs, size_t min_outputs, const std::vector<std:
 
 const std::vector<std::string>& batch_inputs(bool beam) {
   static const std::vector<std::string> score = {"tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels"};
-  static const std::vector<std::string> beams = {"tokens", "positions", "seg", "last", "beam_width", "beam_req",
-                                                 "beam_pos", "beam_seqs"};
+  static const std::vector<std::string> beams = {"tokens",   "positions", "seg",       "last",     "beam_width",
+                                                 "beam_req", "beam_pos",  "beam_slot", "beam_src", "beam_seqs"};
   return beam ? beams : score;
 }
 

@@ -410,20 +410,27 @@ VOCAB = 151936
 
 
 def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, seed: int = 0) -> dict[str, Any]:
-    """A decode step's beam_step inputs as the runtimes lay them out: logits [R*B, V] as the LM head
-    gives them (bf16 for the fused path, float32 for ATen), beam scores with a request narrower
-    than the bucket (dead beams), the suffix K/V (one buffer + views when fused)."""
+    """A decode step's beam_step inputs as the runtimes lay them out: logits [rows, V] of the packed
+    beam rows as the LM head gives them (bf16 for the fused path, float32 for ATen), beam scores
+    with a request narrower than the bucket (dead beams), beam_slot / beam_src as pack_beam makes
+    them, the suffix K/V (one buffer + views when fused)."""
+    from service.artifact.buckets import BeamBucket
+    from service.runtime.batch import pack_beam
     from service.runtime.nodes import set_beam_suffix
+    from service.runtime.requests import BeamRequest
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = 4 * torch.randn(r * b, VOCAB, generator=gen, device="cuda")
+    widths = [b] * (r - 1) + [max(1, b // 2)]
+    rows = sum(widths)
+    packed = pack_beam([BeamRequest((0,), w, n) for w in widths], BeamBucket(n, r, r, b, rows)).inputs
+    logits = 4 * torch.randn(rows, VOCAB, generator=gen, device="cuda")
     scores = -3 * torch.rand(r, b, generator=gen, device="cuda").sort(-1, descending=True).values
-    widths = torch.full((r,), b, dtype=torch.int64, device="cuda")
-    widths[-1] = max(1, b // 2)
     scores[-1, b // 2:] = float("-inf")
-    env = {"logits": logits.to(torch.bfloat16) if fused else logits, "beam_scores": scores, "beam_width": widths,
-           "beam_seqs": torch.randint(0, VOCAB, (r, b, n), generator=gen, device="cuda")}
-    kv = torch.randn(layers, 2, r * b, max(n - 1, 1), g, e, generator=gen, device="cuda").to(torch.bfloat16)
+    env = {"logits": logits.to(torch.bfloat16) if fused else logits, "beam_scores": scores,
+           "beam_width": torch.tensor(widths, device="cuda"),
+           "beam_seqs": torch.randint(0, VOCAB, (r, b, n), generator=gen, device="cuda"),
+           "beam_slot": packed["beam_slot"].cuda(), "beam_src": packed["beam_src"].cuda()}
+    kv = torch.randn(layers, 2, rows, max(n - 1, 1), g, e, generator=gen, device="cuda").to(torch.bfloat16)
     if fused:
         set_beam_suffix(env, kv)
     else:
@@ -440,32 +447,37 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
     model, layers, g, e, r, b, n = BEAM_SHAPES[name]
     suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")  # as the DAG declares
     outs = ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")
-    ins = ("logits", "beam_scores", "beam_seqs", "beam_width")
+    ins = ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src")
     ctx = {"aten": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), None),  # type: ignore[arg-type]
            "fused": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), JitKernels())}  # type: ignore[arg-type]
     envs = {label: _beam_env(layers, g, e, r, b, n, label == "fused") for label in ctx}
-    # check first: the fused step's beams equal the reference's (its scores within float32 rounding)
-    got = beam_topk.beam_topk(envs["fused"]["logits"], envs["fused"]["beam_scores"], b)
-    want = beam_topk.beam_topk_ref(envs["fused"]["logits"], envs["fused"]["beam_scores"], b)
+    # check first: the fused selection's beams equal the reference's (its scores within float32 rounding),
+    # on R x B rows of logits (the kernels' own layout: every request B wide)
+    full = (4 * torch.randn(r * b, VOCAB, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+            ).to(torch.bfloat16)
+    got = beam_topk.beam_topk(full, envs["fused"]["beam_scores"], b)
+    want = beam_topk.beam_topk_ref(full, envs["fused"]["beam_scores"], b)
     fin = want[0].isfinite()
     err = (got[0][fin] - want[0][fin]).abs().max().item()
     same = ((got[1] == want[1]) & (got[2] == want[2])).float().mean().item()
     if err > 1e-4 or same < 0.99:
         raise AssertionError(f"beam_topk {name}: scores off by {err:.2e}, {same:.1%} of (parent, token) equal")
     results = []
-    one_read = r * b * VOCAB * 2  # the bf16 logits, once: the floor of the selection
+    one_read = envs["fused"]["logits"].numel() * 2  # the bf16 logits, once: the floor of the selection
     for label in ("aten", "fused"):
         env = envs[label]
         per_step = []
         for t in range(1, n):
             node = Node(f"step{t}.beam_step", "beam_step", ins + suffix, outs + suffix, {"step": t})
             per_step.append(graph_time_ms(lambda node=node: beam_step(ctx[label], node, dict(env))))
-        init_env = {"logits": env["logits"][::b].contiguous(), "beam_width": env["beam_width"],
-                    "beam_seqs": torch.zeros(r, b, n, dtype=torch.int64, device="cuda")}
+        init_env = {"logits": env["logits"][:r].contiguous(), "beam_width": env["beam_width"],
+                    "beam_seqs": torch.zeros(r, b, n, dtype=torch.int64, device="cuda"), "beam_slot": env["beam_slot"]}
         init = graph_time_ms(lambda: beam_init(ctx[label], Node("beam_init", "beam_init",
-                                                                 ("logits", "beam_width", "beam_seqs"), outs),
+                                                                 ("logits", "beam_width", "beam_seqs", "beam_slot"),
+                                                                 outs),
                                                dict(init_env)))
-        row = {"bench": "beam_step", "workload": name, "model": model, "variant": label, "rows": r * b,
+        row = {"bench": "beam_step", "workload": name, "model": model, "variant": label,
+               "rows": env["logits"].shape[0],
                "ms_beam_init": init, "ms_per_step": per_step, "ms_per_batch": init + sum(per_step),
                "floor_ms_per_step": one_read / (HBM_TB_S * 1e12) * 1e3, "max_score_err": err, "same_beams": same}
         print(f"beam_step {name:5s} {label:6s} init {init * 1e3:7.1f} us  steps (t=1..{n - 1}) "

@@ -30,9 +30,10 @@ from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 6  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 7  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
-# 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows)
+# 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
+# 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src)
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..model.config import ConfigError, ServingLimits
 
@@ -24,6 +24,8 @@ class ScoreBucket:
     max_samples: int  # samples of all requests, i.e. LM-head rows
     max_requests: int = 1
 
+    ZERO: ClassVar[tuple[int, ...]] = (0, 0, 0)  # the totals of an empty batch (Fill)
+
     def __post_init__(self) -> None:
         if self.max_tokens <= 0 or self.max_samples <= 0 or self.max_requests <= 0:
             raise ConfigError(f"score bucket {self}: sizes must be > 0")
@@ -37,7 +39,7 @@ class ScoreBucket:
         return num_requests <= self.max_requests and tokens <= self.max_tokens and num_samples <= self.max_samples
 
     @staticmethod
-    def grow(totals: tuple[int, int, int], tokens: int, samples: int) -> tuple[int, int, int]:
+    def grow(totals: tuple[int, ...], tokens: int, samples: int) -> tuple[int, int, int]:
         """(requests, tokens, samples) of a batch with one more request of these dims."""
         return totals[0] + 1, totals[1] + tokens, totals[2] + samples
 
@@ -49,32 +51,45 @@ class ScoreBucket:
 
 @dataclass(frozen=True, order=True)
 class BeamBucket:
+    """A BeamSearch batch's static shape. The decode steps run over max_rows packed beam rows: each
+    request's own width of rows, back to back, padding after the last (a padding row reads no key
+    of any prompt and is never selected). The cheap bookkeeping (beam scores [R, B], sequences
+    [R, B, n]) stays rectangular: beam_width B bounds one request's width, and a request narrower
+    than B keeps its extra ranks dead (-inf) there; they are no rows of the forward."""
+
     new_tokens: int  # exact: every request of the batch generates this many tokens
     max_requests: int
     max_prompt_tokens: int  # packed prompts of all requests
-    beam_width: int  # upper bound; a narrower request masks its extra beams
+    beam_width: int  # the widest request (the bookkeeping's ranks, the candidates a row keeps)
+    max_rows: int  # packed beam rows: the sum of the requests' widths
+
+    ZERO: ClassVar[tuple[int, ...]] = (0, 0, 0, 0)
 
     def __post_init__(self) -> None:
-        if min(self.new_tokens, self.max_requests, self.max_prompt_tokens, self.beam_width) <= 0:
+        if min(self.new_tokens, self.max_requests, self.max_prompt_tokens, self.beam_width, self.max_rows) <= 0:
             raise ConfigError(f"beam bucket {self}: sizes must be > 0")
+        if not self.beam_width <= self.max_rows <= self.max_requests * self.beam_width:
+            raise ConfigError(f"beam bucket {self}: max_rows must lie in [beam_width, max_requests x beam_width]")
 
-    def holds(self, num_requests: int, prompt_tokens: int, widest: int) -> bool:
-        """prompt_tokens: the packed prompts of all the requests; widest: their widest beam (a
-        batch's requests share new_tokens: the bucket's)."""
-        return num_requests <= self.max_requests and prompt_tokens <= self.max_prompt_tokens and widest <= self.beam_width
+    def holds(self, num_requests: int, prompt_tokens: int, widest: int, rows: int) -> bool:
+        """prompt_tokens: the packed prompts of all the requests; widest: their widest beam; rows:
+        the sum of their widths (a batch's requests share new_tokens: the bucket's)."""
+        return (num_requests <= self.max_requests and prompt_tokens <= self.max_prompt_tokens
+                and widest <= self.beam_width and rows <= self.max_rows)
 
     @staticmethod
-    def grow(totals: tuple[int, int, int], prompt_tokens: int, width: int) -> tuple[int, int, int]:
-        return totals[0] + 1, totals[1] + prompt_tokens, max(totals[2], width)
+    def grow(totals: tuple[int, ...], prompt_tokens: int, width: int) -> tuple[int, int, int, int]:
+        """(requests, prompt tokens, widest, rows) of a batch with one more request of these dims."""
+        return totals[0] + 1, totals[1] + prompt_tokens, max(totals[2], width), totals[3] + width
 
     @property
     def rows(self) -> int:
-        """The padded work of a batch in this bucket: its beam rows."""
-        return self.max_requests * self.beam_width
+        """The padded work of a batch in this bucket: its packed beam rows a decode step."""
+        return self.max_rows
 
     @property
     def key(self) -> str:
-        return (f"beam.n{self.new_tokens}.r{self.max_requests}"
+        return (f"beam.n{self.new_tokens}.rows{self.max_rows}.r{self.max_requests}"
                 f".p{self.max_prompt_tokens}.b{self.beam_width}")
 
 
@@ -87,12 +102,13 @@ def kind_of(bucket: Bucket) -> str:
     return "score" if isinstance(bucket, ScoreBucket) else f"beam.n{bucket.new_tokens}"
 
 
-def pick_order(bucket: Bucket) -> tuple[int, int]:
-    """The order buckets are tried in: least padded work first (token rows, then samples; beam
-    rows, then prompt tokens). The first that holds a batch is the one it runs in."""
+def pick_order(bucket: Bucket) -> tuple[int, ...]:
+    """The order buckets are tried in: least padded work first (token rows, then samples; packed
+    beam rows, then prompt tokens, then the bookkeeping's width and requests). The first that holds
+    a batch is the one it runs in."""
     if isinstance(bucket, ScoreBucket):
         return bucket.max_tokens, bucket.max_samples
-    return bucket.rows, bucket.max_prompt_tokens
+    return bucket.rows, bucket.max_prompt_tokens, bucket.beam_width, bucket.max_requests
 
 
 class Fill:
@@ -102,13 +118,14 @@ class Fill:
 
     Totals only grow, so a bucket that did not hold the batch never holds it again: the search for
     the first that holds goes on from the current one (O(buckets) per batch, not per request).
-    dims: (tokens, samples) of a Score request, (prompt tokens, beam width) of a BeamSearch one."""
+    dims: (tokens, samples) of a Score request, (prompt tokens, beam width) of a BeamSearch one;
+    totals: the bucket type's (ZERO, grow, holds: requests first), a tuple of 3 or 4 counts."""
 
     __slots__ = ("buckets", "totals", "bucket", "index")
 
     def __init__(self, buckets: tuple[Bucket, ...]) -> None:
         self.buckets = buckets  # one kind's, in pick_order (BucketTable.of_kind)
-        self.totals = (0, 0, 0)
+        self.totals: tuple[int, ...] = buckets[0].ZERO if buckets else (0,)
         self.bucket: Bucket | None = None
         self.index = 0  # of self.bucket in buckets (0 while empty)
 
@@ -174,7 +191,7 @@ class BucketTable:
                               f"({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
         for n in range(1, limits.max_new_tokens + 1):
             ok = [b for b in self.beam if b.new_tokens == n and b.holds(1, limits.max_prompt_tokens,
-                                                                          limits.max_beam_width)]
+                                                                          limits.max_beam_width, limits.max_beam_width)]
             if not ok:
                 raise ConfigError(f"bucket table: no beam bucket holds a request with new_tokens={n}, "
                                   f"beam_width={limits.max_beam_width}, {limits.max_prompt_tokens} prompt tokens")
@@ -217,26 +234,58 @@ def score_buckets(limits: ServingLimits, max_batch_tokens: int = 8192, steps_per
     return out
 
 
+def beam_row_tiers(max_width: int, max_rows: int) -> list[int]:
+    """The packed beam rows of the BeamSearch buckets: 4 and 16 (greedy and narrow requests), then
+    half octaves (32, 48, 64, 96, 128, ...) up to max_rows, and max_width if that is more (one
+    request of the widest beam fits alone): a batch pads under a third of its rows above 16 rows."""
+    out, v = [4, 16], 32
+    while v * 3 // 2 <= max_rows:
+        out += [v, v * 3 // 2]
+        v *= 2
+    if v <= max_rows:
+        out.append(v)
+    return sorted(set(out) | ({max_width} if max_width > out[-1] else set()))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# The narrower of the two widest-request tiers of a row tier above it: a row keeps as many candidates
+# as the bucket's widest request allows (the fused selection sorts and merges that many keys a row),
+# so a batch of beams up to this wide (W2's 100, most of beam-mix) does not pay for the limit's 400.
+NARROW_BEAM_WIDTH = 128
+
+
+def beam_buckets(limits: ServingLimits, max_rows: int = 1600, max_requests: int = 8) -> list[BeamBucket]:
+    """Per new_tokens, one bucket per (rows tier, widest tier, prompt tier). Rows: beam_row_tiers (at
+    most requests x width); the widest request min(rows, max_beam_width), and also
+    min(rows, NARROW_BEAM_WIDTH) (pick_order tries the narrower first); requests rows / 4 (2 to
+    max_requests: the bookkeeping is requests x width ranks, the fused selection merges requests x
+    width x width keys). Prompt tokens in octaves from max(128, rows) up to max(max_prompt_tokens,
+    4 x rows), at most requests x max_prompt_tokens: a prompt token costs a prefill about what a beam
+    row costs a decode step, and prompts run ~1-4 x the beam width (beam-mix: 2.3 on average), so a
+    batch of far longer prompts than beams runs in a bucket of more rows rather than in more buckets."""
+    out = set()
+    for tier in beam_row_tiers(limits.max_beam_width, max_rows):
+        requests = min(max_requests, max(2, tier // 4))
+        for width in {min(tier, limits.max_beam_width), min(tier, NARROW_BEAM_WIDTH, limits.max_beam_width)}:
+            rows = min(tier, requests * width)
+            top = min(requests * limits.max_prompt_tokens, max(limits.max_prompt_tokens, _pow2_at_least(4 * rows)))
+            prompts, p = {top}, max(128, _pow2_at_least(rows))
+            while p < top:
+                prompts.add(p)
+                p *= 2
+            out.update(BeamBucket(n, requests, p, width, rows) for n in range(1, limits.max_new_tokens + 1)
+                       for p in prompts)
+    return sorted(out)
+
+
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
-                         max_beam_rows: int = 1600, prompt_tiers: tuple[int, ...] = (128, 512)) -> BucketTable:
+                         max_beam_rows: int = 1600) -> BucketTable:
     """Score: score_buckets (quarter-octave token tiers up to max_batch_tokens; padding < 1/4).
-    BeamSearch: powers-of-two tiers up to the limits; max_beam_rows bounds requests x beam_width of
-    a batch; a bucket holds requests x a prompt tier (prompt_tiers below the limit, and the limit)
-    packed prompt tokens, so a short prompt is not padded to the longest one.
-    """
-    score = score_buckets(limits, max_batch_tokens)
-    widths = sorted({w for w in (1, 4, 16, 64, 128, 256) if w < limits.max_beam_width}
-                    | {limits.max_beam_width})
-    prompts = sorted({p for p in prompt_tiers if p < limits.max_prompt_tokens} | {limits.max_prompt_tokens})
-    beam = []
-    for n in range(1, limits.max_new_tokens + 1):
-        for w in widths:
-            r = 1
-            while r * w <= max(max_beam_rows, w):
-                beam.extend(BeamBucket(n, r, r * p, w) for p in prompts)
-                r *= 2
-                if r > 8:
-                    break
-    table = BucketTable(tuple(sorted(score)), tuple(sorted(beam)))
+    BeamSearch: beam_buckets (half-octave packed-row tiers up to max_beam_rows, octave prompt tiers)."""
+    table = BucketTable(tuple(sorted(score_buckets(limits, max_batch_tokens))),
+                        tuple(sorted(beam_buckets(limits, max_beam_rows))))
     table.fits_one(limits)
     return table

@@ -7,9 +7,11 @@ loads the DAG). A declared output may be left unwritten where a device does not 
 of the dense attention on a GPU in 16 bits). A batch's input buffers are:
   Score: tokens, positions, seg, ctx [T] (the requests back to back, then padding);
          request_rows [R+1] (each request's first row, then T); prefix_rows [R]; last [S]; labels [S, L]
-  Beam:  tokens, positions, seg [N]; last, beam_width [R]; beam_req, beam_pos [R*B]
-         (beam_pos = the request's prompt length: the position of the first generated token);
-         beam_seqs [R, B, n] zeros (the generated tokens, filled step by step)
+  Beam:  tokens, positions, seg [P] (the prompts back to back, then padding); last, beam_width [R];
+         per packed beam row (each request's own width of rows back to back, then padding) beam_req,
+         beam_pos (the request's prompt length: the position of the first generated token) and
+         beam_slot (its rank r * B + p in the [R, B] bookkeeping) [N]; beam_src [R*B] (each rank's
+         packed row); beam_seqs [R, B, n] zeros (the generated tokens, filled step by step)
 Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
 runs the nodes with step < n.
 """
@@ -24,7 +26,8 @@ from ..model.config import ModelConfig
 NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_layer", "rms_norm", "gather_rows",
               "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step")
 SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels")
-BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_seqs")
+BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_slot", "beam_src",
+               "beam_seqs")
 
 
 class DagError(ValueError):
@@ -136,11 +139,11 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
     suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
     nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req", "beam_pos", "last"),
                   ("mask_self", "cu_self", "key_ranges", "mask_beam", "kv_start", "kv_len")),
-             Node("beam_state", "beam_state", ("beam_seqs",), suffix),
+             Node("beam_state", "beam_state", ("beam_seqs", "beam_slot"), suffix),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill")
     nodes += _head(cfg, "", "last")
-    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs"),
+    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot"),
                       ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")))
     for t in range(1, max_new_tokens):
         p = f"step{t}."
@@ -148,7 +151,7 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
         nodes += _layers(cfg, p, "decode", t)
         nodes += _head(cfg, p, "", t)
         nodes.append(Node(f"{p}beam_step", "beam_step",
-                          ("logits", "beam_scores", "beam_seqs", "beam_width") + suffix,
+                          ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src") + suffix,
                           ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix,
                           {"step": t}))
     return nodes

@@ -137,8 +137,8 @@ class ScoreTiers:
 
 @dataclass(frozen=True)
 class BeamTiers:
-    """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width); a batch's totals
-    (requests, prompt tokens, widest). Kept small: the beam buckets are being reworked."""
+    """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width, max_rows); a
+    batch's totals (requests, prompt tokens, widest, packed rows)."""
 
     cfg: ModelConfig
     limits: ServingLimits
@@ -146,7 +146,7 @@ class BeamTiers:
     def activation_bytes(self, b: BeamBucket) -> int:
         c, e = self.cfg, ACT_BYTES
         step = e * _row_bytes(c) + _head_width(c) * (e + 4) + 2 * c.num_layers * b.new_tokens * c.kv_size * e
-        return e * b.max_prompt_tokens * (_row_bytes(c) + 2 * c.num_layers * c.kv_size) + b.max_requests * b.beam_width * step
+        return e * b.max_prompt_tokens * (_row_bytes(c) + 2 * c.num_layers * c.kv_size) + b.max_rows * step
 
     def largest_request(self, kind: str) -> BeamRequest:
         return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, int(kind.split(".n")[1]))
@@ -156,7 +156,8 @@ class BeamTiers:
 
     @staticmethod
     def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
-        return any(f is not b and f.holds(b.max_requests, b.max_prompt_tokens, b.beam_width) for f in frame)
+        return any(f is not b and f.holds(b.max_requests, b.max_prompt_tokens, b.beam_width, b.max_rows)
+                   for f in frame)
 
     def frame(self, default: Sequence[Bucket], max_bytes: int) -> list[Bucket]:
         """The default buckets within the budget that no other of them holds."""
@@ -164,15 +165,20 @@ class BeamTiers:
         return [b for b in fits if not self._inside(b, fits)]  # type: ignore[arg-type]
 
     def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
-        requests, prompts, widest = totals.T
+        """totals: [batches, 4]. Widest tiers at the batches' quantiles and the default's; for each,
+        packed-row tiers at the quantiles of the batches it would take (16-row aligned), as many
+        requests as those have, and prompt tiers at their prompts' quantiles (64-aligned)."""
+        requests, prompts, widest, rows = totals.T
         beams: list[BeamBucket] = [*frame, *default]  # type: ignore[list-item]
         n = beams[0].new_tokens
         out: set[Bucket] = set(default)
         for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in beams}:
-            for r in (1, 2, 4, 8):
-                under = (requests <= r) & (widest <= w)
+            for m in _quantiles(rows[widest <= w], 16, TIER_QUANTILES[4::5]):
+                under = (widest <= w) & (rows <= max(m, w))
+                r = max(1, int(requests[under].max(initial=1)))
+                m = min(max(m, w), r * w)
                 for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):
-                    b = BeamBucket(n, r, p, w)
+                    b = BeamBucket(n, r, p, w, m)
                     if self._inside(b, frame):
                         out.add(b)
         return out

@@ -257,14 +257,6 @@ def arrivals_per_second(arrival_s: Sequence[float], origin: int, seconds: int) -
 
 # ---- padding -------------------------------------------------------------------------------------
 
-def _rows(bucket: Any) -> int:
-    """The padded rows of a batch in the bucket: Score token rows, BeamSearch beam rows a step."""
-    rows = getattr(bucket, "rows", None)
-    if rows is not None:
-        return int(rows)
-    return bucket.max_tokens if hasattr(bucket, "max_samples") else bucket.max_requests * bucket.beam_width
-
-
 def logged_requests(kind: str, col: KindLog) -> list[Any]:
     """The kind's valid requests in log order as ScoreRequest / BeamRequest objects with dummy token
     ids (what the packer and the buckets see of a request is its shape); one object per distinct
@@ -320,9 +312,9 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
             if b is None:
                 hit = None
             elif kind == "score":
-                hit = (_rows(b), req.num_tokens, b.max_samples, req.num_samples)
+                hit = (b.rows, req.num_tokens, b.max_samples, req.num_samples)
             else:
-                hit = (_rows(b) * b.new_tokens, req.beam_width * req.new_tokens, b.max_prompt_tokens,
+                hit = (b.rows * b.new_tokens, req.beam_width * req.new_tokens, b.max_prompt_tokens,
                        len(req.prompt_ids))
             cache[id(req)] = hit
         if hit is None:

@@ -176,11 +176,6 @@ def _expand_runs(run_len: list[int], run_pos0: list[int], run_seg: list[int], ru
     return torch.from_numpy(positions), torch.from_numpy(seg), torch.from_numpy(ctx)
 
 
-def _repeat_each(values: list[int] | range, times: int) -> torch.Tensor:
-    """[v0]*times + [v1]*times + ... as int64 (torch.repeat_interleave without its thread fan-out)."""
-    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), times))
-
-
 def unpack_score(batch: ScoreBatch, scores: torch.Tensor) -> list[ScoreResult]:
     """scores: [S, L] float32 on the host."""
     rows = scores.tolist()
@@ -193,9 +188,15 @@ def unpack_score(batch: ScoreBatch, scores: torch.Tensor) -> list[ScoreResult]:
 
 
 def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
-    """tokens/positions/seg [N] (packed prompts, seg = request index); last/beam_width [R];
-    beam_req/beam_pos [R*B] for the decode steps."""
-    n_max, r_max, b = bucket.max_prompt_tokens, bucket.max_requests, bucket.beam_width
+    """The prompts: tokens/positions/seg [P] (packed, seg = request index, padding -1); last and
+    beam_width [R]. The decode steps run over N = max_rows packed beam rows: request r's width of
+    rows back to back from row 0 (rank p of request r is row first_r + p), padding rows after the
+    last. Per row: beam_req [N] (its request; R for a padding row, whose prompt range is empty),
+    beam_pos [N] (its prompt's length: the position of the first generated token; 0 for padding)
+    and beam_slot [N] (r * B + p: its rank in the rectangular [R, B] bookkeeping, B = the bucket's
+    beam_width; R * B for padding: one past the end). beam_src [R * B]: the packed row of each rank
+    (N for the ranks a narrower request or an empty slot does not have). beam_seqs [R, B, n] zeros."""
+    r_max, b, rows = bucket.max_requests, bucket.beam_width, bucket.max_rows
     tokens, positions, seg, last, widths, prompt_len = [], [], [], [], [], []
     for r, req in enumerate(requests):
         tokens += req.prompt_ids
@@ -204,22 +205,36 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
         last.append(len(tokens) - 1)
         widths.append(req.beam_width)
         prompt_len.append(len(req.prompt_ids))
-    if len(tokens) > n_max or len(requests) > r_max:
-        raise ValueError(f"batch of {len(requests)} requests / {len(tokens)} prompt tokens does not fit {bucket.key}")
-    pad_n, pad_r = n_max - len(tokens), r_max - len(requests)
-    widths += [0] * pad_r  # a padding request has no live beam
-    prompt_len += [0] * pad_r
+    used = sum(widths)
+    if (len(tokens) > bucket.max_prompt_tokens or len(requests) > r_max or used > rows
+            or max(widths, default=0) > b):
+        raise ValueError(f"batch of {len(requests)} requests / {len(tokens)} prompt tokens / {used} beam rows "
+                         f"(widest {max(widths, default=0)}) does not fit {bucket.key}")
+    pad_n, pad_r = bucket.max_prompt_tokens - len(tokens), r_max - len(requests)
+    width = np.array(widths + [0] * pad_r, dtype=np.int64)  # a padding request has no live beam
+    first = np.cumsum(width) - width  # [R]: each request's first packed row
+    req = np.repeat(np.arange(r_max, dtype=np.int64), width)  # [used]
+    rank = np.arange(used, dtype=np.int64) - first[req]
+    ranks = np.arange(b, dtype=np.int64)
+    src = np.where(ranks < width[:, None], first[:, None] + ranks, rows)  # [R, B]
     inputs = {
         "tokens": _i64(tokens + [0] * pad_n),
         "positions": _i64(positions + [0] * pad_n),
         "seg": _i64(seg + [-1] * pad_n),
         "last": _i64(last + [0] * pad_r),
-        "beam_width": _i64(widths),
-        "beam_req": _repeat_each(range(r_max), b),
-        "beam_pos": _repeat_each(prompt_len, b),
+        "beam_width": torch.from_numpy(width),
+        "beam_req": _padded(req, rows, r_max),
+        "beam_pos": _padded(np.array(prompt_len + [0] * pad_r, dtype=np.int64)[req], rows, 0),
+        "beam_slot": _padded(req * b + rank, rows, r_max * b),
+        "beam_src": torch.from_numpy(src.reshape(-1)),
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
     }
     return BeamBatch(requests, bucket, inputs)
+
+
+def _padded(values: np.ndarray, total: int, pad: int) -> torch.Tensor:
+    """values, then pad up to total entries, as int64."""
+    return torch.from_numpy(np.concatenate([values, np.full(total - len(values), pad, dtype=np.int64)]))
 
 
 def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:

@@ -174,7 +174,7 @@ def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig) -> int:
     per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size
     if isinstance(bucket, ScoreBucket):
         return bucket.max_tokens * per_token + bucket.max_samples * cfg.vocab_size
-    return 2 * bucket.max_requests * bucket.beam_width * cfg.vocab_size + bucket.max_prompt_tokens * per_token
+    return 2 * bucket.max_rows * cfg.vocab_size + bucket.max_prompt_tokens * per_token
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:

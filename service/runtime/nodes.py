@@ -79,10 +79,11 @@ def beam_masks(ctx: NodeContext, node: Node, env: Env) -> None:
         env["cu_self"] = segment_bounds(seg, last.shape[0] + 1)
     else:
         env["mask_self"] = _causal_within(pos, seg)  # causal within a prompt
-    env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)  # a beam sees its request's prompt
+    # a beam row sees its request's prompt; a padding row (request R) no prompt token (seg < R)
+    env["mask_beam"] = beam_req.unsqueeze(1) == seg.unsqueeze(0)
     if ctx.fused is not None:  # the fused decode attention reads each beam row's prompt range instead of mask_beam
-        env["kv_len"] = plen
-        env["kv_start"] = last.index_select(0, beam_req) - plen + 1
+        env["kv_len"] = plen  # 0 for a padding row: no prompt key
+        env["kv_start"] = last.index_select(0, beam_req.clamp_max(last.shape[0] - 1)) - plen + 1
 
 
 def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -180,25 +181,36 @@ def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tenso
 
 
 def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
-    """The per-beam suffix K/V, one slot per decode step, sized from beam_seqs [R, B, n]:
-    suffix_k.{i} / suffix_v.{i} [R*B, max(n-1, 1), G, E]. With the fused kernels they are views of
-    one buffer suffix_kv [layers, 2, R*B, slots, G, E], so that a beam step reorders every layer's
-    suffix in one gather (cpp_dag/node_beam.cpp alike)."""
+    """The per-beam suffix K/V, one slot per decode step, one row per packed beam row (beam_slot
+    [N]), slots from beam_seqs [R, B, n]: suffix_k.{i} / suffix_v.{i} [N, max(n-1, 1), G, E]. With
+    the fused kernels they are views of one buffer suffix_kv [layers, 2, N, slots, G, E], so that a
+    beam step reorders every layer's suffix in one gather (cpp_dag/node_beam.cpp alike)."""
     cfg = ctx.cfg
-    r, b, n = env[node.inputs[0]].shape
-    shape = (r * b, max(n - 1, 1), cfg.num_kv_heads, cfg.head_dim)
-    device = env[node.inputs[0]].device
+    seqs, slot = (env[n] for n in node.inputs)
+    shape = (slot.shape[0], max(seqs.shape[2] - 1, 1), cfg.num_kv_heads, cfg.head_dim)
     if ctx.fused is None:
         for i in range(cfg.num_layers):
             for kv in "kv":
-                env[f"suffix_{kv}.{i}"] = torch.zeros(shape, dtype=ctx.rope_cos.dtype, device=device)
+                env[f"suffix_{kv}.{i}"] = torch.zeros(shape, dtype=ctx.rope_cos.dtype, device=seqs.device)
         return
-    set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=device))
+    set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=seqs.device))
+
+
+# a rank its request does not have (kernels/beam_topk.py keys): below every candidate's key (its
+# score bits under -inf's) and decoded to parent 0, token 0, so that every index stays in range
+NO_KEY = -(2 ** 63) + 0xFFFFFFFF
+
+
+def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:
+    """[R, B] bookkeeping -> [N] packed beam rows: row i takes rect.view(-1)[slot[i]]; a padding row
+    (slot R*B, one past the end) takes pad."""
+    return torch.constant_pad_nd(rect.reshape(-1), [0, 1], pad).index_select(0, slot)
 
 
 def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     """First generated token: top-B of the prompt's next-token distribution (every beam equal)."""
-    logits, widths, seqs = (env[n] for n in node.inputs)  # [R, V] (float32; model dtype when fused), [R], [R, B, n]
+    # [R, V] (float32; model dtype when fused), [R], [R, B, n], [N]
+    logits, widths, seqs, slot = (env[n] for n in node.inputs)
     num_beams = seqs.shape[1]
     if ctx.fused is not None:  # kernels/beam_topk.py with one parent row per request, beam score 0
         r, vocab = logits.shape
@@ -212,32 +224,41 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     seqs[:, :, 0] = tokens
     env["beam_seqs"] = seqs
     env["beam_scores"] = _mask_extra_beams(scores, widths)
-    env["beam_tokens"] = tokens.reshape(-1)
+    env["beam_tokens"] = to_rows(tokens, slot, 0)  # [N]: the next step's input, per packed row
     env["beam_parents"] = torch.zeros_like(tokens)
 
 
 def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
-    """log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder."""
-    logits, scores, seqs, widths = (env[n] for n in node.inputs[:4])  # [R*B, V], [R, B], [R, B, n], [R]
+    """log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder. The
+    candidates come from the N packed rows and are merged per request in the [R, B] bookkeeping
+    (beam_src: each rank's row; the ranks a request does not have hold no candidate); the new beams
+    go back to packed rows (beam_slot), each taking its parent's suffix K/V."""
+    # [N, V], [R, B], [R, B, n], [R], [N], [R*B]
+    logits, scores, seqs, widths, slot, src = (env[n] for n in node.inputs[:6])
     r, b = scores.shape
     vocab = logits.shape[-1]
+    row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
     if ctx.fused is not None:  # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), then top-B of B x B
-        keys = ctx.fused.beam_candidates(logits, scores.reshape(-1), b, b)
+        keys = ctx.fused.beam_candidates(logits, row_scores, b, 1)  # [N, B], one parent a row: flat index = token
+        keys = keys - (slot.remainder(b) * vocab).unsqueeze(1)  # flat index p * V + token of the row's rank p
+        keys = torch.constant_pad_nd(keys, [0, 0, 0, 1], NO_KEY).index_select(0, src)  # [R*B, B]
         top_scores, parents, tokens = merge_candidates(keys, r, b, vocab)
     else:
-        cand = torch.log_softmax(logits, dim=-1).reshape(r, b, vocab) + scores.unsqueeze(-1)
+        cand = torch.log_softmax(logits, dim=-1) + row_scores.unsqueeze(1)  # [N, V]
+        cand = torch.constant_pad_nd(cand, [0, 0, 0, 1], float("-inf")).index_select(0, src)  # [R*B, V]
         top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
         parents = torch.div(top_idx, vocab, rounding_mode="floor")
         tokens = top_idx - parents * vocab
-    rows = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]
+    ranks = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]: parent ranks
+    rows = to_rows(src.index_select(0, ranks), slot, 0)  # [N]: each packed row's parent row
     new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()
     new_seqs[:, :, node.step] = tokens
     env["beam_seqs"] = new_seqs
     env["beam_scores"] = _mask_extra_beams(top_scores, widths)
-    env["beam_tokens"] = tokens.reshape(-1)
+    env["beam_tokens"] = to_rows(tokens, slot, 0)
     env["beam_parents"] = parents
     if ctx.fused is None:
-        for name in node.inputs[5:]:  # suffix_k.{i} / suffix_v.{i} (inputs[4] is the fused path's suffix_kv)
+        for name in node.inputs[7:]:  # suffix_k.{i} / suffix_v.{i} (inputs[6] is the fused path's suffix_kv)
             env[name] = env[name].index_select(0, rows)
     elif node.step < seqs.shape[2] - 1:  # a later decode step reads the suffix: every layer's in one gather
         set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))

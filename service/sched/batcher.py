@@ -815,7 +815,7 @@ class Scheduler:
 
 
 def _occupancy(batch: Batch) -> float:
-    """Useful share of the bucket: real tokens / bucket tokens (Score), real beams / beam rows (BeamSearch)."""
+    """Useful share of the bucket: real tokens / bucket tokens (Score), real beams / packed beam rows (BeamSearch)."""
     return sum(dims(r)[0] if isinstance(r, ScoreRequest) else r.beam_width for r in batch.requests) / batch.bucket.rows
 
 

@@ -52,12 +52,19 @@ class RequestCost:
 def bucket_flops(cfg: ModelConfig, bucket: Bucket) -> float:
     """A full bucket as its rows would be used: T tokens as samples of 64 (Score, a W1 sample; the
     attention part is small beside the linear layers at these lengths); R requests with P/R prompt
-    tokens each, beam_width beams, new_tokens steps (BeamSearch)."""
+    tokens and max_rows/R beams each, new_tokens steps (BeamSearch: the packed rows are the sum of
+    the widths)."""
     if isinstance(bucket, ScoreBucket):
         lens = [64] * (bucket.max_tokens // 64) + ([bucket.max_tokens % 64] if bucket.max_tokens % 64 else [])
         return float(score_flops(cfg, 0, lens))
-    prompt = max(bucket.max_prompt_tokens // bucket.max_requests, 1)
-    return float(bucket.max_requests * beam_flops(cfg, prompt, bucket.beam_width, bucket.new_tokens))
+    r = bucket.max_requests
+    prompt = max(bucket.max_prompt_tokens // r, 1)
+    return float(sum(beam_flops(cfg, prompt, width, bucket.new_tokens) for width in _shares(bucket.max_rows, r)))
+
+
+def _shares(total: int, n: int) -> list[int]:
+    """total split into n near-equal non-negative parts."""
+    return [total // n + (i < total % n) for i in range(n)]
 
 
 class CostTable:

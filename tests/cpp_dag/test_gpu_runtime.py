@@ -170,14 +170,14 @@ def test_capture_logs_each_bucket(tiny_artifact, runtimes) -> None:
 
 def test_captured_graphs_share_the_lane_pool(tiny_artifact, runtimes) -> None:
     """Capturing many buckets keeps only each graph's inputs and outputs: the intermediates (logits
-    of up to 1600 beam rows x 151936 float32 = 0.9 GiB each) go back to the lane's pool and the
+    of up to 1536 packed beam rows x 151936 float32 = 0.9 GiB each) go back to the lane's pool and the
     next capture reuses them. Replays of interleaved buckets from that shared pool stay exact."""
     from service.runtime.cpp_runtime import CppRuntime
 
     rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1)
     try:
         buckets = sorted((b for b in tiny_artifact.buckets.beam if b.new_tokens == 5),
-                         key=lambda b: -b.max_requests * b.beam_width)
+                         key=lambda b: -b.max_rows)
         assert len(buckets) > 20
         log = rt.capture(buckets, quiet=True)
         # torch's reserved bytes are this process's own; the device's used bytes count other test

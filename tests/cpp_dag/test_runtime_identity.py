@@ -244,6 +244,8 @@ def _beam_buffers(num_layers: int) -> list[str]:
 BEAM_CASES = {
     # several requests of different widths in one bucket (plus a padding request), every decode step
     "mixed-widths-t5": ([(7, 3), (4, 16), (1, 1)], 5),
+    # packed beam rows of many widths and prompt lengths (the widths' sum, padded to a rows tier)
+    "packed-mixed-t4": ([(30, 20), (5, 2), (60, 7), (11, 33), (2, 1)], 4),
     "wide-b70-t3": ([(12, 70)], 3),
     "two-wide-t2": ([(3, 65), (9, 128)], 2),
     "greedy-t4": ([(20, 1)], 4),

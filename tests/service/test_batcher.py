@@ -145,7 +145,7 @@ def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, runtime)
                            prefix_ids=ids(rng, rng.randint(1, 6), vocab) if i % 2 else (), id=f"s{i}")
               for i in range(6)]
     beams = [BeamRequest(ids(rng, rng.randint(3, 9), vocab), beam_width=w, new_tokens=n, id=f"b{i}")
-             for i, (w, n) in enumerate([(4, 2), (3, 2), (2, 1)])]
+             for i, (w, n) in enumerate([(3, 2), (1, 2), (2, 1)])]
     reqs = scores + beams
     priorities = [O, N, B, N, O, B, N, B, O]
 
@@ -633,23 +633,23 @@ def test_planning_a_batch_looks_at_a_bounded_part_of_a_long_queue(art, monkeypat
 
 
 def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(art, monkeypatch):
-    """Batch times in proportion to a bucket's slots (requests x beams): taking a bucket of 4 for a
-    3rd request is 4/3 slower per request judged by that request alone, but no slower once the 4th
-    waiting behind it joins. A queue of the largest bucket's worth goes as one batch (measured on
-    the H200: W2 at 8 in flight ran in batches of exactly 2, two at a time sharing the GPU); with
-    only 3 waiting, the batch stays at 2 (a bucket of 4 would be a third idle)."""
+    """Batch times in proportion to a bucket's packed beam rows: taking a bucket of 16 rows for a
+    2nd request of 3 beams is 4x slower than its first's 4 rows judged by that request alone, but no
+    slower per request once the requests waiting behind it fill its 4 slots. A queue of the largest
+    narrow bucket's worth goes as one batch (measured on the H200: W2 at 8 in flight ran in batches
+    of exactly 2, two at a time sharing the GPU); with only 3 waiting, a bucket of 4 slots would
+    be a quarter idle, and the batch stays at 1."""
     from service.sched import batcher as bm
 
-    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.max_requests * b.beam_width)
+    monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.rows)
+    narrow = sorted({(b.rows, b.max_requests) for b in art.buckets.of_kind("beam.n1") if b.beam_width >= 3})
+    assert narrow[:3] == [(4, 2), (16, 4), (32, 8)], narrow  # the embedded artifact's narrowest row tiers
 
-    def plan(reqs: list) -> list:
-        return _first_batch(art, reqs)
+    def plan(n: int) -> list:
+        return _first_batch(art, [beam(f"b{i}", width=3) for i in range(n)])
 
-    sizes = sorted({b.max_requests for b in art.buckets.of_kind("beam.n1") if b.beam_width >= 2})
-    most = sizes[-1]
-    assert most >= 4, sizes  # the embedded artifact has buckets of 1, 2, 4, ... requests for narrow beams
-    assert (plan([beam(f"b{i}") for i in range(most)])) == [f"b{i}" for i in range(most)]
-    assert (plan([beam(f"b{i}") for i in range(3)])) == ["b0", "b1"]
+    assert plan(8) == [f"b{i}" for i in range(8)]  # 24 rows in the 32-row bucket of 8: 4 rows a request
+    assert plan(3) == ["b0"]  # 16 rows for 3 (5.3 a request) against 4 for one
 
 
 def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
@@ -804,8 +804,9 @@ def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
     rng = random.Random(5)
     score_buckets = tuple(sorted({ScoreBucket(r * rng.choice([64, 128, 256, 512]), rng.choice([16, 32, 64, 128, 512]), r)
                                   for r in (1, 2, 4, 8) for _ in range(4)}, key=pick_order))
-    beam_buckets = tuple(sorted({BeamBucket(5, r, r * rng.choice([128, 256, 512]), rng.choice([4, 16, 100, 128]))
-                                 for r in (1, 2, 4, 8) for _ in range(4)}, key=pick_order))
+    beam_buckets = tuple(sorted({BeamBucket(5, r, r * rng.choice([128, 256, 512]), w, rng.randint(w, r * w))
+                                 for r in (1, 2, 4, 8) for _ in range(4) for w in [rng.choice([4, 16, 100, 128])]},
+                                key=pick_order))
     for trial in range(300):
         is_score = trial % 2 == 0
         fill = _Fill(score_buckets if is_score else beam_buckets)
@@ -823,6 +824,7 @@ def test_a_forming_batchs_bucket_is_the_first_in_order_that_holds_it():
             else:
                 want = next((b for b in beam_buckets if b.max_requests >= len(reqs) + 1
                              and b.beam_width >= max(r.beam_width for r in [*reqs, req])
+                             and b.max_rows >= sum(r.beam_width for r in [*reqs, req])
                              and b.max_prompt_tokens >= sum(len(r.prompt_ids) for r in [*reqs, req])), None)
             got = fill.fit_request(req)
             assert got == want, (trial, len(reqs), got, want)

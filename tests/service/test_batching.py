@@ -37,12 +37,12 @@ def _assert_same_score(got: ScoreResult, want: ScoreResult) -> None:
     assert diff <= TOL, f"score changed by {diff} with batching/padding"
 
 
-def _assert_same_beams(got: BeamResult, want: BeamResult) -> None:
+def _assert_same_beams(got: BeamResult, want: BeamResult, exact: bool = False) -> None:
     assert isinstance(got, BeamResult) and isinstance(want, BeamResult)
     assert len(got.beams) == len(want.beams)
     assert [b.ids for b in got.beams] == [b.ids for b in want.beams]
     diff = max(abs(a.logprob - b.logprob) for a, b in zip(got.beams, want.beams))
-    assert diff <= TOL, f"beam score changed by {diff} with batching/padding"
+    assert diff <= (0.0 if exact else TOL), f"beam score changed by {diff} with batching/padding"
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +82,15 @@ def test_score_alone_equals_in_batch_and_in_a_bigger_bucket(m):
 # ---- BeamSearch -------------------------------------------------------------------------------
 
 def test_beam_alone_equals_in_batch_and_in_a_bigger_bucket(m):
+    """Requests of different widths and prompt lengths share one batch of packed beam rows (their
+    widths' sum, not the widest x requests); each request's answer equals its answer alone (within
+    float rounding: tests/cpp_dag/test_beam_packing.py says why), and the batch with far more beam
+    rows and ranks (its prompt tokens and request slots kept) gives the batch's very bytes."""
     art, rt = m.artifact, m.runtime
     rng = random.Random(77)
     v = art.config.vocab_size
-    reqs = [BeamRequest(_ids(rng, n, v), b, 3, id=f"b{i}") for i, (b, n) in enumerate([(7, 12), (2, 40), (16, 3)])]
+    shapes = [(7, 12), (2, 40), (16, 3), (1, 25), (9, 1)]
+    reqs = [BeamRequest(_ids(rng, n, v), b, 3, id=f"b{i}") for i, (b, n) in enumerate(shapes)]
     alone = [execute(art, rt, [r])[0] for r in reqs]
     for r, res in zip(reqs, alone):
         assert len(res.beams) == r.beam_width and all(len(b.ids) == r.new_tokens for b in res.beams)
@@ -93,16 +98,20 @@ def test_beam_alone_equals_in_batch_and_in_a_bigger_bucket(m):
     assert len(plan_batches(art, reqs)) == 1
     bucket = pick_beam_bucket(art.buckets, reqs)
     assert bucket.max_requests > len(reqs), "meant to include a padding request slot"
-    for got, want in zip(execute(art, rt, reqs), alone):
+    assert sum(r.beam_width for r in reqs) < bucket.max_rows < len(reqs) * bucket.beam_width, \
+        "packed rows: the widths' sum, padded to a tier, below requests x the widest"
+    together = execute(art, rt, reqs)
+    for i, (got, want) in enumerate(zip(together, alone)):
         _assert_same_beams(got, want)
 
-    # the widest, largest bucket for this T: 400 beams per request slot, more padded prompt tokens
-    big = max((b for b in art.buckets.beam if b.new_tokens == 3), key=lambda b: (b.beam_width, b.max_requests))
+    # the largest bucket's rows and width for this T (400 beams per request), the batch's prompt tokens
+    big = max((b for b in art.buckets.beam if b.new_tokens == 3), key=lambda b: (b.max_rows, b.max_prompt_tokens))
     assert big.beam_width == art.limits.max_beam_width
-    batch = pack_beam(reqs, big)
+    batch = pack_beam(reqs, BeamBucket(3, bucket.max_requests, bucket.max_prompt_tokens, big.beam_width,
+                                       big.max_rows))
     seqs, scores = rt.run_beam(batch)
-    for got, want in zip(unpack_beam(batch, seqs, scores), alone):
-        _assert_same_beams(got, want)
+    for got, want in zip(unpack_beam(batch, seqs, scores), together):
+        _assert_same_beams(got, want, exact=True)
 
 
 def test_narrow_beam_is_masked_in_a_wider_bucket(m):
@@ -114,21 +123,22 @@ def test_narrow_beam_is_masked_in_a_wider_bucket(m):
     alone = execute(art, rt, [narrow])[0]
     assert pick_beam_bucket(art.buckets, [narrow]).beam_width < 16
 
-    # co-batched with a B=16 request: the bucket is 16 wide
+    # co-batched with a B=16 request: the bookkeeping is 16 wide, the rows 3 + 16 (padded)
     bucket = pick_beam_bucket(art.buckets, [narrow, wide])
-    assert bucket.beam_width == 16
+    assert bucket.beam_width >= 16
     got_narrow, got_wide = execute(art, rt, [narrow, wide])
     assert len(got_narrow.beams) == 3
     _assert_same_beams(got_narrow, alone)
     _assert_same_beams(got_wide, execute(art, rt, [wide])[0])
 
-    # alone, but forced into a 16-wide bucket
-    b16 = next(b for b in art.buckets.beam if b.new_tokens == 4 and b.beam_width == 16 and b.max_requests == 1)
-    batch = pack_beam([narrow], b16)
+    # alone, but forced into a 16-wide bucket of more rows (its prompt tokens and request slots kept:
+    # the CPU GEMM of the prefill's LM head rounds by its row count): the same bytes
+    own = pick_beam_bucket(art.buckets, [narrow])
+    batch = pack_beam([narrow], BeamBucket(4, own.max_requests, own.max_prompt_tokens, 16, 16 * own.max_requests))
     seqs, scores = rt.run_beam(batch)
     (res,) = unpack_beam(batch, seqs, scores)
     assert len(res.beams) == 3
-    _assert_same_beams(res, alone)
+    _assert_same_beams(res, alone, exact=True)
     # the masked beam slots never outrank a live one
     assert all(s == float("-inf") for s in scores[0, 3:].tolist())
 
@@ -184,6 +194,7 @@ def test_plan_batches_property(plan_artifact):
                 assert max(r.beam_width for r in group) <= bucket.beam_width
                 assert len(group) <= bucket.max_requests
                 assert sum(len(r.prompt_ids) for r in group) <= bucket.max_prompt_tokens
+                assert sum(r.beam_width for r in group) <= bucket.max_rows
 
     check()
 
@@ -305,7 +316,9 @@ def test_pack_beam_equals_its_row_by_row_contract(seed: int, num_requests: int) 
     reqs = [BeamRequest(prompt_ids=_ids(rng, rng.randint(1, 9), 1000), beam_width=rng.randint(1, width), new_tokens=3)
             for _ in range(num_requests)]
     n_max = sum(len(r.prompt_ids) for r in reqs) + rng.randint(0 if num_requests else 1, 4)
-    bucket = BeamBucket(max_requests=r_max, beam_width=width, max_prompt_tokens=n_max, new_tokens=3)
+    rows = max(width, sum(r.beam_width for r in reqs) + rng.randint(0, 5))
+    bucket = BeamBucket(max_requests=r_max, beam_width=width, max_prompt_tokens=n_max, new_tokens=3,
+                        max_rows=min(rows, r_max * width))
     got = {k: v.tolist() for k, v in pack_beam(reqs, bucket).inputs.items()}
     prompts = [list(r.prompt_ids) for r in reqs]
     pad_n, pad_r = n_max - sum(map(len, prompts)), r_max - num_requests
@@ -313,10 +326,15 @@ def test_pack_beam_equals_its_row_by_row_contract(seed: int, num_requests: int) 
     assert got["positions"] == [i for p in prompts for i in range(len(p))] + [0] * pad_n
     assert got["seg"] == [r for r, p in enumerate(prompts) for _ in p] + [-1] * pad_n
     assert got["beam_width"] == [r.beam_width for r in reqs] + [0] * pad_r
-    # decode rows: request r owns rows r*B .. r*B+B-1, each starting at its prompt's end
-    assert got["beam_req"] == [r for r in range(r_max) for _ in range(width)]
-    assert got["beam_pos"] == [len(p) for p in prompts for _ in range(width)] + [0] * (pad_r * width)
     assert got["beam_seqs"] == [[[0] * 3] * width] * r_max
+    # decode rows: each request's own width of rows back to back, (request, rank) each; then padding
+    packed = [(r, p) for r, req in enumerate(reqs) for p in range(req.beam_width)]
+    pad_rows = bucket.max_rows - len(packed)
+    assert got["beam_req"] == [r for r, _ in packed] + [r_max] * pad_rows  # request R: no prompt
+    assert got["beam_pos"] == [len(prompts[r]) for r, _ in packed] + [0] * pad_rows  # the prompt's end
+    assert got["beam_slot"] == [r * width + p for r, p in packed] + [r_max * width] * pad_rows
+    assert got["beam_src"] == [packed.index((r, p)) if (r, p) in packed else bucket.max_rows
+                               for r in range(r_max) for p in range(width)]
 
 
 def test_packing_runs_no_torch_op_that_fans_out_over_threads(monkeypatch) -> None:
@@ -333,8 +351,8 @@ def test_packing_runs_no_torch_op_that_fans_out_over_threads(monkeypatch) -> Non
     bucket = ScoreBucket(max_tokens=512, max_samples=32, max_requests=4)
     assert pack_score(reqs, bucket, 2).inputs["seg"].shape == (512,)
     beams = [BeamRequest(prompt_ids=_ids(rng, 5, 1000), beam_width=4, new_tokens=2) for _ in range(2)]
-    assert pack_beam(beams, BeamBucket(max_requests=4, beam_width=4, max_prompt_tokens=16, new_tokens=2)
-                     ).inputs["beam_req"].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert pack_beam(beams, BeamBucket(max_requests=4, beam_width=4, max_prompt_tokens=16, new_tokens=2, max_rows=10)
+                     ).inputs["beam_req"].tolist() == [0] * 4 + [1] * 4 + [4] * 2
 
 
 def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:
@@ -346,7 +364,7 @@ def test_pack_score_refuses_what_does_not_fit_its_bucket() -> None:
         pack_score([ScoreRequest(samples=((1,) * 8, (2,) * 9), label_ids=(1,))], bucket, 1)
     with pytest.raises(ValueError, match="batch of 5 samples does not fit"):
         pack_score([ScoreRequest(samples=((1,),) * 5, label_ids=(1,))], bucket, 1)
-    table = BucketTable((bucket,), (BeamBucket(1, 1, 8, 1),))
+    table = BucketTable((bucket,), (BeamBucket(1, 1, 8, 1, 1),))
     assert pick_score_bucket(table, [one] * 3) is None  # three requests, two slots
     assert pick_score_bucket(table, [ScoreRequest(samples=((1,) * 17,), label_ids=(1,))]) is None
     assert pick_score_bucket(table, [one, one]) == bucket  # 10 tokens, whatever the longest
@@ -377,8 +395,9 @@ def _brute_force_pick(table: BucketTable, reqs: list) -> object:
                                                    sum(r.num_samples for r in reqs))]
         return min(fits, key=lambda b: (b.max_tokens, b.max_samples), default=None)
     fits = [b for b in table.beam if b.new_tokens == reqs[0].new_tokens
-            and b.holds(len(reqs), sum(len(r.prompt_ids) for r in reqs), max(r.beam_width for r in reqs))]
-    return min(fits, key=lambda b: (b.max_requests * b.beam_width, b.max_prompt_tokens), default=None)
+            and b.holds(len(reqs), sum(len(r.prompt_ids) for r in reqs), max(r.beam_width for r in reqs),
+                        sum(r.beam_width for r in reqs))]
+    return min(fits, key=lambda b: (b.max_rows, b.max_prompt_tokens, b.beam_width, b.max_requests), default=None)
 
 
 def test_every_batch_runs_in_the_least_padded_bucket_that_holds_it(plan_artifact) -> None:
@@ -408,7 +427,7 @@ def test_unpacked_beam_results_keep_their_own_rows_and_equal_the_eager_beams() -
     from service.runtime.batch import unpack_beam
     from service.runtime.requests import Beam
 
-    bucket = BeamBucket(new_tokens=3, max_requests=4, max_prompt_tokens=64, beam_width=8)
+    bucket = BeamBucket(new_tokens=3, max_requests=4, max_prompt_tokens=64, beam_width=8, max_rows=20)
     reqs = [BeamRequest(prompt_ids=(1, 2), beam_width=w, new_tokens=3) for w in (8, 2, 5)]
     batch = pack_beam(reqs, bucket)
     g = torch.Generator().manual_seed(3)

@@ -34,11 +34,12 @@ def holds(b, batch: list[dict]) -> bool:
                 and sum(r["samples"] for r in batch) <= b.max_samples)
     return (all(r["new_tokens"] == b.new_tokens for r in batch) and len(batch) <= b.max_requests
             and sum(r["prompt_tokens"] for r in batch) <= b.max_prompt_tokens
-            and max(r["beam_width"] for r in batch) <= b.beam_width)
+            and max(r["beam_width"] for r in batch) <= b.beam_width
+            and sum(r["beam_width"] for r in batch) <= b.max_rows)
 
 
 def rows(b) -> int:
-    return b.max_tokens if isinstance(b, ScoreBucket) else b.max_requests * b.beam_width
+    return b.max_tokens if isinstance(b, ScoreBucket) else b.max_rows
 
 
 def brute_padding(records: list[dict], buckets: list, alone: bool = False) -> dict:
@@ -131,14 +132,14 @@ def test_tight_budgets_bound_the_table_and_too_tight_ones_are_named(chosen, tmp_
     records, _, origin = chosen
     path = write_log(tmp_path / "log.jsonl", records)
     log = traffic.read_log(path)
-    small = tiers.Budget(30, 800 << 20)
+    small = tiers.Budget(30, 900 << 20)
     table, tight = tiers.choose_table(log, CFG, LIMITS, small, quiet=True)
     buckets = (*table.score, *table.beam)
-    assert len(buckets) == 30 and all(tiers.activation_bytes(b, CFG, LIMITS) <= 800 << 20 for b in buckets)
+    assert len(buckets) == 30 and all(tiers.activation_bytes(b, CFG, LIMITS) <= 900 << 20 for b in buckets)
     table.fits_one(LIMITS)
     assert tight["kinds"]["score"]["packed"]["rows"] >= origin["kinds"]["score"]["packed"]["rows"]
     with pytest.raises(ValueError, match="--max-graphs 3: a table needs at least"):
-        tiers.choose_table(log, CFG, LIMITS, tiers.Budget(3, 800 << 20), quiet=True)
+        tiers.choose_table(log, CFG, LIMITS, tiers.Budget(3, 900 << 20), quiet=True)
     with pytest.raises(ValueError, match="--max-activation-mib 10: no score bucket within it holds one request"):
         tiers.choose_table(log, CFG, LIMITS, tiers.Budget(400, 10 << 20), quiet=True)
 

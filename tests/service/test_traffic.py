@@ -159,7 +159,7 @@ def test_padding_equals_the_packed_buffers_of_each_request_alone(small, tmp_path
             req = BeamRequest(tuple(rng.randrange(1000) for _ in range(r["prompt_tokens"])), r["beam_width"],
                               r["new_tokens"])
             inputs = pack_beam([req], pick_beam_bucket(table, [req])).inputs
-            beam["beam_rows"][0] += inputs["beam_seqs"].numel()  # [requests, width, new tokens] of the bucket
+            beam["beam_rows"][0] += inputs["beam_pos"].numel() * r["new_tokens"]  # packed beam rows, every step
             beam["beam_rows"][1] += r["beam_width"] * r["new_tokens"]
             beam["prompt_tokens"][0] += inputs["tokens"].numel()
             beam["prompt_tokens"][1] += r["prompt_tokens"]

@@ -1,0 +1,59 @@
+"""Beam rows packed by each request's own width (issue 26, point 2): requests of different widths
+and prompt lengths share one batch of sum-of-widths rows, and that never changes an answer, on the
+Python and the C++ runtime alike (CPU, float32):
+
+- the same batch with more beam rows and a wider bookkeeping (the same prompt tokens and request
+  slots) gives the very same bytes: padding rows and ranks are never read;
+- each request's answer equals its answer alone: the same beams, and the scores within float
+  rounding. Not bytes, and not because of the beam rows: the dense CPU attention sums a request's
+  prompt keys in SIMD lanes that depend on where its prompt lies among the packed prompt tokens,
+  and the CPU GEMM of the prefill's LM head ([request slots, V]) rounds by its row count; both move
+  the last bits before any beam row exists, as they did before beam rows were packed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from service.artifact.buckets import BeamBucket
+from service.runtime.batch import pack_beam, pick_beam_bucket
+from service.runtime.requests import BeamRequest
+
+SHAPES = [(5, 33), (40, 2), (12, 17), (1, 1), (70, 9), (23, 60)]  # (prompt tokens, beam width)
+TOL = 1e-5
+
+
+def _run(rt, reqs, bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs, scores = rt.run_beam(pack_beam(reqs, bucket))
+    return seqs.cpu(), scores.cpu()
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
+def test_packed_beam_rows_never_change_an_answer(model_name: str, runtime: str, request: pytest.FixtureRequest,
+                                                 helpers) -> None:
+    model = request.getfixturevalue(model_name)
+    art, rt = model.artifact, getattr(model, runtime)
+    rng = random.Random(26)
+    reqs = [BeamRequest(helpers.rand_ids(rng, n), b, 4) for n, b in SHAPES]
+    bucket = pick_beam_bucket(art.buckets, reqs)
+    assert sum(r.beam_width for r in reqs) <= bucket.max_rows < len(reqs) * bucket.beam_width
+    seqs, scores = _run(rt, reqs, bucket)
+    widths = torch.tensor([r.beam_width for r in reqs])
+    assert torch.isneginf(scores[:len(reqs)]).eq(torch.arange(scores.shape[1]) >= widths.unsqueeze(1)).all()
+
+    slots = bucket.max_requests
+    for rows, width in ((bucket.max_rows + 5, bucket.beam_width), (3 * bucket.max_rows, 2 * bucket.beam_width)):
+        big = BeamBucket(4, slots, bucket.max_prompt_tokens, width, rows)
+        big_seqs, big_scores = _run(rt, reqs, big)
+        for r, w in enumerate(widths.tolist()):
+            assert helpers.same_bytes(big_seqs[r, :w], seqs[r, :w]), f"request {r}: beams differ in {big.key}"
+            assert helpers.same_bytes(big_scores[r, :w], scores[r, :w]), f"request {r}: scores differ in {big.key}"
+
+    for r, req in enumerate(reqs):
+        a_seqs, a_scores = _run(rt, [req], pick_beam_bucket(art.buckets, [req]))
+        w = req.beam_width
+        assert torch.equal(seqs[r, :w], a_seqs[0, :w]), f"request {r}: its beams changed in the batch"
+        assert (scores[r, :w] - a_scores[0, :w]).abs().max() <= TOL

@@ -164,13 +164,14 @@ def test_a_narrow_traffic_gets_a_table_that_pads_it_less_than_the_default(tmp_pa
     score = origin["kinds"]["score"]
     assert set(origin["kinds"]) == {"score"}  # BeamSearch: one bucket a new_tokens, for a request of the limits
     assert len(table.beam) == LIMITS.max_new_tokens and len(table.score) < len(default_bucket_table(LIMITS).score)
-    # each request alone pads ~7.9% either way: 370-480 tokens in 64-row tiers
-    assert score["packed"]["padding"] < 0.75 * score["default_packed"]["padding"], score
+    # each request alone pads ~7.9% either way: 370-480 tokens in 64-row tiers; packed, the default's
+    # eighth-octave tiers pad ~5.4%, the chosen table less, with fewer buckets
+    assert score["packed"]["padding"] < score["default_packed"]["padding"], score
     assert score["alone"]["padding"] <= score["default_alone"]["padding"], score
 
 
 def test_the_default_table_does_well_on_varied_traffic(chosen) -> None:
-    """Quarter-octave token tiers: a Score batch pads under a quarter of its rows, ~1/8 on average,
+    """Eighth-octave token tiers: a Score batch pads under an eighth of its rows, ~1/16 on average,
     whether the requests come alone or packed: within 10 points of a table chosen for this very log."""
     _, _, origin = chosen
     score = origin["kinds"]["score"]

@@ -294,7 +294,7 @@ def beam_buckets(limits: ServingLimits, max_rows: int = 1600, max_requests: int 
 
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,
                          max_beam_rows: int = 1600) -> BucketTable:
-    """Score: score_buckets (quarter-octave token tiers up to max_batch_tokens; padding < 1/4).
+    """Score: score_buckets (eighth-octave token tiers up to max_batch_tokens; padding < 1/8 above 512).
     BeamSearch: beam_buckets (half-octave packed-row tiers up to max_beam_rows, octave prompt tiers)."""
     table = BucketTable(tuple(sorted(score_buckets(limits, max_batch_tokens))),
                         tuple(sorted(beam_buckets(limits, max_beam_rows))))

@@ -12,8 +12,6 @@ or one whose files are not regular files (a link to /dev/zero, a FIFO: a load th
 from __future__ import annotations
 
 import hashlib
-import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from .buckets import BucketTable, default_bucket_table
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
+from ..model.files import regular_size
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
@@ -49,19 +48,7 @@ class ArtifactError(ValueError):
 def regular_file_size(path: Path) -> int:
     """The size of path, which must be a regular file once links are followed: a device
     (/dev/zero), a FIFO or a socket would make loading read forever, or wait forever."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise ArtifactError(f"{path}: missing artifact file") from None
-    except OSError as e:
-        raise ArtifactError(f"{path}: cannot read it ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
-                else "a block device" if stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-        target = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
-        raise ArtifactError(f"{path}: is {kind}{target}; an artifact's files must be regular files")
-    return st.st_size
+    return regular_size(path, ArtifactError)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22, max_bytes: int | None = None) -> str:

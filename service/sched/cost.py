@@ -37,7 +37,7 @@ def request_kind(request: Request) -> str:
 
 @dataclass(frozen=True)
 class BucketInfo:
-    key: str  # the bucket's key ("score.r2.l64.s128", "beam.n3.r1.p128.b16", ...)
+    key: str  # the bucket's key ("score.t1280.s48.r20", "beam.n3.rows128.r8.p128.b128", ...)
     family: str  # "score" or "beam": buckets whose times lie on one curve over flops
     flops: float  # logical FLOPs of the bucket when full
 

@@ -6,6 +6,7 @@ server starts run in this process; those seen while it starts or loads run as a 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -129,6 +130,27 @@ def test_a_pickle_named_model_safetensors_is_one_line(tmp_path: Path, save_tiny_
     proc = _serve(tmp_path, "--model", str(ckpt))
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "model.safetensors: not a safetensors file")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory, save_tiny_checkpoint) -> Path:
+    from service.artifact.artifact import build_artifact
+
+    root = tmp_path_factory.mktemp("startup")
+    _, ckpt = save_tiny_checkpoint(root, "ckpt", "qwen2", "Qwen2ForCausalLM", 3, vocab=512, max_pos=64)
+    return build_artifact(str(ckpt), root / "art", quiet=True)
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+def test_a_tampered_manifest_is_one_line(tiny_artifact: Path, tmp_path: Path, runtime: str) -> None:
+    """Issue 32: a manifest whose key `sha256` was renamed (one byte) ended in exit 1 and a 29-line
+    KeyError traceback."""
+    art = Path(shutil.copytree(tiny_artifact, tmp_path / "art"))
+    raw = (art / "manifest.msgpack").read_bytes()
+    (art / "manifest.msgpack").write_bytes(raw.replace(b"\xa6sha256", b"\xa6sha257", 1))
+    proc = _serve(tmp_path, "--model", str(art), "--runtime", runtime)
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "manifest.msgpack: sha256 mismatch (manifest.sha256 ")
 
 
 def test_a_taken_metrics_port(tmp_path: Path) -> None:

@@ -70,6 +70,11 @@ bool is_sha256_hex(const std::string& s) {
 // The manifest's bytes, once their sha256 matches manifest.sha256 (before a byte is decoded).
 std::string verified_manifest_bytes(const std::string& dir) {
   const std::string path = dir + "/" + kManifest, sidecar_path = dir + "/" + kManifestSha256;
+  struct stat st;
+  if (::lstat(sidecar_path.c_str(), &st) != 0 && errno == ENOENT) {
+    throw std::invalid_argument(sidecar_path + ": missing (artifacts of format_version 7 and later have it); "
+                                "rebuild the artifact with `slmrank build`");
+  }
   const std::string sidecar = read_bounded(sidecar_path, 128);
   const std::string tail = std::string("  ") + kManifest;
   const bool has_newline = !sidecar.empty() && sidecar.back() == '\n';

@@ -195,6 +195,9 @@ def read_manifest(path: Path, format_version: int) -> tuple[dict[str, Any], str]
     mpath = path / MANIFEST
     if not mpath.exists():
         raise ArtifactError(f"{path}: not an artifact (no {MANIFEST}); build one with `slmrank build`")
+    if not (path / MANIFEST_SHA256).exists():
+        raise ArtifactError(f"{path / MANIFEST_SHA256}: missing (artifacts of format_version 7 and later have it); "
+                            "rebuild the artifact with `slmrank build`")
     sidecar = read_bounded(path / MANIFEST_SHA256, 128, ArtifactError)
     if not (found := _SIDECAR.fullmatch(sidecar)):
         raise ArtifactError(f"{path / MANIFEST_SHA256}: not a sha256 line for {MANIFEST} "

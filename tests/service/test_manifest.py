@@ -118,7 +118,7 @@ def test_a_tampered_manifest_is_refused_by_its_hash_before_it_is_decoded(art: Pa
 
 
 @pytest.mark.parametrize("sidecar, words", [
-    (None, f"{MANIFEST_SHA256}: missing"),
+    (None, f"{MANIFEST_SHA256}: missing (artifacts of format_version 7 and later have it); rebuild the artifact"),
     ("", "not a sha256 line"),
     ("{upper}  manifest.msgpack\n", "not a sha256 line"),
     ("{digest} manifest.msgpack\n", "not a sha256 line"),  # one space

@@ -339,8 +339,12 @@ class Scheduler:
     """Admission + batching + execution of whole requests. All methods run on one event loop."""
 
     def __init__(self, artifact: Artifact, runtime: Any, admission: AdmissionConfig | None = None,
-                 batcher: BatcherConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 batcher: BatcherConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_batch_s: float = math.inf) -> None:
+        """max_batch_s: no batch grows into a bucket whose time on this machine may be longer
+        (ServiceTimeModel.bound_s; the server's: a share of its SIGTERM grace)."""
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
+        self.max_batch_s = max_batch_s
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
         # the C++ runtime's lanes on a GPU; on a CPU (its lanes would share the cores without pausing
@@ -567,7 +571,7 @@ class Scheduler:
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
-                        or now + self._finish_s(batch_s) > tighter):
+                        or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)):
                     is_full = True
                     misses += 1
                     continue
@@ -626,6 +630,12 @@ class Scheduler:
 
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
+
+    def _may_outlast_cap(self, bucket: Any, now: float) -> bool:
+        """Whether a batch of the bucket may run longer than max_batch_s on this machine (a drain
+        must outlast none); a family not measured at all yet is not bounded (its first batch is)."""
+        bound_s = self.model.bound_s(self.costs.info(bucket), now)
+        return bound_s is not None and bound_s > self.max_batch_s
 
     def _solo_s(self, ticket: Ticket, now: float) -> float:
         """A request's batch time alone (its smallest bucket)."""

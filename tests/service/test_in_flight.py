@@ -35,20 +35,6 @@ def art(embedded_tiny):
     return embedded_tiny[1]
 
 
-@pytest.fixture(scope="module", params=["cpp", "python"])
-def runtime(request, art):
-    from service.runtime.python_runtime import PythonRuntime
-
-    if request.param == "python":
-        yield PythonRuntime(art)
-        return
-    from service.runtime.cpp_runtime import CppRuntime  # ops/setup always builds the extension
-
-    rt = CppRuntime(art)
-    yield rt
-    rt.shutdown()
-
-
 def heavy_beam(art: Any, i: int) -> BeamRequest:
     rng = random.Random(i)
     return BeamRequest(prompt_ids=tuple(rng.randrange(500) for _ in range(512)), beam_width=64,
@@ -69,11 +55,11 @@ async def until(predicate, timeout_s: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_s(art, runtime) -> float:
+def full_s(art, cpu_runtime) -> float:
     """The seconds a heavy BeamSearch takes alone on the runtime."""
 
     async def main() -> float:
-        s = await _one_slot(art, runtime)
+        s = await _one_slot(art, cpu_runtime)
         t0 = time.monotonic()
         await s.submit(heavy_beam(art, 1))
         took = time.monotonic() - t0
@@ -90,12 +76,12 @@ async def _one_slot(art: Any, runtime: Any, **admission: Any) -> Scheduler:
     return s
 
 
-def test_a_cancelled_heavy_beam_search_frees_the_executor_within_a_node(art, runtime, full_s):
+def test_a_cancelled_heavy_beam_search_frees_the_executor_within_a_node(art, cpu_runtime, full_s):
     """Issue 32: cancelled 1 s into its run, a maximal BeamSearch kept the C++ executor on the CPU
     busy; a small Score sent after it took 16.1 s."""
 
     async def main() -> None:
-        s = await _one_slot(art, runtime)
+        s = await _one_slot(art, cpu_runtime)
         big = asyncio.create_task(s.submit(heavy_beam(art, 2)))
         await until(lambda: s.stats()["batches"] == 1)
         await asyncio.sleep(0.2 * full_s)  # well into its run
@@ -116,14 +102,14 @@ def test_a_cancelled_heavy_beam_search_frees_the_executor_within_a_node(art, run
     asyncio.run(main())
 
 
-def test_a_batched_request_past_its_deadline_is_answered_deadline_expired_at_it(art, runtime, full_s):
+def test_a_batched_request_past_its_deadline_is_answered_deadline_expired_at_it(art, cpu_runtime, full_s):
     """A cold heavy BeamSearch (its bucket not yet measured, so admission tries it) with a deadline
     shorter than its run: DeadlineExpired at the deadline, never its result after it, and the batch,
     left with no member, stops at its next node."""
 
     async def main() -> None:
         # cold (nothing measured): a deadline shorter than the run is tried, not refused as impossible
-        s = await _one_slot(art, runtime, default_service_s=0.001)
+        s = await _one_slot(art, cpu_runtime, default_service_s=0.001)
         deadline_s = 0.3 * full_s
         t0 = time.monotonic()
         with pytest.raises(DeadlineExpired, match="could not finish by the deadline"):

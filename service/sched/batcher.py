@@ -345,6 +345,7 @@ class Scheduler:
         (ServiceTimeModel.bound_s; the server's: a share of its SIGTERM grace)."""
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
         self.max_batch_s = max_batch_s
+        self._drain_end_s = math.inf  # drain(timeout_s): no batch starts that may end after it
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
         # the C++ runtime's lanes on a GPU; on a CPU (its lanes would share the cores without pausing
@@ -454,8 +455,10 @@ class Scheduler:
         """Refuses new work ("draining") and finishes every queued and in-flight request.
 
         Returns True when all is done; False after timeout_s, when the requests still queued are
-        answered Overloaded("draining") (in-flight batches still complete)."""
+        answered Overloaded("draining") (in-flight batches still complete). No batch starts that may
+        not end within timeout_s: its requests are answered Overloaded("draining") at once."""
         self.admission.start_draining()
+        self._drain_end_s = math.inf if timeout_s is None else self.clock() + timeout_s
         self._wake.set()
         if not self.admission.depth() and not self._inflight:
             return True  # idle already (wait_for with a zero timeout would not even look)
@@ -513,6 +516,10 @@ class Scheduler:
                     await self._wake.wait()
                     continue
                 release_s = self._release_s(plan, now)
+                if self.admission.is_draining and not self._ends_by_drain(plan, now):
+                    for ticket in plan.tickets:  # another replica can answer it in time; this one cannot
+                        self.admission.remove(ticket, "drained")
+                    continue
                 if plan.is_full or now >= release_s or self.admission.is_draining:
                     self._launch(plan, now)
                     continue
@@ -630,6 +637,15 @@ class Scheduler:
 
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
+
+    def _ends_by_drain(self, plan: _Plan, now: float) -> bool:
+        """Whether the batch is expected to end before the drain's timeout: by its estimate, as its
+        requests were admitted (max_batch_s bounded its growth; a bound extrapolated far from what was
+        measured, 20x the FLOPs for the first large request after small ones, would refuse work the
+        grace has room for)."""
+        if plan.bucket is None or math.isinf(self._drain_end_s):
+            return True
+        return now + self._bucket_s(plan.bucket, now) <= self._drain_end_s
 
     def _may_outlast_cap(self, bucket: Any, now: float) -> bool:
         """Whether a batch of the bucket may run longer than max_batch_s on this machine (a drain

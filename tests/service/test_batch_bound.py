@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from service.runtime.requests import ScoreRequest
-from service.sched.admission import AdmissionConfig
+from service.sched.admission import AdmissionConfig, Overloaded
 from service.sched.batcher import BatcherConfig, Scheduler
 from service.sched.cost import BucketInfo
 from service.sched.service_time import ServiceTimeModel
@@ -93,3 +93,33 @@ def test_no_batch_grows_past_the_bound(art) -> None:
     # without the bound, the FLOPs' linear estimate lets the six share one bucket of 2 s
     rt = _six_at_once(art, max_batch_s=float("inf"))
     assert max(rt.seconds(b) for b in rt.buckets) > 1.0, [b.key for b in rt.buckets]
+
+
+def test_a_drain_starts_no_batch_that_would_end_after_its_timeout(art) -> None:
+    """Issue 32: a batch that outlasts the grace makes the process exit 1 with its requests unanswered.
+    Draining, a batch that would end after the drain's timeout is not started: its requests are
+    answered "draining" at once (another replica can serve them in time) and every batch that ran
+    ended within the timeout."""
+    rt, rng = QuadraticRuntime(), random.Random(6)
+    rt.K *= 4  # a 1,260-token request alone: 0.2 s
+    ended: list[float] = []
+    run_score = rt.run_score
+    rt.run_score = lambda batch: (run_score(batch), ended.append(time.monotonic()))[0]  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[Any], float, bool]:
+        s = Scheduler(art, rt, AdmissionConfig(), BatcherConfig(max_inflight=1, max_wait_s=0.0), max_batch_s=0.3)
+        await s.start()
+        await s.submit(_request(rng, 16, 60, 300))  # measured: one alone, 0.2 s (two: 0.8 s, past max_batch_s)
+        tasks = [asyncio.ensure_future(s.submit(_request(rng, 16, 60, 300))) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        end_s = time.monotonic() + 0.5  # room for two of them, not three
+        drained = await s.drain(timeout_s=0.5)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        await s.close()
+        return outcomes, end_s, drained
+
+    outcomes, end_s, drained = asyncio.run(main())
+    refused = [o for o in outcomes if isinstance(o, Overloaded)]
+    assert drained and 1 <= len(outcomes) - len(refused) <= 3 and refused, outcomes
+    assert all(o.reason == "draining" for o in refused)
+    assert max(ended) <= end_s + 0.05, (max(ended) - end_s, len(ended))

@@ -11,9 +11,7 @@ that is expected to end after it."""
 from __future__ import annotations
 
 import asyncio
-import queue
 import random
-import re
 import signal
 import time
 from pathlib import Path
@@ -22,24 +20,11 @@ import grpc
 import pytest
 
 from service.serving.proto_gen import load as load_stubs
-from tests.e2e.served import start_serve
+from tests.e2e.served import start_serve, wait_port
 
 stubs = load_stubs()
 pb2 = stubs.pb2
 GRACE_S = 10.0
-
-
-def _port(proc, lines: queue.Queue[str], log: Path) -> int:
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            assert proc.poll() is None, f"serve exited: {log.read_text()}"
-            continue
-        if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-            return int(m.group(1))
-    raise AssertionError("serve printed no address")
 
 
 def _score(rng: random.Random, samples: int, tokens: int, prefix: int) -> pb2.ScoreRequest:
@@ -85,7 +70,7 @@ def test_sigterm_under_a_mixed_load_answers_every_request_in_flight(tmp_path: Pa
     log = tmp_path / "serve.log"
     proc, lines = start_serve(tmp_path / "cache", log, "--runtime", runtime, "--grace-s", str(GRACE_S))
     try:
-        target = f"127.0.0.1:{_port(proc, lines, log)}"
+        target = f"127.0.0.1:{wait_port(proc, lines, log)}"
         endings, exit_s = asyncio.run(_load_then_sigterm(target, proc))
     finally:
         if proc.poll() is None:

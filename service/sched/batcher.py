@@ -9,7 +9,10 @@ member is still answered within its deadline. The batch is released at once when
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
 has waited `max_wait_s` (under load, up to `load_wait_share` of its first request's time alone, at
 most `load_wait_max_s`, counted from when the batch could first have gone: see
-Scheduler._release_s). Requests are never split.
+Scheduler._release_s). Requests are never split. No batch grows into a bucket that may run longer
+than `max_batch_s` on this machine (ServiceTimeModel.bound_s; the server's: half its SIGTERM grace),
+and while draining none starts that is expected to end after the drain's timeout: its requests are
+answered "draining" at once.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind

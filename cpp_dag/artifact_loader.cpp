@@ -10,9 +10,13 @@
 #include <ATen/ops/sin.h>
 #include <c10/util/StringUtil.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <stdexcept>
 
@@ -24,6 +28,73 @@ namespace slmrank {
 namespace {
 
 const char* kManifest = "manifest.msgpack";
+const char* kManifestSha256 = "manifest.sha256";  // "<64 hex>  manifest.msgpack\n", as sha256sum writes it
+constexpr int64_t kMaxManifestBytes = int64_t{64} << 20;  // service/artifact/manifest.py MAX_MANIFEST_BYTES
+
+// service/artifact/manifest.py's bounds (MAX_COUNT, MAX_VOCAB): beyond them a RoPE table, a buffer or
+// a weight would not fit in any host's memory
+constexpr int64_t kMaxCount = int64_t{1} << 20;
+constexpr int64_t kMaxVocab = int64_t{1} << 22;
+
+// The size of path, which must be a regular file once links are followed (a link to /dev/zero or a
+// FIFO would make the load read, or wait, forever).
+int64_t regular_size(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) throw std::invalid_argument(path + ": missing artifact file");
+    throw std::invalid_argument(path + ": cannot read it (" + std::strerror(errno) + ")");
+  }
+  if (!S_ISREG(st.st_mode)) throw std::invalid_argument(path + ": an artifact's files must be regular files");
+  return static_cast<int64_t>(st.st_size);
+}
+
+// All of a regular file of at most max_bytes.
+std::string read_bounded(const std::string& path, int64_t max_bytes) {
+  const int64_t size = regular_size(path);
+  if (size > max_bytes) {
+    throw std::invalid_argument(path + ": " + std::to_string(size) + " bytes is more than such a file can be (" +
+                                std::to_string(max_bytes) + ")");
+  }
+  std::string bytes(static_cast<size_t>(size), '\0');
+  std::ifstream in(path, std::ios::binary);
+  in.read(bytes.data(), size);
+  if (in.gcount() != size) throw std::invalid_argument(path + ": read error (the file changed while it was read)");
+  return bytes;
+}
+
+bool is_sha256_hex(const std::string& s) {
+  const auto is_hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  return s.size() == 64 && std::all_of(s.begin(), s.end(), is_hex);
+}
+
+// The manifest's bytes, once their sha256 matches manifest.sha256 (before a byte is decoded).
+std::string verified_manifest_bytes(const std::string& dir) {
+  const std::string path = dir + "/" + kManifest, sidecar_path = dir + "/" + kManifestSha256;
+  struct stat st;
+  if (::lstat(sidecar_path.c_str(), &st) != 0 && errno == ENOENT) {
+    throw std::invalid_argument(sidecar_path + ": missing (artifacts of format_version 8 and later have it); "
+                                "rebuild the artifact with `slmrank build`");
+  }
+  const std::string sidecar = read_bounded(sidecar_path, 128);
+  const std::string tail = std::string("  ") + kManifest;
+  const bool has_newline = !sidecar.empty() && sidecar.back() == '\n';
+  const std::string line = sidecar.substr(0, sidecar.size() - has_newline);
+  if (line.size() != 64 + tail.size() || !is_sha256_hex(line.substr(0, 64)) || line.substr(64) != tail) {
+    throw std::invalid_argument(sidecar_path + ": not a sha256 line for " + kManifest +
+                                " (<64 lower-case hex digits>, two spaces, the name)");
+  }
+  const std::string want = line.substr(0, 64);
+  const std::string bytes = read_bounded(path, kMaxManifestBytes);
+  Sha256 h;
+  h.update(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  const auto digest = h.finish();
+  const std::string actual = to_hex(digest.data(), digest.size());
+  if (actual != want) {
+    throw std::invalid_argument(path + ": sha256 mismatch (" + kManifestSha256 + " " + want.substr(0, 12) +
+                                "…, file " + actual.substr(0, 12) + "…): the manifest is corrupted or was modified");
+  }
+  return bytes;
+}
 
 // Typed access to the manifest with errors that name the file and the field ("model.vocab_size").
 class Manifest {
@@ -75,14 +146,95 @@ std::string shown(const Value* v) {
   return std::string("(a ") + v->type_name() + ")";
 }
 
+// The fields this loader reads, each with its type and range, checked in one place before any is
+// used: service/artifact/manifest.py's SCHEMA for the same fields, with the same bounds (the DAG
+// nodes' attrs are checked where dag() reads them).
+enum class Kind { kInteger, kNumber, kBoolean, kString, kSha256 };
+struct FieldRule {
+  const char* field;
+  Kind kind;
+  double lo = 0, hi = 0;  // an integer in [lo, hi]; a finite number in (lo, hi]
+};
+const FieldRule kSchema[] = {
+    {"model.arch", Kind::kString},
+    {"model.vocab_size", Kind::kInteger, 1, kMaxVocab},
+    {"model.hidden_size", Kind::kInteger, 1, kMaxCount},
+    {"model.num_layers", Kind::kInteger, 1, kMaxCount},
+    {"model.num_heads", Kind::kInteger, 1, kMaxCount},
+    {"model.num_kv_heads", Kind::kInteger, 1, kMaxCount},
+    {"model.head_dim", Kind::kInteger, 1, kMaxCount},
+    {"model.intermediate_size", Kind::kInteger, 1, kMaxCount},
+    {"model.max_positions", Kind::kInteger, 1, kMaxCount},
+    {"model.num_labels", Kind::kInteger, 0, kMaxCount},
+    {"model.rope_theta", Kind::kNumber, 0, 1e12},
+    {"model.rms_norm_eps", Kind::kNumber, 0, 1},
+    {"model.tie_word_embeddings", Kind::kBoolean},
+    {"model.attention_bias", Kind::kBoolean},
+    {"limits.max_prompt_tokens", Kind::kInteger, 1, kMaxCount},
+    {"limits.max_beam_width", Kind::kInteger, 1, kMaxCount},
+    {"limits.max_new_tokens", Kind::kInteger, 1, kMaxCount},
+    {"limits.max_samples", Kind::kInteger, 1, kMaxCount},
+    {"limits.max_score_tokens", Kind::kInteger, 1, kMaxCount},
+    {"limits.max_labels", Kind::kInteger, 1, kMaxCount},
+    {"weights.file", Kind::kString},
+    {"weights.dtype", Kind::kString},
+    {"weights.sha256", Kind::kSha256},
+};
+
+std::string bound(double x) { return std::to_string(static_cast<int64_t>(x)); }
+
+// An integer in [lo, hi], else an error naming the field.
+int64_t in_range(const Manifest& m, const Value& v, const std::string& field, int64_t lo, int64_t hi) {
+  const bool ok = (v.type() == Value::Type::kInt && v.raw_int() >= lo && v.raw_int() <= hi) ||
+                  (v.type() == Value::Type::kUint && v.raw_uint() <= static_cast<uint64_t>(hi) &&
+                   static_cast<int64_t>(v.raw_uint()) >= lo);
+  if (!ok) {
+    m.fail(field + ": must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+           "], got " + shown(&v));
+  }
+  return v.type() == Value::Type::kInt ? v.raw_int() : static_cast<int64_t>(v.raw_uint());
+}
+
+void check_schema(const Manifest& m) {
+  for (const FieldRule& rule : kSchema) {
+    const std::string field = rule.field;
+    const Value& v = m.get(field);
+    switch (rule.kind) {
+      case Kind::kInteger:
+        in_range(m, v, field, static_cast<int64_t>(rule.lo), static_cast<int64_t>(rule.hi));
+        break;
+      case Kind::kNumber: {
+        const double x = v.is_number() ? v.as_double() : NAN;
+        if (!(std::isfinite(x) && x > rule.lo && x <= rule.hi)) {
+          m.fail(field + ": must be a number in (" + bound(rule.lo) + ", " + bound(rule.hi) + "], got " + shown(&v));
+        }
+        break;
+      }
+      case Kind::kBoolean:
+        if (v.type() != Value::Type::kBool) m.fail(field + ": must be true or false, got " + shown(&v));
+        break;
+      case Kind::kString:
+        if (v.type() != Value::Type::kStr || v.as_str().empty()) {
+          m.fail(field + ": must be a non-empty string, got " + shown(&v));
+        }
+        break;
+      case Kind::kSha256:
+        if (v.type() != Value::Type::kStr || !is_sha256_hex(v.as_str())) {
+          m.fail(field + ": must be 64 lower-case hex digits, got " + shown(&v));
+        }
+        break;
+    }
+  }
+}
+
+
 Manifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/" + kManifest;
-  if (!std::ifstream(path).good()) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 && errno == ENOENT) {
     throw std::invalid_argument(dir + ": not an artifact (no " + kManifest + "); build one with `slmrank build`");
   }
-  std::ifstream in(path, std::ios::binary);
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw std::invalid_argument(path + ": read error");
+  const std::string bytes = verified_manifest_bytes(dir);
   Value root;
   try {
     root = decode_msgpack(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
@@ -102,6 +254,7 @@ Manifest read_manifest(const std::string& dir) {
     m.fail("format_version " + shown(version) + " is not supported (this slmrank reads version " +
            std::to_string(kArtifactFormatVersion) + "); rebuild the artifact");
   }
+  check_schema(m);
   return m;
 }
 
@@ -120,16 +273,9 @@ ModelConfig model_config(const Manifest& m) {
   c.num_labels = m.integer("model.num_labels");
   c.rms_norm_eps = m.number("model.rms_norm_eps");
   c.qk_norm = arch == "qwen3";
-  const std::pair<const char*, int64_t> positive[] = {
-      {"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size}, {"num_layers", c.num_layers},
-      {"num_heads", c.num_heads},   {"num_kv_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
-      {"intermediate_size", c.intermediate_size}};
-  for (const auto& [name, value] : positive) {
-    if (value <= 0) m.fail(std::string("model.") + name + ": must be > 0, got " + std::to_string(value));
-  }
+  // each field's range is the schema's (check_schema); what no single field shows:
   if (c.num_heads % c.num_kv_heads) m.fail("model.num_heads must be a multiple of model.num_kv_heads");
   if (c.head_dim % 2) m.fail("model.head_dim: RoPE needs an even head_dim");
-  if (c.num_labels < 0) m.fail("model.num_labels: must be >= 0");
   return c;
 }
 
@@ -164,10 +310,10 @@ std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
       return m.as(attrs, at + ".attrs", [&](const Value& x) { return x.find(key); });
     };
     const std::string af = at + ".attrs.";
-    if (const Value* v = attr("layer")) s.layer = m.as(*v, af + "layer", [](const Value& x) { return x.as_int64(); });
-    if (const Value* v = attr("step")) s.step = m.as(*v, af + "step", [](const Value& x) { return x.as_int64(); });
+    if (const Value* v = attr("layer")) s.layer = in_range(m, *v, af + "layer", 0, kMaxCount);
+    if (const Value* v = attr("step")) s.step = in_range(m, *v, af + "step", 0, kMaxCount);
     if (const Value* v = attr("mode")) s.mode = m.as(*v, af + "mode", [](const Value& x) { return x.as_str(); });
-    if (const Value* v = attr("max_rows")) s.max_rows = m.as(*v, af + "max_rows", [](const Value& x) { return x.as_int64(); });
+    if (const Value* v = attr("max_rows")) s.max_rows = in_range(m, *v, af + "max_rows", 0, kMaxCount);
     if (const Value* v = attr("weight")) s.weight = m.as(*v, af + "weight", [](const Value& x) { return x.as_str(); });
     nodes.push_back(std::move(s));
   }
@@ -228,7 +374,7 @@ void check_weights(const std::string& path, const WeightMap& weights,
 }
 
 void verify_file(const std::string& path, const std::string& digest) {
-  if (!std::ifstream(path).good()) throw std::invalid_argument(path + ": missing artifact file");
+  regular_size(path);
   const std::string actual = sha256_file(path);
   if (actual != digest) {
     throw std::invalid_argument(path + ": sha256 mismatch (manifest " + digest.substr(0, 12) + "…, file " +
@@ -276,7 +422,7 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
   a.beam_dag = dag(m, "beam");
 
   const std::string file = m.str("weights.file");
-  if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+  if (file.find('/') != std::string::npos || file == "." || file == "..") {
     m.fail("weights.file: '" + file + "' must be a file name inside the artifact directory");
   }
   const std::string weights_path = dir + "/" + file;
@@ -287,6 +433,7 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
   } catch (const std::invalid_argument& e) {
     m.fail(std::string("weights.") + e.what());
   }
+  regular_size(weights_path);  // a device or FIFO here would never finish loading
   try {
     for (auto& [name, t] : read_safetensors(weights_path, device, a.dtype).tensors) a.weights[name] = std::move(t);
   } catch (const std::runtime_error& e) {

@@ -1,5 +1,6 @@
 // Loads an artifact directory (service/artifact/artifact.py writes it) with no Python: the msgpack
-// manifest, the model config and both DAGs, the safetensors weights (sha256-verified on request)
+// manifest (its sha256, manifest.sha256, verified before it is decoded; its fields checked against
+// the schema), the model config and both DAGs, the safetensors weights (sha256-verified on request)
 // and the RoPE tables, computed with the same ATen ops as service/model/layers.py::rope_table so that
 // they are byte-identical to the Python runtime's.
 #pragma once
@@ -19,7 +20,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 7;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 8;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;
@@ -32,9 +33,10 @@ struct LoadedArtifact {
   std::vector<NodeSpec> score_dag, beam_dag;
 };
 
-// Throws std::invalid_argument naming the file for a missing, corrupted or mismatched artifact
-// (unsupported format_version, sha256 mismatch, malformed manifest, weights that do not match
-// the config). verify: check the weights file's sha256 against the manifest.
+// Throws std::invalid_argument naming the file (and the field) for a missing, corrupted or
+// mismatched artifact (a manifest whose sha256 does not match, unsupported format_version, a field
+// of the wrong type or out of range, a file that is not a regular file, weights that do not match
+// the config). verify: also check the weights file's sha256 against the manifest.
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
                              bool verify);
 

@@ -2,10 +2,12 @@
 
   DIR/manifest.msgpack   format + version, model config, limits, bucket table, the Score and
                          BeamSearch DAGs (precision per node), sha256 of every file, tokenizer ref
+  DIR/manifest.sha256    the manifest's own sha256 (manifest.py: verified before it is decoded)
   DIR/weights.safetensors
   DIR/tokenizer/...      tokenizer files (and their license notice)
 
-Loading checks the format version and every hash, and refuses a corrupted or mismatched artifact,
+Loading checks the manifest's hash, its format version and schema, every file's hash, and refuses a
+corrupted or mismatched artifact in one ArtifactError,
 or one whose files are not regular files (a link to /dev/zero, a FIFO: a load that could not finish).
 """
 
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -25,24 +26,19 @@ from .buckets import BucketTable, default_bucket_table
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
+from .manifest import FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest, write_manifest
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
-FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 7  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 8  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
-# 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src)
-MANIFEST = "manifest.msgpack"
-WEIGHTS = "weights.safetensors"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
+# 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema
+DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
-
-MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 KB; more is not a manifest
-
-
-class ArtifactError(ValueError):
-    """A missing, corrupted or mismatched artifact."""
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
+           "load_artifact", "regular_file_size", "sha256_file"]
 
 
 def regular_file_size(path: Path) -> int:
@@ -155,7 +151,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
         "build_seconds": round(time.monotonic() - t0, 3),
     }
-    (out / MANIFEST).write_bytes(msgpack.packb(manifest))
+    write_manifest(out, manifest)
     return out
 
 
@@ -170,39 +166,24 @@ def _tokenizer_files(model: str) -> tuple[str, dict[str, bytes]]:
 
 
 def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
+    """verify: also check the weights' and tokenizer files' hashes (the manifest's own always is)."""
     path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.exists():
-        raise ArtifactError(f"{path}: not an artifact (no {MANIFEST}); build one with `slmrank build`")
-    size = regular_file_size(mpath)
-    if size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{mpath}: {size} bytes is not a manifest (at most {MAX_MANIFEST_BYTES})")
-    with open(mpath, "rb") as fh:
-        raw = fh.read(size)
-    try:
-        m = msgpack.unpackb(raw)
-    except Exception as e:  # msgpack raises several unrelated types on corrupt input
-        raise ArtifactError(f"{mpath}: corrupted manifest ({e})") from e
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ArtifactError(f"{mpath}: not a {FORMAT} manifest")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{mpath}: format_version {m.get('format_version')} is not supported "
-                            f"(this slmrank reads version {FORMAT_VERSION}); rebuild the artifact")
+    m, _ = read_manifest(path, FORMAT_VERSION)  # its hash, format, version and schema: every field typed
     try:
         cfg = ModelConfig.from_dict(m["model"])
         limits = ServingLimits.from_dict(m["limits"])
+        limits.check_positions(cfg)
         buckets = BucketTable.from_dict(m["buckets"])
         score, beam = dag_from_list(m["dags"]["score"]), dag_from_list(m["dags"]["beam"])
         check_dataflow(score, SCORE_INPUTS, ("scores",))
         check_dataflow(beam, BEAM_INPUTS, ("beam_seqs", "beam_scores"))
-        wdtype = DTYPES[m["weights"]["dtype"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(f"{mpath}: malformed manifest ({e})") from e
+    except ValueError as e:  # what no single field shows: a config, bucket or DAG that does not hold together
+        raise ArtifactError(f"{path / MANIFEST}: malformed manifest ({e})") from None
     if verify:
         _verify_file(path / m["weights"]["file"], m["weights"]["sha256"])
         for rel, digest in m["tokenizer"]["files"].items():
             _verify_file(path / "tokenizer" / rel, digest)
-    return Artifact(path, cfg, limits, buckets, score, beam, wdtype, m["tokenizer"], m)
+    return Artifact(path, cfg, limits, buckets, score, beam, DTYPES[m["weights"]["dtype"]], m["tokenizer"], m)
 
 
 def _verify_file(path: Path, digest: str) -> None:

@@ -10,7 +10,6 @@ loads when the command runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -96,15 +95,13 @@ def check(args: argparse.Namespace) -> None:
 def model_config(spec: str) -> Any:
     """The ModelConfig of an embedded spec, an artifact directory or a Hugging Face checkpoint
     directory on this machine."""
-    from ..model.config import ModelConfig
+    from ..model.checkpoint import embedded_spec, load_hf_config
 
     if spec.startswith("embedded:"):
-        from ..model.checkpoint import embedded_spec
-
         return embedded_spec(spec).config
     path = Path(spec)
     if (path / "config.json").is_file():
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return load_hf_config(path)  # read within its bound, like the server's
     from ..artifact.artifact import MANIFEST, load_artifact
 
     if (path / MANIFEST).is_file():

@@ -9,7 +9,10 @@ member is still answered within its deadline. The batch is released at once when
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request
 has waited `max_wait_s` (under load, up to `load_wait_share` of its first request's time alone, at
 most `load_wait_max_s`, counted from when the batch could first have gone: see
-Scheduler._release_s). Requests are never split.
+Scheduler._release_s). Requests are never split. No batch grows into a bucket that may run longer
+than `max_batch_s` on this machine (ServiceTimeModel.bound_s; the server's: half its SIGTERM grace),
+and while draining none starts that is expected to end after the drain's timeout: its requests are
+answered "draining" at once.
 
 A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
 in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
@@ -339,8 +342,13 @@ class Scheduler:
     """Admission + batching + execution of whole requests. All methods run on one event loop."""
 
     def __init__(self, artifact: Artifact, runtime: Any, admission: AdmissionConfig | None = None,
-                 batcher: BatcherConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 batcher: BatcherConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_batch_s: float = math.inf) -> None:
+        """max_batch_s: no batch grows into a bucket whose time on this machine may be longer
+        (ServiceTimeModel.bound_s; the server's: a share of its SIGTERM grace)."""
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
+        self.max_batch_s = max_batch_s
+        self._drain_end_s = math.inf  # drain(timeout_s): no batch starts that may end after it
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
         # the C++ runtime's lanes on a GPU; on a CPU (its lanes would share the cores without pausing
@@ -450,8 +458,10 @@ class Scheduler:
         """Refuses new work ("draining") and finishes every queued and in-flight request.
 
         Returns True when all is done; False after timeout_s, when the requests still queued are
-        answered Overloaded("draining") (in-flight batches still complete)."""
+        answered Overloaded("draining") (in-flight batches still complete). No batch starts that may
+        not end within timeout_s: its requests are answered Overloaded("draining") at once."""
         self.admission.start_draining()
+        self._drain_end_s = math.inf if timeout_s is None else self.clock() + timeout_s
         self._wake.set()
         if not self.admission.depth() and not self._inflight:
             return True  # idle already (wait_for with a zero timeout would not even look)
@@ -509,6 +519,10 @@ class Scheduler:
                     await self._wake.wait()
                     continue
                 release_s = self._release_s(plan, now)
+                if self.admission.is_draining and not self._ends_by_drain(plan, now):
+                    for ticket in plan.tickets:  # another replica can answer it in time; this one cannot
+                        self.admission.remove(ticket, "drained")
+                    continue
                 if plan.is_full or now >= release_s or self.admission.is_draining:
                     self._launch(plan, now)
                     continue
@@ -567,7 +581,7 @@ class Scheduler:
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
-                        or now + self._finish_s(batch_s) > tighter):
+                        or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)):
                     is_full = True
                     misses += 1
                     continue
@@ -626,6 +640,21 @@ class Scheduler:
 
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
+
+    def _ends_by_drain(self, plan: _Plan, now: float) -> bool:
+        """Whether the batch is expected to end before the drain's timeout: by its estimate, as its
+        requests were admitted (max_batch_s bounded its growth; a bound extrapolated far from what was
+        measured, 20x the FLOPs for the first large request after small ones, would refuse work the
+        grace has room for)."""
+        if plan.bucket is None or math.isinf(self._drain_end_s):
+            return True
+        return now + self._bucket_s(plan.bucket, now) <= self._drain_end_s
+
+    def _may_outlast_cap(self, bucket: Any, now: float) -> bool:
+        """Whether a batch of the bucket may run longer than max_batch_s on this machine (a drain
+        must outlast none); a family not measured at all yet is not bounded (its first batch is)."""
+        bound_s = self.model.bound_s(self.costs.info(bucket), now)
+        return bound_s is not None and bound_s > self.max_batch_s
 
     def _solo_s(self, ticket: Ticket, now: float) -> float:
         """A request's batch time alone (its smallest bucket)."""

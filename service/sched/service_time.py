@@ -23,6 +23,11 @@ starved            a batch run while this process got less than `starved_share` 
                    time x share (what it would have taken idle) once a batch runs unstarved again:
                    a host that was starved is not taken as slow for ever; while the host is still
                    starved, it counts as it ran.
+bound_s(bucket)    an upper bound on a batch of the bucket on this machine: its own estimate when
+                   measured; else over its family's fresh buckets, the chord between two of them,
+                   and above the largest one its time x (flops ratio)^2 (on a CPU a bucket's cost
+                   grows faster than its FLOPs, about as flops^1.7 for Score on the 2-core CI
+                   machine, but not faster than their square); None when the family has none.
 idle_s(bucket)     the bucket's own idle service time: the same quantile of its own fresh samples,
                    starved ones at time x share; None when it has no fresh sample of its own (an
                    interpolation is no measurement of it: admission never calls a deadline
@@ -121,6 +126,18 @@ class ServiceTimeModel:
             return 0.0
         return min(samples)
 
+    def bound_s(self, info: BucketInfo, now: float) -> float | None:
+        """An upper bound on the bucket's time (module docstring); None: nothing bounds it."""
+        if info.key in self._estimate and self._last_seen[info.key] >= now - self.ttl_s:
+            return self._estimate[info.key]
+        same = sorted((i.flops, y) for i, y in self._fresh(now) if i.family == info.family)
+        return _piecewise(same, info.flops, exponent=2.0) if same else None
+
+    def _fresh(self, now: float, exclude: str | None = None) -> list[tuple[BucketInfo, float]]:
+        """(bucket, estimate) of every bucket measured within ttl_s, but `exclude`."""
+        return [(i, self._estimate[k]) for k, i in self._infos.items()
+                if self._last_seen[k] >= now - self.ttl_s and k != exclude]
+
     def idle_s(self, info: BucketInfo, now: float) -> float | None:
         """The bucket's own idle service time (module docstring); None: no fresh sample of its own."""
         if info.key not in self._idle or self._last_seen[info.key] < now - self.ttl_s:
@@ -163,8 +180,7 @@ class ServiceTimeModel:
         """Over the fresh buckets of its family, piecewise linear in flops (below the smallest: the
         smallest's time, for small buckets are mostly fixed costs; above the largest: in proportion
         to flops). A family with none: the other family's nearest bucket, in proportion to flops."""
-        fresh = [(i, self._estimate[k]) for k, i in self._infos.items()
-                 if self._last_seen[k] >= now - self.ttl_s and not (exclude_self and k == info.key)]
+        fresh = self._fresh(now, info.key if exclude_self else None)
         same = sorted((i.flops, y) for i, y in fresh if i.family == info.family)
         if same:
             return _piecewise(same, info.flops)
@@ -378,7 +394,9 @@ def _quantile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def _piecewise(points: list[tuple[float, float]], x: float) -> float:
+def _piecewise(points: list[tuple[float, float]], x: float, exponent: float = 1.0) -> float:
+    """Linear between the points (flops, seconds), the first one's below them; above them, the
+    last one's times (x / its flops)^exponent."""
     xs = [p[0] for p in points]
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
@@ -387,6 +405,6 @@ def _piecewise(points: list[tuple[float, float]], x: float) -> float:
         return points[0][1]
     if i == len(xs):
         fx, fy = points[-1]
-        return fy * x / fx if fx > 0 else fy
+        return fy * (x / fx) ** exponent if fx > 0 else fy
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

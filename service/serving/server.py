@@ -144,6 +144,9 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)
 
 
+# no batch may run longer than this share of the SIGTERM grace: one running when the drain begins
+# leaves the rest of the grace to the requests queued behind it (issue 32, point 6)
+BATCH_GRACE_SHARE = 0.5
 DRAIN_LULL_S = 1.0  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace);
 # an idle server (nothing for this long already) stops at once; longer than a loaded client's pauses
 
@@ -420,7 +423,8 @@ class RankerServer:
     async def _load(self) -> None:
         t0 = time.monotonic()
         self.model = await _in_daemon_thread(self.loader)
-        scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher)
+        scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher,
+                              max_batch_s=BATCH_GRACE_SHARE * self.config.grace_s)
         await scheduler.start()
         if self.metrics is not None:
             self.metrics.stats_source = scheduler.stats if self.fronts is None else (

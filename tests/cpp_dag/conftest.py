@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from service.artifact.artifact import MANIFEST
+from service.artifact.manifest import write_manifest
 
 VOCAB = 512
 MAX_POS = 96  # small limits: prompt buckets of r x 91 tokens keep the CPU runs quick
@@ -99,7 +100,7 @@ def executor_with_dags(art, tmp_path: Path, score_dag: list[dict[str, Any]] | No
     m = msgpack.unpackb((copy / MANIFEST).read_bytes())
     m["dags"]["score"] = score_dag if score_dag is not None else m["dags"]["score"]
     m["dags"]["beam"] = beam_dag if beam_dag is not None else m["dags"]["beam"]
-    (copy / MANIFEST).write_bytes(msgpack.packb(m))
+    write_manifest(copy, m)
     return _core.Executor.from_artifact(str(copy), "cpu", verify=False, use_graphs=False)
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from cpp_dag import _core as core
 from service.artifact.artifact import FORMAT_VERSION, MANIFEST, WEIGHTS, build_artifact, load_artifact
+from service.artifact.manifest import write_manifest
 from service.model.layers import rope_table
 
 QWEN_VOCAB = 151936  # embedded:tiny
@@ -65,7 +66,7 @@ def _rewrite_manifest(art: Path, **changes: Any) -> None:
         for key in path:
             d = d[key]
         d[last] = value
-    (art / MANIFEST).write_bytes(msgpack.packb(m))
+    write_manifest(art, m)
 
 
 # ---- msgpack -------------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ def test_loader_refuses_another_format_version(tiny_dir: Path, tmp_path: Path) -
 @pytest.mark.parametrize("changes, what", [
     ({"format": "something-else"}, "manifest.msgpack: not a slmrank-artifact manifest"),
     ({"model__arch": "llama"}, "model.arch: 'llama' is not one of qwen2, qwen3"),
-    ({"model__num_layers": "two"}, "malformed manifest (model.num_layers: msgpack value is a string"),
+    ({"model__num_layers": "two"}, "model.num_layers: must be an integer in [1, 1048576], got 'two'"),
     ({"model__num_layers": 1}, "weights do not match the model config: missing [], unexpected [layers.1."),
     ({"model__head_dim": 16}, "weight layers.0.bqkv: shape [256] != expected [128]"),
     ({"weights__dtype": "int4"}, "weights.dtype: 'int4' is not one of float32, bfloat16, float16"),
@@ -383,7 +384,7 @@ def test_loader_refuses_a_bad_manifest_naming_the_field(tiny_dir: Path, tmp_path
 def test_loader_not_an_artifact(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not an artifact"):
         core.Executor.from_artifact(str(tmp_path))
-    (tmp_path / MANIFEST).write_bytes(b"\x92\x01\xcd")
+    write_manifest(tmp_path, b"\x92\x01\xcd")  # its digest matches: the decoder sees it
     with pytest.raises(ValueError, match=r"manifest\.msgpack: corrupted manifest \(msgpack: truncated uint16 .* "
                                          r"at byte offset 3\)"):
         core.Executor.from_artifact(str(tmp_path))

@@ -8,9 +8,7 @@ One server for the module; the SIGTERM test is the last one and stops it.
 from __future__ import annotations
 
 import json
-import queue
 import random
-import re
 import signal
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.cli import main as cli_main
 from service.serving.client import RankerClient
-from tests.e2e.served import start_serve
+from tests.e2e.served import start_serve, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 151936  # embedded:tiny uses the Qwen vocabulary
@@ -33,19 +31,7 @@ class Served:
     def __init__(self, cache: Path, log: Path) -> None:
         self.log = log
         self.proc, self.lines = start_serve(cache, log, "--grace-s", str(GRACE_S))
-        self.target = f"127.0.0.1:{self._port()}"
-
-    def _port(self) -> int:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"serve exited: {self.log.read_text()}"
-                continue
-            if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                return int(m.group(1))
-        raise AssertionError("serve printed no address")
+        self.target = f"127.0.0.1:{wait_port(self.proc, self.lines, log)}"
 
     def health(self) -> str:
         with grpc.insecure_channel(self.target) as ch:

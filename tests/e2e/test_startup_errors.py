@@ -6,6 +6,7 @@ server starts run in this process; those seen while it starts or loads run as a 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,11 +64,23 @@ def test_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     _one_error_line(capsys.readouterr().err, "--device cuda: no CUDA GPU is visible here")
 
 
-def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+# `python -m service.cli` with its address space bounded to what its imports took plus N bytes (argv[1])
+_BOUNDED = """
+import resource, sys
+import grpc, torch
+from service.cli import main
+vm_bytes = 1024 * int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmSize:")))
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _serve(tmp_path: Path, *args: str, extra_address_space: int | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLMRANK_", "OTEL_"))}
     env.update(SLMRANK_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    start = ["-m", "service.cli"] if extra_address_space is None else ["-c", _BOUNDED, str(extra_address_space)]
+    return subprocess.run([sys.executable, *start, "serve", "--host", "127.0.0.1", "--port", "0",
                            "--metrics-port", "0", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -98,6 +111,46 @@ def test_a_model_that_does_not_load(tmp_path: Path, save_tiny_checkpoint) -> Non
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "cannot load the model: ")
     assert "listening" in proc.stdout
+
+
+def test_a_config_that_links_to_dev_zero_is_refused_unread(tmp_path: Path) -> None:
+    """Issue 32: such a config.json was read until the host's OOM killer stopped the server (23.8 GB).
+    The child may grow by 1 GiB past what its imports take, so an unbounded read fails there."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").symlink_to("/dev/zero")
+    proc = _serve(tmp_path, "--model", str(tmp_path / "ckpt"), extra_address_space=1 << 30)
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "config.json: is a character device (a link to /dev/zero); it must be a regular file")
+
+
+def test_a_pickle_named_model_safetensors_is_one_line(tmp_path: Path, save_tiny_checkpoint) -> None:
+    """Issue 32: a SafetensorError traceback and exit 1."""
+    _, ckpt = save_tiny_checkpoint(tmp_path, "ckpt", "qwen2", "Qwen2ForCausalLM", 3, vocab=512, max_pos=64)
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, ckpt / "model.safetensors")
+    proc = _serve(tmp_path, "--model", str(ckpt))
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "model.safetensors: not a safetensors file")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory, save_tiny_checkpoint) -> Path:
+    from service.artifact.artifact import build_artifact
+
+    root = tmp_path_factory.mktemp("startup")
+    _, ckpt = save_tiny_checkpoint(root, "ckpt", "qwen2", "Qwen2ForCausalLM", 3, vocab=512, max_pos=64)
+    return build_artifact(str(ckpt), root / "art", quiet=True)
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+def test_a_tampered_manifest_is_one_line(tiny_artifact: Path, tmp_path: Path, runtime: str) -> None:
+    """Issue 32: a manifest whose key `sha256` was renamed (one byte) ended in exit 1 and a 29-line
+    KeyError traceback."""
+    art = Path(shutil.copytree(tiny_artifact, tmp_path / "art"))
+    raw = (art / "manifest.msgpack").read_bytes()
+    (art / "manifest.msgpack").write_bytes(raw.replace(b"\xa6sha256", b"\xa6sha257", 1))
+    proc = _serve(tmp_path, "--model", str(art), "--runtime", runtime)
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "manifest.msgpack: sha256 mismatch (manifest.sha256 ")
 
 
 def test_a_taken_metrics_port(tmp_path: Path) -> None:

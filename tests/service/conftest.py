@@ -97,6 +97,21 @@ def model(embedded_tiny):
     return Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir))
 
 
+@pytest.fixture(scope="module", params=["python", "cpp"])
+def cpu_runtime(request, embedded_tiny):
+    """embedded:tiny on each CPU runtime: the Python runtime, the C++ executor (ops/setup always builds it)."""
+    from service.runtime.python_runtime import PythonRuntime
+
+    if request.param == "python":
+        yield PythonRuntime(embedded_tiny[1])
+        return
+    from service.runtime.cpp_runtime import CppRuntime
+
+    rt = CppRuntime(embedded_tiny[1])
+    yield rt
+    rt.shutdown()
+
+
 @pytest.fixture(scope="session")
 def embedded_tiny_runtime(embedded_tiny):
     from service.runtime.python_runtime import PythonRuntime

@@ -122,21 +122,8 @@ async def started(art, runtime, admission: AdmissionConfig | None = None, **batc
 
 # ---- against the reference engine ---------------------------------------------------------------
 
-@pytest.fixture(params=["python", "cpp"])
-def runtime(request, art):
-    from service.runtime.python_runtime import PythonRuntime
-
-    if request.param == "python":
-        yield PythonRuntime(art)
-        return
-    from service.runtime.cpp_runtime import CppRuntime  # ops/setup always builds the extension
-
-    rt = CppRuntime(art)
-    yield rt
-    rt.shutdown()
-
-
-def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, runtime):
+def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, cpu_runtime):
+    runtime = cpu_runtime
     kind = runtime.name
     rng = random.Random(7)
     vocab = art.config.vocab_size

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from service.artifact.artifact import MANIFEST, ArtifactError, load_artifact
+from service.artifact.manifest import write_manifest
 from service.artifact.dag import BEAM_INPUTS, SCORE_INPUTS, DagError, Node, beam_dag, check_dataflow, score_dag
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.env import NodeEnv, UndeclaredBuffer
@@ -63,7 +64,7 @@ def test_a_manifest_with_a_broken_dag_is_refused_at_load(qwen2_tiny, tmp_path) -
     m = msgpack.unpackb((copy / MANIFEST).read_bytes())
     node = next(d for d in m["dags"]["beam"] if d["type"] == "beam_init")
     node["inputs"] = [n for n in node["inputs"] if n != "logits"] + ["logits_nobody_writes"]
-    (copy / MANIFEST).write_bytes(msgpack.packb(m))
+    write_manifest(copy, m)
     with pytest.raises(ArtifactError, match="logits_nobody_writes"):
         load_artifact(copy, verify=False)
 

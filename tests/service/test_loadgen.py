@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from service.loadgen import loop, png, report
-from service.loadgen.command import check, served_config
+from service.loadgen.command import check, model_config, served_config
 from service.loadgen.workloads import (BEAM_MIX, SCORE_MIX, Requests, WorkloadError, file_requests,
                                        message_flops, parse_workload)
 from service.model.checkpoint import EMBEDDED
@@ -313,3 +313,18 @@ def test_a_mixed_level_reports_each_kind_on_its_own() -> None:
     assert "by kind at 2: BeamSearch 5.0 req/s, mean 54.50 / P99" in report.table(result)
     one_kind = synthetic_result()
     assert "by kind" not in report.table(one_kind)
+
+
+def test_a_checkpoints_config_is_read_within_its_bound(tmp_path: Path) -> None:
+    """`slmrank bench --model DIR` reads config.json as the server does: a valid one is the model's
+    config; one larger than a config can be is refused unread."""
+    from service.model.config import ConfigError
+    from service.model.files import MAX_JSON_BYTES
+
+    hf = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert model_config(str(tmp_path)).vocab_size == 512
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "padding": " " * MAX_JSON_BYTES}))
+    with pytest.raises(ConfigError, match="bytes is more than such a file can be"):
+        model_config(str(tmp_path))

@@ -210,7 +210,7 @@ SCHEMA = record({
     "limits": of_dataclass(ServingLimits, {}),
     "buckets": record({"score": array(of_dataclass(ScoreBucket, {}), 1),
                        "beam": array(of_dataclass(BeamBucket, {}), 1)}),
-    "dags": record({"score": array(_NODE, 1), "beam": array(_NODE, 1)}),
+    "dags": record({"score": array(_NODE, 1), "beam": array(_NODE)}),  # a classification head has no beam DAG
     "weights": record({"file": text((WEIGHTS,)), "dtype": text(WEIGHT_DTYPES), "sha256": sha256_hex}),
     "tokenizer": record({"kind": text(), "files": mapping(file_name, sha256_hex)}),
     "build_seconds": number(0, 1e7, open_lo=False),

@@ -19,7 +19,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 7;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 8;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;
@@ -30,11 +30,12 @@ struct LoadedArtifact {
   int64_t num_positions = 0;           // rows of the RoPE tables
   at::Tensor rope_cos, rope_sin;       // [num_positions, head_dim] in dtype
   std::vector<NodeSpec> score_dag, beam_dag;
+  WeightMap catalogs;  // the catalogs' trie forest on the device (catalog_forest.h), catalog.* names
 };
 
 // Throws std::invalid_argument naming the file for a missing, corrupted or mismatched artifact
 // (unsupported format_version, sha256 mismatch, malformed manifest, weights that do not match
-// the config). verify: check the weights file's sha256 against the manifest.
+// the config). verify: check the weights' and the catalog tries' sha256 against the manifest.
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
                              bool verify);
 

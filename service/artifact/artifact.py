@@ -4,6 +4,7 @@
                          BeamSearch DAGs (precision per node), sha256 of every file, tokenizer ref
   DIR/weights.safetensors
   DIR/tokenizer/...      tokenizer files (and their license notice)
+  DIR/catalogs/...       each catalog's trie and item ids (service/artifact/catalog.py), optional
 
 Loading checks the format version and every hash, and refuses a corrupted or mismatched artifact,
 or one whose files are not regular files (a link to /dev/zero, a FIFO: a load that could not finish).
@@ -24,16 +25,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .buckets import BucketTable, default_bucket_table
+from .catalog import Catalog, CatalogError, build_catalog, load_catalog
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
 FORMAT = "slmrank-artifact"
-FORMAT_VERSION = 7  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 8  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
-# 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src)
+# 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
+# 8: catalogs (tries), beam_catalog input, beam_allowed nodes
 MANIFEST = "manifest.msgpack"
 WEIGHTS = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,6 +97,12 @@ class Artifact:
     weight_dtype: torch.dtype
     tokenizer: dict[str, Any]  # {"kind": ..., "files": {relpath: sha256}}
     manifest: dict[str, Any]
+    catalogs: tuple[Catalog, ...] = ()  # a request's catalog index is its place here (the manifest's order)
+
+    @property
+    def catalog_lengths(self) -> dict[str, int]:
+        """Each catalog's name -> its code length (the new_tokens of a request that names it)."""
+        return {cat.name: cat.code_length for cat in self.catalogs}
 
     def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         regular_file_size(self.path / WEIGHTS)  # a device or FIFO here would never finish loading
@@ -116,11 +125,13 @@ class Artifact:
 
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False,
-                   limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None) -> Path:
+                   limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None,
+                   catalogs: dict[str, str | Path] | None = None) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
     limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
     bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
-    the log and the table's expected padding on it); default {"source": "default"}, or "given"."""
+    the log and the table's expected padding on it); default {"source": "default"}, or "given".
+    catalogs: name -> catalog file (service/artifact/catalog.py), for constrained beam search."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
@@ -154,6 +165,11 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     for rel, data in tok_files.items():
         (tok_dir / rel).write_bytes(data)
 
+    catalog_entries = [build_catalog(name, file, cfg.vocab_size, out, quiet) for name, file in (catalogs or {}).items()]
+    for entry in catalog_entries:
+        if entry["code_length"] > limits.max_new_tokens:
+            raise CatalogError(f"catalog {entry['name']}: codes of {entry['code_length']} tokens exceed "
+                               f"max_new_tokens {limits.max_new_tokens}")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -162,7 +178,9 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         "limits": limits.to_dict(),
         "buckets": buckets.to_dict(),
         "bucket_origin": bucket_origin or {"source": "given" if given_buckets else "default"},
-        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
+        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens,
+                                                                                                              bool(catalog_entries)))},
+        "catalogs": catalog_entries,
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
@@ -215,7 +233,11 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
         _verify_file(path / m["weights"]["file"], m["weights"]["sha256"])
         for rel, digest in m["tokenizer"]["files"].items():
             _verify_file(path / "tokenizer" / rel, digest)
-    return Artifact(path, cfg, limits, buckets, score, beam, wdtype, m["tokenizer"], m)
+        for entry in m["catalogs"]:
+            _verify_file(path / entry["file"], entry["sha256"])
+            _verify_file(path / entry["items_file"], entry["items_sha256"])
+    catalogs = tuple(load_catalog(path, entry) for entry in m["catalogs"])
+    return Artifact(path, cfg, limits, buckets, score, beam, wdtype, m["tokenizer"], m, catalogs)
 
 
 def _verify_file(path: Path, digest: str) -> None:

@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from service.artifact.artifact import build_artifact, load_artifact
+from service.runtime.batch import pack_beam, pick_beam_bucket
 from service.runtime.engine import execute, plan_batches
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, BeamResult, RequestError
+from service.siblings import sibling
+
+allowed_bitmask = sibling("kernels.beam_topk").allowed_bitmask
 
 TOL = 1e-4
 VOCAB = 512
@@ -149,3 +153,27 @@ def test_bad_catalog_requests_name_the_field(constrained):
     assert isinstance(unknown, RequestError) and unknown.field == "catalog" and "nope" in str(unknown)
     assert isinstance(wrong_length, RequestError) and wrong_length.field == "new_tokens"
     assert "3 tokens" in str(wrong_length)
+
+
+def test_fused_path_masks_as_the_aten_path(constrained, catalog_items):
+    """kernels="triton" (the Triton interpreter on a CPU): beam_allowed's int32 bitmask is the ATen
+    path's bool mask, packed (kernels/beam_topk.py allowed_bitmask), and beam_candidates under it
+    finds the same items."""
+    m, art, runtime = constrained
+    if m.artifact.config.arch != "qwen2":
+        pytest.skip("the interpreter is slow: one checkpoint covers the node")
+    fused = PythonRuntime(art, kernels="triton")
+    rng = random.Random(11)
+    reqs = [BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(n)), b, 3, id=f"r{i}", catalog=c)
+            for i, (n, b, c) in enumerate([(6, 4, "l3"), (4, 2, ""), (9, 5, "few3")])]
+    batch = pack_beam(reqs, pick_beam_bucket(art.buckets, reqs), art.catalogs)
+    masks: dict[str, list[torch.Tensor]] = {"aten": [], "fused": []}
+    for name, rt in (("aten", runtime), ("fused", fused)):
+        rt.run_beam(batch, trace=lambda node, env, name=name: masks[name].append(env["allowed"].clone())
+                    if node.type == "beam_allowed" else None)
+    assert len(masks["aten"]) == len(masks["fused"]) == 3
+    for bools, bits in zip(masks["aten"], masks["fused"]):
+        assert torch.equal(allowed_bitmask(bools), bits)
+    for req, got, want in zip(reqs, execute(art, fused, reqs), execute(art, runtime, reqs)):
+        assert [(b.ids, b.item_id) for b in got.beams] == [(b.ids, b.item_id) for b in want.beams], req.id
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.beams, want.beams)) <= TOL

@@ -1,5 +1,6 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "artifact_loader.h"
+#include "catalog_forest.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
@@ -441,6 +442,31 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
   }
   check_weights(weights_path, a.weights,
                 expected_shapes(a.cfg, m.boolean("model.tie_word_embeddings"), m.boolean("model.attention_bias")));
+
+  std::vector<CatalogTrie> tries;
+  const Value& catalogs = m.get("catalogs");
+  for (const Value& entry : m.as(catalogs, "catalogs", [](const Value& x) { return x.as_array(); })) {
+    auto field = [&](const char* key) {
+      const Value* v = entry.type() == Value::Type::kMap ? entry.find(key) : nullptr;
+      if (!v) m.fail(std::string("malformed manifest (no catalogs[].") + key + ")");
+      return m.as(*v, std::string("catalogs[].") + key, [](const Value& x) { return x.as_str(); });
+    };
+    const std::string rel = field("file");
+    if (rel.find("..") != std::string::npos || rel.empty() || rel[0] == '/') {
+      m.fail("catalogs[].file: '" + rel + "' must be a path inside the artifact directory");
+    }
+    const std::string path = dir + "/" + rel;
+    if (verify) verify_file(path, field("sha256"));
+    try {
+      CatalogTrie t;
+      for (auto& [name, tensor] : read_safetensors(path).tensors) (name == "offsets" ? t.offsets : t.tokens) = tensor;
+      if (!t.offsets.defined() || !t.tokens.defined()) throw std::runtime_error(path + ": not a catalog trie");
+      tries.push_back(std::move(t));
+    } catch (const std::runtime_error& e) {
+      throw std::invalid_argument(e.what());
+    }
+  }
+  a.catalogs = catalog_forest(tries, device);
 
   // The positions any request can reach (service/runtime/python_runtime.py computes the same).
   const int64_t prompt = m.integer("limits.max_prompt_tokens"), new_tokens = m.integer("limits.max_new_tokens");

@@ -20,7 +20,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 8;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 9;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;
@@ -31,12 +31,13 @@ struct LoadedArtifact {
   int64_t num_positions = 0;           // rows of the RoPE tables
   at::Tensor rope_cos, rope_sin;       // [num_positions, head_dim] in dtype
   std::vector<NodeSpec> score_dag, beam_dag;
+  WeightMap catalogs;  // the catalogs' trie forest on the device (catalog_forest.h), catalog.* names
 };
 
 // Throws std::invalid_argument naming the file (and the field) for a missing, corrupted or
 // mismatched artifact (a manifest whose sha256 does not match, unsupported format_version, a field
 // of the wrong type or out of range, a file that is not a regular file, weights that do not match
-// the config). verify: also check the weights file's sha256 against the manifest.
+// the config). verify: also check the weights' and the catalog tries' sha256 against the manifest.
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
                              bool verify);
 

@@ -196,6 +196,7 @@ ExecutorPtr executor_from_artifact(const std::string& path, const std::string& d
                                                           bool verify, int num_lanes) {
   py::gil_scoped_release nogil;
   slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify);
+  a.weights.merge(a.catalogs);  // the beam_allowed node's constants, beside the weights (catalog.* names)
   return ExecutorPtr(new slmrank::Executor(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
                                            a.beam_dag, use_graphs, num_lanes));
 }

@@ -8,11 +8,15 @@
 // With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each row's top-B keys
 // in one pass over the model-dtype logits, then top-B of each request's B x B keys; every layer's
 // suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all
-// after the last step. Mirrors service/runtime/nodes.py::beam_init / beam_step, op for op.
+// after the last step. With catalogs, beam_allowed computes each row's allowed tokens from the trie
+// forest (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B].
+// Mirrors service/runtime/nodes.py::beam_allowed / beam_init / beam_step, op for op.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
@@ -96,6 +100,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor
   return {scores, parents, flat.sub(parents.mul(vocab))};
 }
 
+// nodes.py::trie_children: trie [X] nodes (-1: none) -> tokens, children, valid [X, K].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> trie_children(const Context& ctx, const at::Tensor& trie) {
+  const at::Tensor &offsets = ctx.weight("catalog.offsets"), &window = ctx.weight("catalog.window");
+  const int64_t edges = ctx.weight("catalog.tokens").size(0), k = window.size(0);
+  at::Tensor node = trie.clamp_min(0);
+  at::Tensor start = offsets.index_select(0, node);
+  at::Tensor count = offsets.index_select(0, node.add(1)).sub(start);
+  at::Tensor edge = start.unsqueeze(1).add(window).clamp_max(edges - 1).reshape({-1});
+  at::Tensor tokens = ctx.weight("catalog.tokens").index_select(0, edge).view({-1, k});
+  at::Tensor children = ctx.weight("catalog.child").index_select(0, edge).view({-1, k});
+  at::Tensor valid = window.lt(count.unsqueeze(1)).logical_and(trie.ge(0).unsqueeze(1));
+  return {tokens, children, valid};
+}
+
+// nodes.py::advance_trie: the child of each node along its token, -1 where it has none.
+at::Tensor advance_trie(const Context& ctx, const at::Tensor& trie, const at::Tensor& tokens) {
+  auto [kids_tokens, kids, valid] = trie_children(ctx, trie.reshape({-1}));
+  at::Tensor hit = valid.logical_and(kids_tokens.eq(tokens.reshape({-1, 1})));
+  at::Tensor child = at::where(hit, kids, 0).sum(1);
+  return at::where(hit.any(1), child, -1).view_as(tokens);
+}
+
+// nodes.py::_mask_logp: after the log-softmax over the whole vocabulary (Hugging Face's order).
+at::Tensor mask_logp(const at::Tensor& logp, const at::Tensor& allowed) {
+  return allowed.defined() ? logp.masked_fill(allowed.logical_not(), kNegInf) : logp;
+}
+
+// beam_allowed: each row's allowed next tokens (nodes.py::beam_allowed): step 0 a row per request at
+// its catalog's root (writes beam_trie [R, 1]); step t the N packed rows at their beams' nodes.
+class BeamAllowed final : public Node {
+ public:
+  explicit BeamAllowed(const NodeSpec& spec) : Node(spec) { require(1, 1, {}, {"allowed"}); }
+  void run(const Context& ctx, Env& env) const override {
+    at::Tensor trie;
+    if (spec_.step == 0) {
+      const at::Tensor &cat = read(env, "beam_catalog"), &roots = ctx.weight("catalog.roots");
+      trie = roots.index_select(0, at::where(cat.ge(0), cat, roots.size(0) - 1));
+      write(env, "beam_trie", trie.unsqueeze(1));
+    } else {
+      trie = to_rows(read(env, "beam_trie"), read(env, "beam_slot"), -1);
+    }
+    auto [tokens, children, valid] = trie_children(ctx, trie);
+    at::Tensor free = trie.lt(0).unsqueeze(1);
+    const int64_t vocab = ctx.cfg.vocab_size, rows = trie.size(0);
+    if (!ctx.fused) {
+      at::Tensor cols = at::where(valid, tokens, vocab);
+      at::Tensor allowed = at::zeros({rows, vocab + 1}, trie.options().dtype(at::kBool)).scatter_(1, cols, true);
+      write(env, "allowed", allowed.slice(1, 0, vocab).logical_or(free));
+      return;
+    }
+    at::Tensor bits = at::where(valid, at::ones_like(tokens).bitwise_left_shift(tokens.bitwise_and(31)), 0);
+    at::Tensor words = at::zeros({rows, (vocab + 31) / 32}, trie.options());
+    words = words.scatter_add_(1, at::where(valid, tokens, 0).bitwise_right_shift(5), bits);
+    words = at::where(words.ge(int64_t{1} << 31), words.sub(int64_t{1} << 32), words).to(at::kInt);
+    write(env, "allowed", at::where(free, -1, words).contiguous());
+  }
+};
+
 class BeamInit final : public Node {
  public:
   explicit BeamInit(const NodeSpec& spec) : Node(spec) {
@@ -106,15 +168,17 @@ class BeamInit final : public Node {
     const at::Tensor &logits = in(env, 0), &widths = in(env, 1), &slot = in(env, 3);
     at::Tensor seqs = in(env, 2).clone();  // [R, B, n]; the batch's input buffer stays as the caller made it
     const int64_t b = seqs.size(1);
+    const at::Tensor allowed = declares_input("allowed") ? read(env, "allowed") : at::Tensor();
     at::Tensor scores, tokens;
     if (ctx.fused) {  // one parent row per request, beam score 0
       const int64_t r = logits.size(0);
       at::Tensor zero = at::zeros({r}, logits.options().dtype(at::kFloat));
       std::tie(scores, std::ignore, tokens) =
-          merge_candidates(ctx.fused->beam_candidates(logits, zero, b, 1), r, b, logits.size(1));
+          merge_candidates(ctx.fused->beam_candidates(logits, zero, b, 1, allowed), r, b, logits.size(1));
     } else {
-      std::tie(scores, tokens) = logits.log_softmax(-1).topk(b, -1);
+      std::tie(scores, tokens) = mask_logp(logits.log_softmax(-1), allowed).topk(b, -1);
     }
+    if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").expand_as(tokens), tokens));
     seqs.select(2, 0).copy_(tokens);
     write(env, "beam_seqs", seqs);
     write(env, "beam_scores", mask_extra_beams(scores, widths));
@@ -138,14 +202,15 @@ class BeamStep final : public SuffixOwner {
                      &slot = in(env, 4), &src = in(env, 5);
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
     at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
+    const at::Tensor allowed = declares_input("allowed") ? read(env, "allowed") : at::Tensor();
     at::Tensor top_scores, parents, tokens;
     if (ctx.fused) {
-      at::Tensor keys = ctx.fused->beam_candidates(logits, row_scores, b, 1);  // [N, B]: flat index = token
+      at::Tensor keys = ctx.fused->beam_candidates(logits, row_scores, b, 1, allowed);  // [N, B]: index = token
       keys = keys.sub(slot.remainder(b).mul(vocab).unsqueeze(1));  // flat index p * V + token of the row's rank
       keys = at::constant_pad_nd(keys, {0, 0, 0, 1}, kNoKey).index_select(0, src);  // [R*B, B]
       std::tie(top_scores, parents, tokens) = merge_candidates(keys, r, b, vocab);
     } else {
-      at::Tensor cand = logits.log_softmax(-1).add(row_scores.unsqueeze(1));  // [N, V]
+      at::Tensor cand = mask_logp(logits.log_softmax(-1), allowed).add(row_scores.unsqueeze(1));  // [N, V]
       cand = at::constant_pad_nd(cand, {0, 0, 0, 1}, kNegInf).index_select(0, src);  // [R*B, V]
       at::Tensor top_idx;
       std::tie(top_scores, top_idx) = cand.reshape({r, b * vocab}).topk(b, -1);
@@ -160,9 +225,11 @@ class BeamStep final : public SuffixOwner {
     write(env, "beam_scores", mask_extra_beams(top_scores, widths));
     write(env, "beam_tokens", to_rows(tokens, slot, 0));
     write(env, "beam_parents", parents);
+    if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").gather(1, parents), tokens));
     if (!ctx.fused) {
       for (size_t i = 7; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[6]: suffix_kv)
         const std::string& name = spec_.inputs[i];
+        if (name.rfind("suffix_", 0) != 0) continue;  // then allowed, beam_trie with a catalog
         write(env, name, read(env, name).index_select(0, rows));
       }
     } else if (spec_.step < new_seqs.size(2) - 1) {  // a later decode step reads the suffix: one gather
@@ -176,5 +243,6 @@ class BeamStep final : public SuffixOwner {
 std::unique_ptr<Node> make_beam_state(const NodeSpec& spec) { return std::make_unique<BeamState>(spec); }
 std::unique_ptr<Node> make_beam_init(const NodeSpec& spec) { return std::make_unique<BeamInit>(spec); }
 std::unique_ptr<Node> make_beam_step(const NodeSpec& spec) { return std::make_unique<BeamStep>(spec); }
+std::unique_ptr<Node> make_beam_allowed(const NodeSpec& spec) { return std::make_unique<BeamAllowed>(spec); }
 
 }  // namespace slmrank

@@ -92,7 +92,8 @@ void Node::require(size_t min_inputs, size_t min_outputs, const std::vector<std:
 const std::vector<std::string>& batch_inputs(bool beam) {
   static const std::vector<std::string> score = {"tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels"};
   static const std::vector<std::string> beams = {"tokens",   "positions", "seg",       "last",     "beam_width",
-                                                 "beam_req", "beam_pos",  "beam_slot", "beam_src", "beam_seqs"};
+                                                 "beam_req", "beam_pos",  "beam_slot", "beam_src", "beam_seqs",
+                                                 "beam_catalog"};
   return beam ? beams : score;
 }
 
@@ -128,6 +129,7 @@ std::unique_ptr<Node> make_node(const NodeSpec& spec) {
       {"label_logprobs", make_label_logprobs},
       {"beam_init", make_beam_init},
       {"beam_step", make_beam_step},
+      {"beam_allowed", make_beam_allowed},
   };
   auto it = registry.find(spec.type);
   if (it == registry.end()) {

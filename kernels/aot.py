@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -179,7 +180,7 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
 def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
     """The beam step's selection kernels (kernels/beam_topk.py) for `dt` logits: the streaming ones
     per group count, the threshold and select ones per sort width KP = 2, 4, ..., max_sort (beam
-    widths up to max_sort). No allowed-token mask yet (variants mask1 when the API needs them)."""
+    widths up to max_sort), each without (mask0) and with (mask1) an allowed-token bitmask: catalogs."""
     from . import beam_topk
 
     widths = [1 << i for i in range(1, max_sort.bit_length()) if 1 << i <= max_sort]
@@ -188,15 +189,15 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
     # 16-byte aligned buffers, and logits rows of a multiple of 16 elements (cpp_dag checks the stride)
     aligned = ("x_ptr", "s_ptr", "allowed_ptr", "stride_x")
     specs = []
-    for ng in sorted({beam_topk.sizes(k)["NG"] for k in widths}):
-        parts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": ng, "HAS_MASK": False, "INTERPRETED": False}
+    for ng, mask in itertools.product(sorted({beam_topk.sizes(k)["NG"] for k in widths}), (0, 1)):
+        parts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": ng, "HAS_MASK": bool(mask), "INTERPRETED": False}
         specs.append(KernelSpec(
-            variant_name("beam_stats", dt, g=ng, mask=0), beam_topk.beam_stats_kernel,
+            variant_name("beam_stats", dt, g=ng, mask=mask), beam_topk.beam_stats_kernel,
             {**ptrs, "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32", **row,
              **dict.fromkeys(parts, "constexpr")}, parts,
             divisible_by_16=aligned + ("pmax_ptr", "psum_ptr", "gpart_ptr"), grid="(rows, NUM_PARTS, 1)"))
         specs.append(KernelSpec(
-            variant_name("beam_collect", dt, g=ng, mask=0), beam_topk.beam_collect_kernel,
+            variant_name("beam_collect", dt, g=ng, mask=mask), beam_topk.beam_collect_kernel,
             {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", **row, "cap": "i32",
              **dict.fromkeys(parts, "constexpr")}, parts,
             divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr"), grid="(rows, NUM_PARTS, 1)"))
@@ -209,13 +210,14 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
              "count_ptr": "*i32", "num_candidates": "i32", **dict.fromkeys(consts, "constexpr")},
             consts, divisible_by_16=("s_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr"),
             grid="(rows, 1, 1)"))
-        consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": False}
-        specs.append(KernelSpec(
-            variant_name("beam_select", dt, k=kp, mask=0), beam_topk.beam_select_kernel,
-            {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", "out_ptr": "*i64", **row,
-             "num_candidates": "i32", "num_parents": "i32", **dict.fromkeys(consts, "constexpr")},
-            consts, num_warps=sz["select_warps"],
-            divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr", "out_ptr"), grid="(rows, 1, 1)"))
+        for mask in (0, 1):
+            consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": bool(mask)}
+            specs.append(KernelSpec(
+                variant_name("beam_select", dt, k=kp, mask=mask), beam_topk.beam_select_kernel,
+                {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", "out_ptr": "*i64", **row,
+                 "num_candidates": "i32", "num_parents": "i32", **dict.fromkeys(consts, "constexpr")},
+                consts, num_warps=sz["select_warps"],
+                divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr", "out_ptr"), grid="(rows, 1, 1)"))
     return specs
 
 

@@ -26,11 +26,27 @@ def _cmd_build(args: argparse.Namespace) -> int:
         raise ValueError("--max-graphs and --max-activation-mib bound a table chosen with --traffic LOG")
     table, origin = _traffic_table(args, limits) if args.traffic is not None else (None, None)
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits,
-                         buckets=table, bucket_origin=origin)
+                         buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog))
     art = load_artifact(out)
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}, "
           f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets; limits {art.limits.to_dict()}")
+    for entry in art.manifest["catalogs"]:
+        print(f"catalog {entry['name']}: {entry['num_items']:,} items of {entry['code_length']} tokens, "
+              f"version {entry['version']}")
     return 0
+
+
+def _catalog_files(specs: list[str] | None) -> dict[str, str]:
+    """--catalog NAME=FILE (repeatable) -> {NAME: FILE}."""
+    files: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or not file:
+            raise ValueError(f"--catalog {spec!r}: expected NAME=FILE")
+        if name in files:
+            raise ValueError(f"--catalog {name}: given twice")
+        files[name] = file
+    return files
 
 
 def _traffic_table(args: argparse.Namespace, limit_overrides: dict[str, int]):
@@ -340,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-activation-mib", type=float, metavar="MIB", help="with --traffic: the activation memory of "
                                                                           "any one bucket (default: the default table's "
                                                                           "largest)")
+    b.add_argument("--catalog", action="append", metavar="NAME=FILE",
+                   help="a catalog for constrained BeamSearch (repeatable): FILE has one item a line, "
+                        "item_id<TAB>tok tok tok (token ids, one code length per catalog)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

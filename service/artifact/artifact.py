@@ -5,6 +5,7 @@
   DIR/manifest.sha256    the manifest's own sha256 (manifest.py: verified before it is decoded)
   DIR/weights.safetensors
   DIR/tokenizer/...      tokenizer files (and their license notice)
+  DIR/catalogs/...       each catalog's trie and item ids (service/artifact/catalog.py), optional
 
 Loading checks the manifest's hash, its format version and schema, every file's hash, and refuses a
 corrupted or mismatched artifact in one ArtifactError,
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .buckets import BucketTable, default_bucket_table
+from .catalog import Catalog, CatalogError, build_catalog, load_catalog
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
@@ -30,11 +32,12 @@ from .manifest import FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, r
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
-FORMAT_VERSION = 8  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 9  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
 # 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
-# 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema
+# 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema;
+# 9: catalogs (tries), beam_catalog input, beam_allowed nodes
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
@@ -77,6 +80,12 @@ class Artifact:
     weight_dtype: torch.dtype
     tokenizer: dict[str, Any]  # {"kind": ..., "files": {relpath: sha256}}
     manifest: dict[str, Any]
+    catalogs: tuple[Catalog, ...] = ()  # a request's catalog index is its place here (the manifest's order)
+
+    @property
+    def catalog_lengths(self) -> dict[str, int]:
+        """Each catalog's name -> its code length (the new_tokens of a request that names it)."""
+        return {cat.name: cat.code_length for cat in self.catalogs}
 
     def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         regular_file_size(self.path / WEIGHTS)  # a device or FIFO here would never finish loading
@@ -99,11 +108,13 @@ class Artifact:
 
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False,
-                   limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None) -> Path:
+                   limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None,
+                   catalogs: dict[str, str | Path] | None = None) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
     limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
     bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
-    the log and the table's expected padding on it); default {"source": "default"}, or "given"."""
+    the log and the table's expected padding on it); default {"source": "default"}, or "given".
+    catalogs: name -> catalog file (service/artifact/catalog.py), for constrained beam search."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
@@ -137,6 +148,11 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     for rel, data in tok_files.items():
         (tok_dir / rel).write_bytes(data)
 
+    catalog_entries = [build_catalog(name, file, cfg.vocab_size, out, quiet) for name, file in (catalogs or {}).items()]
+    for entry in catalog_entries:
+        if entry["code_length"] > limits.max_new_tokens:
+            raise CatalogError(f"catalog {entry['name']}: codes of {entry['code_length']} tokens exceed "
+                               f"max_new_tokens {limits.max_new_tokens}")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -145,7 +161,9 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         "limits": limits.to_dict(),
         "buckets": buckets.to_dict(),
         "bucket_origin": bucket_origin or {"source": "given" if given_buckets else "default"},
-        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens))},
+        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens,
+                                                                                                              bool(catalog_entries)))},
+        "catalogs": catalog_entries,
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
@@ -183,7 +201,12 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
         _verify_file(path / m["weights"]["file"], m["weights"]["sha256"])
         for rel, digest in m["tokenizer"]["files"].items():
             _verify_file(path / "tokenizer" / rel, digest)
-    return Artifact(path, cfg, limits, buckets, score, beam, DTYPES[m["weights"]["dtype"]], m["tokenizer"], m)
+        for entry in m["catalogs"]:
+            _verify_file(path / entry["file"], entry["sha256"])
+            _verify_file(path / entry["items_file"], entry["items_sha256"])
+    catalogs = tuple(load_catalog(path, entry) for entry in m["catalogs"])
+    return Artifact(path, cfg, limits, buckets, score, beam, DTYPES[m["weights"]["dtype"]], m["tokenizer"], m,
+                    catalogs)
 
 
 def _verify_file(path: Path, digest: str) -> None:

@@ -11,7 +11,8 @@ of the dense attention on a GPU in 16 bits). A batch's input buffers are:
          per packed beam row (each request's own width of rows back to back, then padding) beam_req,
          beam_pos (the request's prompt length: the position of the first generated token) and
          beam_slot (its rank r * B + p in the [R, B] bookkeeping) [N]; beam_src [R*B] (each rank's
-         packed row); beam_seqs [R, B, n] zeros (the generated tokens, filled step by step)
+         packed row); beam_seqs [R, B, n] zeros (the generated tokens, filled step by step);
+         beam_catalog [R] (each request's catalog index, -1: unconstrained)
 Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
 runs the nodes with step < n.
 """
@@ -24,10 +25,10 @@ from typing import Any
 from ..model.config import ModelConfig
 
 NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_layer", "rms_norm", "gather_rows",
-              "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step")
+              "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step", "beam_allowed")
 SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels")
 BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_slot", "beam_src",
-               "beam_seqs")
+               "beam_seqs", "beam_catalog")
 
 
 class DagError(ValueError):
@@ -131,9 +132,13 @@ def score_dag(cfg: ModelConfig, max_rows: int) -> list[Node]:
     return nodes
 
 
-def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
+def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False) -> list[Node]:
+    """constrained (the artifact has catalogs): a beam_allowed node before each selection computes
+    each row's allowed tokens from the trie (beam_trie [R, B]: each beam's trie node), and the
+    selection masks with it and advances beam_trie."""
     if cfg.has_cls_head:
         return []
+    trie = ("allowed", "beam_trie") if constrained else ()
     # per-beam suffix K/V, one slot per decode step: one buffer (suffix_kv) on the fused path, with
     # every layer's suffix_k/v.i a view of it; separate buffers on the ATen path
     suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
@@ -143,16 +148,20 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int) -> list[Node]:
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill")
     nodes += _head(cfg, "", "last")
-    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot"),
-                      ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")))
+    if constrained:
+        nodes.append(Node("beam_allowed", "beam_allowed", ("beam_catalog",), trie))
+    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot") + trie,
+                      ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + trie[1:]))
     for t in range(1, max_new_tokens):
         p = f"step{t}."
         nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
         nodes += _layers(cfg, p, "decode", t)
         nodes += _head(cfg, p, "", t)
+        if constrained:
+            nodes.append(Node(f"{p}beam_allowed", "beam_allowed", ("beam_trie", "beam_slot"), ("allowed",), {"step": t}))
         nodes.append(Node(f"{p}beam_step", "beam_step",
-                          ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src") + suffix,
-                          ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix,
+                          ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src") + suffix + trie,
+                          ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix + trie[1:],
                           {"step": t}))
     return nodes
 

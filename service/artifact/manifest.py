@@ -40,6 +40,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # artifact.DTYPES: their tor
 # bounds of the manifest's numbers (cpp_dag/artifact_loader.cpp: kMaxCount, kMaxVocab): beyond them a
 # RoPE table, a bucket's buffers or a weight would not fit in any host's memory
 MAX_COUNT = 1 << 20  # tokens, positions, widths, sizes, layers, buckets, nodes
+MAX_ITEMS = 1 << 32  # a catalog's items (10M is the scale)
 MAX_VOCAB = 1 << 22
 MAX_TEXT = 4096  # characters of a string field
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -215,6 +216,11 @@ SCHEMA = record({
     "tokenizer": record({"kind": text(), "files": mapping(file_name, sha256_hex)}),
     "build_seconds": number(0, 1e7, open_lo=False),
     "bucket_origin": _BUCKET_ORIGIN,
+    "catalogs": array(record({
+        "name": text(), "file": file_name, "sha256": sha256_hex, "items_file": file_name, "items_sha256": sha256_hex,
+        "num_items": integer(1, MAX_ITEMS), "code_length": integer(1), "version": text(), "layout": text(("csr",)),
+        "layout_bytes": array(record({"level": integer(0), "nodes": integer(1, MAX_ITEMS), "edges": integer(0, MAX_ITEMS),
+                                      "dense_bytes": integer(0, 1 << 48), "csr_bytes": integer(0, 1 << 48)}))})),
 })
 
 

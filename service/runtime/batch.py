@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..artifact.buckets import BeamBucket, Bucket, BucketTable, Fill, ScoreBucket
+from ..artifact.catalog import Catalog
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 NO_CONTEXT = -2  # ctx of a token that has no shared prefix (never equal to any seg)
@@ -39,6 +40,7 @@ class BeamBatch:
     requests: list[BeamRequest]
     bucket: BeamBucket
     inputs: dict[str, torch.Tensor]
+    catalogs: Sequence[Catalog] = ()  # the artifact's: beam_catalog indexes them, unpack names the items
 
 
 def dims(req: ScoreRequest | BeamRequest) -> tuple[int, int]:
@@ -187,7 +189,7 @@ def unpack_score(batch: ScoreBatch, scores: torch.Tensor) -> list[ScoreResult]:
     return out
 
 
-def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
+def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequence[Catalog] = ()) -> BeamBatch:
     """The prompts: tokens/positions/seg [P] (packed, seg = request index, padding -1); last and
     beam_width [R]. The decode steps run over N = max_rows packed beam rows: request r's width of
     rows back to back from row 0 (rank p of request r is row first_r + p), padding rows after the
@@ -195,7 +197,8 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
     beam_pos [N] (its prompt's length: the position of the first generated token; 0 for padding)
     and beam_slot [N] (r * B + p: its rank in the rectangular [R, B] bookkeeping, B = the bucket's
     beam_width; R * B for padding: one past the end). beam_src [R * B]: the packed row of each rank
-    (N for the ranks a narrower request or an empty slot does not have). beam_seqs [R, B, n] zeros."""
+    (N for the ranks a narrower request or an empty slot does not have). beam_seqs [R, B, n] zeros.
+    beam_catalog [R]: each request's catalog (its index in catalogs; -1: none, and padding)."""
     r_max, b, rows = bucket.max_requests, bucket.beam_width, bucket.max_rows
     tokens, positions, seg, last, widths, prompt_len = [], [], [], [], [], []
     for r, req in enumerate(requests):
@@ -228,8 +231,19 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket) -> BeamBatch:
         "beam_slot": _padded(req * b + rank, rows, r_max * b),
         "beam_src": torch.from_numpy(src.reshape(-1)),
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
+        "beam_catalog": _i64([catalog_index(catalogs, req.catalog) for req in requests] + [-1] * pad_r),
     }
-    return BeamBatch(requests, bucket, inputs)
+    return BeamBatch(requests, bucket, inputs, catalogs)
+
+
+def catalog_index(catalogs: Sequence[Catalog], name: str) -> int:
+    """-1 for no catalog; ValueError for one that is not there (validation refuses it first)."""
+    if not name:
+        return -1
+    for i, cat in enumerate(catalogs):
+        if cat.name == name:
+            return i
+    raise ValueError(f"catalog {name!r} is not one of the artifact's")
 
 
 def _padded(values: np.ndarray, total: int, pad: int) -> torch.Tensor:
@@ -238,7 +252,11 @@ def _padded(values: np.ndarray, total: int, pad: int) -> torch.Tensor:
 
 
 def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
-    """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first."""
+    """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first. A request
+    with a catalog gets its finite beams only (fewer valid items than its width: fewer beams),
+    each with its item id."""
+    if any(req.catalog for req in batch.requests):
+        return _unpack_constrained(batch, seqs.cpu(), scores.cpu())
     # only the live part becomes Python objects (padding requests and beams are most of a wide bucket)
     n, width = len(batch.requests), max((r.beam_width for r in batch.requests), default=0)
     live_seqs, live_scores = seqs[:n, :width], scores[:n, :width]
@@ -251,3 +269,19 @@ def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> l
     seq_rows, score_rows = live_seqs.tolist(), live_scores.tolist()
     return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
             for r, req in enumerate(batch.requests)]
+
+
+def _unpack_constrained(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
+    out = []
+    for r, req in enumerate(batch.requests):
+        width = req.beam_width
+        if req.catalog:  # scores are best first: the -inf beams (no valid item left) are the last
+            width = int(torch.isfinite(scores[r, :width]).sum())
+        rows = (seqs[r, :width].clone(), scores[r, :width].clone())
+        items = None
+        if req.catalog:
+            items = batch.catalogs[catalog_index(batch.catalogs, req.catalog)].item_of(rows[0].numpy())
+            if None in items:
+                raise RuntimeError(f"request {req.id}: a beam is not an item of catalog {req.catalog!r}")
+        out.append(BeamResult(rows=rows, item_ids=items))  # type: ignore[arg-type]
+    return out

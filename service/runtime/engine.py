@@ -32,7 +32,7 @@ def validate(artifact: Artifact, req: Request) -> None:
     if isinstance(req, ScoreRequest):
         validate_score(req, artifact.config, artifact.limits)
     else:
-        validate_beam(req, artifact.config, artifact.limits)
+        validate_beam(req, artifact.config, artifact.limits, catalogs=artifact.catalog_lengths)
 
 
 def plan_batches(artifact: Artifact, requests: Sequence[Request]) -> list[list[int]]:
@@ -95,6 +95,6 @@ def run_score_requests(artifact: Artifact, runtime: Runtime, reqs: list[ScoreReq
 def run_beam_requests(artifact: Artifact, runtime: Runtime, reqs: list[BeamRequest]) -> list[BeamResult]:
     bucket = pick_beam_bucket(artifact.buckets, reqs)
     assert bucket is not None, "plan_batches only forms batches that fit a bucket"
-    batch = pack_beam(reqs, bucket)
+    batch = pack_beam(reqs, bucket, artifact.catalogs)
     seqs, scores = runtime.run_beam(batch)
     return unpack_beam(batch, seqs, scores)

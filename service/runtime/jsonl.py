@@ -4,7 +4,9 @@
        ("label_texts": [" yes", " no"] instead of "label_ids": texts of one token each)
   out: {"id": "a", "scores": [[logprob per label id], ..]}
   in:  {"id": "b", "kind": "beam", "prompt_ids": [..], "beam_width": B, "new_tokens": T}
-  out: {"id": "b", "beams": [{"ids": [T ids], "logprob": cumulative}, ..]}   (best first)
+       ("catalog": "NAME": only that catalog's items; new_tokens = its code length)
+  out: {"id": "b", "beams": [{"ids": [T ids], "logprob": cumulative}, ..]}   (best first;
+       with a catalog each beam also has "item_id", and fewer beams come back if fewer items exist)
   a bad line: {"id": .., "error": "<field>: <what is wrong, with the limit>"}
 
 Floats are written with Python's shortest round-trip repr, so two runtimes' files compare byte for byte.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Sequence
 
-from .requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from .requests import Beam, BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 
 KINDS = ("score", "beam")
 
@@ -72,13 +74,23 @@ def parse_request(line: str, labels_of: Callable[[Sequence[str]], tuple[int, ...
         if kind == "beam":
             if "prompt_ids" not in obj:
                 raise RequestError("prompt_ids", "is required")
+            catalog = obj.get("catalog", "")
+            if not isinstance(catalog, str):
+                raise RequestError("catalog", "must be a catalog's name (a string)")
             return BeamRequest(prompt_ids=_id_list(obj["prompt_ids"], "prompt_ids"),
                                beam_width=obj.get("beam_width"), new_tokens=obj.get("new_tokens"),
-                               id=rid)  # type: ignore[arg-type]  (validate_beam checks both)
+                               id=rid, catalog=catalog)  # type: ignore[arg-type]  (validate_beam checks both)
         raise RequestError("kind", f"{kind!r} is not one of {KINDS}")
     except RequestError as e:
         e.request_id = rid  # type: ignore[attr-defined]
         raise
+
+
+def _beam(b: Beam) -> dict[str, Any]:
+    out: dict[str, Any] = {"ids": b.ids, "logprob": b.logprob}
+    if b.item_id is not None:
+        out["item_id"] = b.item_id
+    return out
 
 
 def format_result(rid: Any, result: ScoreResult | BeamResult | RequestError | ExecutionError) -> str:
@@ -87,5 +99,5 @@ def format_result(rid: Any, result: ScoreResult | BeamResult | RequestError | Ex
     elif isinstance(result, ScoreResult):
         obj = {"id": rid, "scores": result.scores}
     else:
-        obj = {"id": rid, "beams": [{"ids": b.ids, "logprob": b.logprob} for b in result.beams]}
+        obj = {"id": rid, "beams": [_beam(b) for b in result.beams]}
     return json.dumps(obj, ensure_ascii=False)

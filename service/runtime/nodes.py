@@ -207,19 +207,81 @@ def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:
     return torch.constant_pad_nd(rect.reshape(-1), [0, 1], pad).index_select(0, slot)
 
 
+def beam_allowed(ctx: NodeContext, node: Node, env: Env) -> None:
+    """Each row's allowed next tokens from the catalogs' trie (catalog.py trie_forest): the children
+    of the row's trie node; every token for an unconstrained row (node -1). Static shapes, no host
+    sync. Step 0: a row per request, at its catalog's root (beam_trie [R, 1]); step t: the N packed
+    rows, each at its beam's node (beam_trie [R, B] through beam_slot). allowed: bool [rows, V]
+    (ATen path) or kernels/beam_topk.py's int32 bitmask [rows, ceil(V / 32)] (fused path)."""
+    w = ctx.weights
+    if node.step == 0:
+        cat = env["beam_catalog"]
+        roots = w["catalog.roots"]  # [C + 1]: the last is -1, unconstrained
+        trie = roots.index_select(0, torch.where(cat >= 0, cat, roots.shape[0] - 1))  # [R]
+        env["beam_trie"] = trie.unsqueeze(1)
+    else:
+        trie = to_rows(env["beam_trie"], env["beam_slot"], -1)  # [N]
+    tokens, _, valid = trie_children(w, trie)
+    free = trie.lt(0).unsqueeze(1)  # [rows, 1]
+    vocab = ctx.cfg.vocab_size
+    if ctx.fused is None:  # a column past the vocabulary takes the window's unused slots
+        cols = torch.where(valid, tokens, vocab)
+        allowed = torch.zeros(trie.shape[0], vocab + 1, dtype=torch.bool, device=trie.device).scatter_(1, cols, True)
+        env["allowed"] = allowed[:, :vocab].logical_or(free)
+        return
+    # bit v % 32 of word v // 32; distinct tokens are distinct bits, so their sum is their OR
+    bits = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(tokens), tokens.bitwise_and(31)), 0)
+    words = torch.zeros(trie.shape[0], (vocab + 31) // 32, dtype=torch.int64, device=trie.device)
+    words = words.scatter_add_(1, torch.where(valid, tokens, 0).bitwise_right_shift(5), bits)
+    words = torch.where(words.ge(1 << 31), words - (1 << 32), words).to(torch.int32)  # as int32 bits
+    env["allowed"] = torch.where(free, -1, words).contiguous()
+
+
+def trie_children(w: dict[str, torch.Tensor], trie: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """trie [X] nodes (-1: none) -> tokens, children, valid [X, K]: each node's window of K child
+    edges (K: the most children a node has); valid marks the node's own edges."""
+    offsets, window, edges = w["catalog.offsets"], w["catalog.window"], w["catalog.tokens"].shape[0]
+    node = trie.clamp_min(0)
+    start = offsets.index_select(0, node)
+    count = offsets.index_select(0, node + 1) - start
+    edge = (start.unsqueeze(1) + window).clamp_max(edges - 1).reshape(-1)  # past the last: the padding edge
+    tokens = w["catalog.tokens"].index_select(0, edge).view(-1, window.shape[0])
+    children = w["catalog.child"].index_select(0, edge).view(-1, window.shape[0])
+    valid = window.lt(count.unsqueeze(1)).logical_and(trie.ge(0).unsqueeze(1))
+    return tokens, children, valid
+
+
+def advance_trie(w: dict[str, torch.Tensor], trie: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """trie, tokens [R, B] -> the child of each node along its token; -1 where it has none (an
+    unconstrained beam, or a dead one whose -inf candidate took a token no item continues with)."""
+    kids_tokens, kids, valid = trie_children(w, trie.reshape(-1))
+    hit = valid.logical_and(kids_tokens.eq(tokens.reshape(-1, 1)))  # [R*B, K]: at most one per row
+    child = torch.where(hit, kids, 0).sum(1)
+    return torch.where(hit.any(1), child, -1).view_as(tokens)
+
+
+def _mask_logp(logp: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    # after the log-softmax over the whole vocabulary, as Hugging Face's prefix_allowed_tokens_fn
+    return logp if allowed is None else logp.masked_fill(allowed.logical_not(), float("-inf"))
+
+
 def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
-    """First generated token: top-B of the prompt's next-token distribution (every beam equal)."""
+    """First generated token: top-B of the prompt's next-token distribution (every beam equal);
+    with a catalog, of the tokens that begin an item (beam_allowed)."""
     # [R, V] (float32; model dtype when fused), [R], [R, B, n], [N]
-    logits, widths, seqs, slot = (env[n] for n in node.inputs)
+    logits, widths, seqs, slot = (env[n] for n in node.inputs[:4])
     num_beams = seqs.shape[1]
+    allowed = env["allowed"] if "allowed" in node.inputs else None
     if ctx.fused is not None:  # kernels/beam_topk.py with one parent row per request, beam score 0
         r, vocab = logits.shape
         zero = torch.zeros(r, dtype=torch.float32, device=logits.device)
-        scores, _, tokens = merge_candidates(ctx.fused.beam_candidates(logits, zero, num_beams, 1), r, num_beams,
-                                             vocab)
+        scores, _, tokens = merge_candidates(ctx.fused.beam_candidates(logits, zero, num_beams, 1, allowed), r,
+                                             num_beams, vocab)
     else:
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = _mask_logp(torch.log_softmax(logits, dim=-1), allowed)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
+    if allowed is not None:
+        env["beam_trie"] = advance_trie(ctx.weights, env["beam_trie"].expand_as(tokens), tokens)
     seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
     seqs[:, :, 0] = tokens
     env["beam_seqs"] = seqs
@@ -238,13 +300,14 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     r, b = scores.shape
     vocab = logits.shape[-1]
     row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
+    allowed = env["allowed"] if "allowed" in node.inputs else None
     if ctx.fused is not None:  # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), then top-B of B x B
-        keys = ctx.fused.beam_candidates(logits, row_scores, b, 1)  # [N, B], one parent a row: flat index = token
+        keys = ctx.fused.beam_candidates(logits, row_scores, b, 1, allowed)  # [N, B], one parent a row: index = token
         keys = keys - (slot.remainder(b) * vocab).unsqueeze(1)  # flat index p * V + token of the row's rank p
         keys = torch.constant_pad_nd(keys, [0, 0, 0, 1], NO_KEY).index_select(0, src)  # [R*B, B]
         top_scores, parents, tokens = merge_candidates(keys, r, b, vocab)
     else:
-        cand = torch.log_softmax(logits, dim=-1) + row_scores.unsqueeze(1)  # [N, V]
+        cand = _mask_logp(torch.log_softmax(logits, dim=-1), allowed) + row_scores.unsqueeze(1)  # [N, V]
         cand = torch.constant_pad_nd(cand, [0, 0, 0, 1], float("-inf")).index_select(0, src)  # [R*B, V]
         top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
         parents = torch.div(top_idx, vocab, rounding_mode="floor")
@@ -257,9 +320,12 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     env["beam_scores"] = _mask_extra_beams(top_scores, widths)
     env["beam_tokens"] = to_rows(tokens, slot, 0)
     env["beam_parents"] = parents
+    if allowed is not None:
+        env["beam_trie"] = advance_trie(ctx.weights, env["beam_trie"].gather(1, parents), tokens)
     if ctx.fused is None:
         for name in node.inputs[7:]:  # suffix_k.{i} / suffix_v.{i} (inputs[6] is the fused path's suffix_kv)
-            env[name] = env[name].index_select(0, rows)
+            if name.startswith("suffix_"):  # (then allowed, beam_trie with a catalog)
+                env[name] = env[name].index_select(0, rows)
     elif node.step < seqs.shape[2] - 1:  # a later decode step reads the suffix: every layer's in one gather
         set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))
 
@@ -283,4 +349,5 @@ NODE_FUNCS: dict[str, Callable[[NodeContext, Node, Env], None]] = {
     "label_logprobs": label_logprobs,
     "beam_init": beam_init,
     "beam_step": beam_step,
+    "beam_allowed": beam_allowed,
 }

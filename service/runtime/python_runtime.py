@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ..artifact.artifact import Artifact
+from ..artifact.catalog import trie_forest
 from .batch import BeamBatch, ScoreBatch
 from ..artifact.dag import Node
 from .fused import python_kernels
@@ -34,6 +35,7 @@ class PythonRuntime:
         self.device = torch.device(device)
         self.dtype = dtype or artifact.weight_dtype
         weights = artifact.load_weights(self.device, self.dtype)
+        weights.update(trie_forest(list(artifact.catalogs), self.device))  # the beam_allowed node's constants
         limits = artifact.limits
         num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
         cos, sin = rope_table(self.cfg, num_positions, self.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from ..model.config import ModelConfig, ServingLimits
 
@@ -47,6 +47,7 @@ class BeamRequest:
     beam_width: int
     new_tokens: int
     id: str | None = None
+    catalog: str = ""  # a catalog's name: only its items come back (each beam with its item_id); "": any tokens
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Beam(NamedTuple):
 
     ids: list[int]
     logprob: float
+    item_id: str | None = None  # the catalog item these ids are (a request with a catalog)
 
 
 class BeamResult:
@@ -67,20 +69,25 @@ class BeamResult:
     (ids [w, n] int64, log-probs [w] float32, on the CPU, owned by this result): an encoder can
     write the response straight from them (the gRPC codec's BeamWire), and `beams` becomes Python
     objects only when first asked for (a W5 request has 400 beams, unpacked on the event loop).
-    Equal when the beams are; the rows are no part of the value."""
+    Equal when the beams are; the rows are no part of the value. item_ids: each row's catalog item
+    (a request with a catalog), else None."""
 
-    __slots__ = ("_beams", "rows")
+    __slots__ = ("_beams", "rows", "item_ids")
 
-    def __init__(self, beams: list[Beam] | None = None, rows: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, beams: list[Beam] | None = None, rows: tuple[Any, Any] | None = None,
+                 item_ids: list[str] | None = None) -> None:
         if beams is None and rows is None:
             raise ValueError("BeamResult: needs its beams or its output rows")
-        self._beams, self.rows = beams, rows
+        self._beams, self.rows, self.item_ids = beams, rows, item_ids
 
     @property
     def beams(self) -> list[Beam]:
         if self._beams is None:
             seqs, scores = self.rows  # type: ignore[misc]
-            self._beams = list(map(Beam, seqs.tolist(), scores.tolist()))
+            if self.item_ids is None:
+                self._beams = list(map(Beam, seqs.tolist(), scores.tolist()))
+            else:
+                self._beams = list(map(Beam, seqs.tolist(), scores.tolist(), self.item_ids))
         return self._beams
 
     def __eq__(self, other: object) -> bool:
@@ -171,7 +178,9 @@ def label_ids_of_texts(texts: Sequence[str], encode: Callable[[str], Sequence[in
     return tuple(ids)
 
 
-def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, ids_checked: bool = False) -> None:
+def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, ids_checked: bool = False,
+                  catalogs: Mapping[str, int] | None = None) -> None:
+    """catalogs: the artifact's catalog names -> their code length (a request's new_tokens must equal it)."""
     if model.has_cls_head:
         raise RequestError("kind", "this model has a classification head: only Score is served")
     if not req.prompt_ids:
@@ -183,6 +192,13 @@ def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, i
         _check_ids("prompt_ids", req.prompt_ids, model.vocab_size)
     _check_int("beam_width", req.beam_width, 1, limits.max_beam_width)
     _check_int("new_tokens", req.new_tokens, 1, limits.max_new_tokens)
+    if req.catalog:
+        if not isinstance(req.catalog, str) or req.catalog not in (catalogs or {}):
+            known = ", ".join(sorted(catalogs or {})) or "none"
+            raise RequestError("catalog", f"{req.catalog!r} is not a catalog of this model (catalogs: {known})")
+        if req.new_tokens != catalogs[req.catalog]:  # type: ignore[index]
+            raise RequestError("new_tokens", f"{req.new_tokens} does not match catalog {req.catalog!r}, whose "
+                                             f"items are {catalogs[req.catalog]} tokens long")  # type: ignore[index]
 
 
 class BindError(OSError):

@@ -766,7 +766,7 @@ class Scheduler:
             raise ExecutionError(f"{len(reqs)} {request_kind(reqs[0])} request(s) fit no bucket")
         if isinstance(reqs[0], ScoreRequest):
             return pack_score(reqs, bucket, self._label_columns)
-        return pack_beam(reqs, bucket)
+        return pack_beam(reqs, bucket, self.artifact.catalogs)
 
     @staticmethod
     def _unpack(batch: Batch, outputs: list[torch.Tensor]) -> Sequence[ScoreResult | BeamResult]:

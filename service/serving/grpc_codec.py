@@ -10,6 +10,8 @@ the proto's.
 
 from __future__ import annotations
 
+import functools
+
 import re
 import struct
 import time
@@ -62,6 +64,7 @@ class Codec:
         self.pb2 = load_stubs().pb2
         self.model = artifact.config
         self.limits = artifact.limits
+        self.catalog_lengths = artifact.catalog_lengths
         self.tokenizer = tokenizer
         self.tokenize_stats = TokenizeStats()
         # tables the first request would otherwise build on the event loop (~40 ms each for a 150k
@@ -142,8 +145,8 @@ class Codec:
         self._check_segment("prompt", msg.prompt)
         self._check_text_length([("prompt", msg.prompt)], self.limits.max_prompt_tokens)
         req = BeamRequest(prompt_ids=self._segment_ids("prompt", msg.prompt), beam_width=msg.beam_width,
-                          new_tokens=msg.new_tokens)
-        _engine_check(validate_beam, req, self)
+                          new_tokens=msg.new_tokens, catalog=msg.catalog)
+        _engine_check(functools.partial(validate_beam, catalogs=self.catalog_lengths), req, self)
         return req, priority
 
     def tokenize(self, msg: Any) -> Any:
@@ -201,7 +204,7 @@ class Codec:
         logprob (field 2, float32; left out when +0.0, as proto3 does) and text (field 3, UTF-8).
         From the result's output rows through the C++ BeamWire when it can (~1 us a beam instead of
         ~4), else here."""
-        if self._wire is not None and result.rows is not None:
+        if self._wire is not None and result.rows is not None and result.item_ids is None:
             wire = self._wire.encode(*result.rows)
             if wire is not None:  # None: an id that is no token or not the model's, handled below
                 return wire
@@ -225,6 +228,9 @@ class Codec:
                 body = join(((b"\x0a" + vt[len(packed)] + packed) if packed else b"",
                              (b"\x15" + lp) if lp != _ZERO_F32 else b"",
                              (b"\x1a" + _varint(n_text) + text) if text else b""))
+            if beams[k].item_id:  # field 4, a catalog's item
+                item = beams[k].item_id.encode()
+                body += b"\x22" + _varint(len(item)) + item
             n_body = len(body)
             parts += (b"\x0a", vt[n_body] if n_body < n_vt else _varint(n_body), body)
         return join(parts)

@@ -39,7 +39,9 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
         limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),
         score_buckets=[pb2.ScoreBucket(**dataclasses.asdict(b)) for b in artifact.buckets.score],
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
-        server_version=server_version(), bucket_origin=bucket_origin(pb2, artifact.manifest))
+        server_version=server_version(), bucket_origin=bucket_origin(pb2, artifact.manifest),
+        catalogs=[pb2.Catalog(name=c["name"], num_items=c["num_items"], code_length=c["code_length"],
+                              version=c["version"]) for c in artifact.manifest.get("catalogs", [])])
 
 
 def bucket_origin(pb2: Any, manifest: dict[str, Any]) -> Any:

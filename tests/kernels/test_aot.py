@@ -18,10 +18,11 @@ from service.model.checkpoint import weight_source
 from service.runtime.fused import kernel_shape
 
 ROOT = Path(__file__).resolve().parents[2]
-# kernels/beam_topk.py: the streaming kernels for 1024 groups, the threshold and select ones per sort width
-BEAM_TOPK_VARIANTS = ({"beam_stats.g1024.mask0.bf16", "beam_collect.g1024.mask0.bf16"}
+# kernels/beam_topk.py: the streaming kernels for 1024 groups, the threshold and select ones per sort width;
+# the streaming and select ones without and with an allowed-token bitmask (catalogs)
+BEAM_TOPK_VARIANTS = ({f"beam_{k}.g1024.mask{m}.bf16" for k in ("stats", "collect") for m in (0, 1)}
                       | {f"beam_threshold.g1024.k{1 << i}.fp32" for i in range(1, 10)}
-                      | {f"beam_select.k{1 << i}.mask0.bf16" for i in range(1, 10)})
+                      | {f"beam_select.k{1 << i}.mask{m}.bf16" for i in range(1, 10) for m in (0, 1)})
 
 
 @pytest.fixture(scope="module")

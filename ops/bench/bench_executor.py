@@ -5,8 +5,11 @@
 1. identity: the same request set through the Python runtime, the C++ runtime node by node
    ("eager") and the C++ runtime from captured CUDA graphs: output lines must be equal byte for byte;
 2. graph replay vs eager: per-node device time of one batch in both modes;
-3. throughput of W1/W2/W3 (BENCHMARKS.md), batches submitted directly, for cpp-graph, cpp-eager
-   and python, beside Hugging Face transformers one request at a time, with effective MFU;
+3. throughput of W1/W2/W3 (BENCHMARKS.md) and of the mixes (score-mix, beam-mix, mixed: requests
+   drawn as `slmrank bench` draws them, batched as plan_batches groups them, up to MIX_BATCH a
+   batch), batches submitted directly, for cpp-graph, cpp-eager and python, beside Hugging Face
+   transformers one request at a time and the strong peer, with effective MFU on the logical FLOPs
+   of exactly the requests run;
 4. lanes: async submit with 1 lane / 1 batch in flight vs 2 lanes / 2 in flight;
 5. a soak: 10,000 consecutive mixed requests through the executor, host RSS and GPU memory.
 Writes DIR/bench.json and DIR/log.txt; prints a short table last.
@@ -20,15 +23,19 @@ import os
 import resource
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ops.bench.workloads import EXECUTOR_BATCH, ID_HIGH, WORKLOADS, request_flops, runtime_request
+from ops.bench.hf_peer import HFModel
+from ops.bench.workloads import (EXECUTOR_BATCH, ID_HIGH, MIX_BATCH, MIX_MODEL, MIXES, WORKLOADS, mix_requests,
+                                 request_flops, runtime_request)
 from service.artifact.artifact import build_artifact, load_artifact
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.cpp_runtime import CppRuntime
-from service.runtime.engine import execute
+from service.runtime.engine import execute, plan_batches
 from service.model.checkpoint import hf_config_kwargs, hf_state_dict
 from service.runtime.jsonl import format_result
 from service.runtime.python_runtime import PythonRuntime
@@ -63,9 +70,42 @@ def workload(name: str, g: torch.Generator):
     return runtime_request(WORKLOADS[name], g)
 
 
-# (model, requests per batch) of each workload (ops/bench/workloads.py); W6 is one request at a time
-WORKLOAD_MODELS = {name: (w["model"].removeprefix("embedded:"), EXECUTOR_BATCH[name])
-                   for name, w in WORKLOADS.items()}
+# (model, requests per batch) of each workload (ops/bench/workloads.py); W6 is one request at a time;
+# a mix's batches hold up to MIX_BATCH requests
+WORKLOAD_MODELS = {**{name: (w["model"].removeprefix("embedded:"), EXECUTOR_BATCH[name])
+                      for name, w in WORKLOADS.items()},
+                   **{name: (MIX_MODEL.removeprefix("embedded:"), MIX_BATCH) for name in MIXES}}
+MIX_POOL = 512  # a mix's requests, drawn once (seed 7, as slmrank bench's pool), then cycled in batches
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A batch ready to run: its requests, the packed batch, and their logical FLOPs."""
+    requests: list
+    kind: str
+    batch: Any
+    flops: int
+
+
+def timed(art, reqs) -> Timed:
+    return Timed(reqs, *make_batch(art, reqs), sum(request_flops(art.config, r) for r in reqs))
+
+
+def fixed_batches(art, name: str, per_batch: int, g) -> list[Timed]:
+    """Four batches of per_batch requests of a fixed shape, each request different."""
+    return [timed(art, [workload(name, g) for _ in range(per_batch)]) for _ in range(4)]
+
+
+def mix_batches(art, name: str, max_requests: int, num_requests: int = MIX_POOL) -> list[Timed]:
+    """A mix's requests (ops/bench/workloads.mix_requests, within the artifact's limits) in the
+    batches the engine forms (plan_batches: consecutive requests of one kind while a bucket holds
+    them), at most max_requests a batch."""
+    reqs = mix_requests(name, art.config, art.limits, num_requests)
+    return [timed(art, [reqs[i] for i in idx]) for idx in plan_batches(art, reqs, max_requests)]
+
+
+def workload_batches(art, name: str, per_batch: int, g) -> list[Timed]:
+    return mix_batches(art, name, per_batch) if name in MIXES else fixed_batches(art, name, per_batch, g)
 
 
 def make_batch(art, reqs):
@@ -78,28 +118,43 @@ def run_batch(rt, kind, batch):
     return rt.run_score(batch) if kind == "score" else rt.run_beam(batch)
 
 
-def time_runtime(rt, art, name, per_batch, seconds, g) -> dict:
-    batches = [make_batch(art, [workload(name, g) for _ in range(per_batch)]) for _ in range(4)]
-    for kind, b in batches:  # warm-up (and graph capture)
-        run_batch(rt, kind, b)
-    torch.cuda.synchronize()
-    n, t0 = 0, time.perf_counter()
+def time_runtime(rt, batches: list[Timed], seconds: float) -> dict:
+    """time_batches on a runtime, with the buckets the batches ran in."""
+    out = time_batches(lambda b: run_batch(rt, b.kind, b.batch), batches, seconds,
+                       lambda: getattr(rt, "last_timings", None))
+    buckets = sorted({b.batch.bucket.key for b in batches})
+    return out | {"bucket": buckets[0] if len(buckets) == 1 else f"{len(buckets)} buckets"}
+
+
+def time_batches(run, batches: list[Timed], seconds: float, timings=lambda: None) -> dict:
+    """Every batch once (warm-up, graph capture), then the batches in turn for `seconds`: requests
+    and logical FLOPs per second of exactly the batches run (effective MFU: no padding counted)."""
+    for b in batches:
+        run(b)
+    sync()
+    n, num_requests, flops, t0 = 0, 0, 0, time.perf_counter()
     times, phases = [], []
-    while time.perf_counter() - t0 < seconds:
-        kind, b = batches[n % len(batches)]
+    while time.perf_counter() - t0 < seconds or n == 0:
+        b = batches[n % len(batches)]
         s = time.perf_counter()
-        run_batch(rt, kind, b)
+        run(b)
         times.append((time.perf_counter() - s) * 1e3)
-        if (p := host_phases(getattr(rt, "last_timings", None), times[-1])) is not None:
+        if (p := host_phases(timings(), times[-1])) is not None:
             phases.append(p)
-        n += 1
+        n, num_requests, flops = n + 1, num_requests + len(b.requests), flops + b.flops
     elapsed = time.perf_counter() - t0
     times.sort()
-    out = {"batches": n, "req_per_s": n * per_batch / elapsed, "batch_ms_p50": times[len(times) // 2],
-           "batch_ms_max": times[-1], "requests_per_batch": per_batch, "bucket": batches[0][1].bucket.key}
+    out = {"batches": n, "requests": num_requests, "flops": flops, "req_per_s": num_requests / elapsed,
+           "eff_mfu_bf16": flops / elapsed / PEAK_BF16, "batch_ms_p50": times[len(times) // 2],
+           "batch_ms_max": times[-1], "requests_per_batch": round(num_requests / n, 2)}
     if phases:  # medians, ms: where a batch's wall time goes besides the graph's own device time
         out["phases_ms_p50"] = {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]}
     return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def host_phases(timings: BatchTimings | None, wall_ms: float) -> dict[str, float] | None:
@@ -236,6 +291,57 @@ def hf_strong_peer(ckpt_dir: str, name: str, per_batch: int, seconds: float, g) 
             "warmup_s": round(compile_s, 1), "compiled": isinstance(batches[0][0], ScoreRequest)}
 
 
+def hf_strong_peer_mix(ckpt_dir: str, batches: list[Timed], seconds: float, device: str = "cuda",
+                       compile: bool = True) -> dict:
+    """The strong peer on a mix (ops/bench/hf_peer.py's HFModel, as the gRPC peer runs it), on the
+    batches slmrank runs: a Score batch in one forward padded as a user would for varied shapes
+    (padding "mix": powers of two), a BeamSearch batch in one `generate` per beam width (generate
+    takes one num_beams). Every batch once before the window: every shape the window runs compiles
+    there. Requests and logical FLOPs per second of exactly the requests run, as time_runtime's."""
+    model = HFModel(ckpt_dir, device, compile, padding="mix")
+    t0 = time.perf_counter()
+    shapes = peer_shapes(model, batches)
+    warmup_s = time.perf_counter() - t0
+    r = time_batches(lambda b: peer_run(model, b.requests), batches, seconds)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return r | {"warmup_s": round(warmup_s, 1), "score_shapes": len(shapes), "compiled": compile}
+
+
+def peer_run(model: HFModel, reqs: list) -> list:
+    """One of slmrank's batches through the strong peer: its answers, in order."""
+    if isinstance(reqs[0], ScoreRequest):
+        return model.score_many([(list(r.prefix_ids), [list(s) for s in r.samples], list(r.label_ids)) for r in reqs])
+    by_width: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        by_width.setdefault(r.beam_width, []).append(i)
+    out: list = [None] * len(reqs)
+    for width, idx in by_width.items():
+        answers = model.beam_many([list(reqs[i].prompt_ids) for i in idx], width, reqs[idx[0]].new_tokens)
+        for i, a in zip(idx, answers):
+            out[i] = a
+    return out
+
+
+def peer_shapes(model: HFModel, batches: list[Timed]) -> set[tuple[int, int]]:
+    """Runs every batch once through the peer (warm-up): the padded Score shapes [rows, width] they ran at."""
+    shapes: set[tuple[int, int]] = set()
+    forward = model._last_logprobs
+
+    def recording(x, mask, last):
+        shapes.add(tuple(x.shape))
+        return forward(x, mask, last)
+
+    model._last_logprobs = recording
+    try:
+        for b in batches:
+            peer_run(model, b.requests)
+    finally:
+        model._last_logprobs = forward
+    return shapes
+
+
 def save_hf_checkpoint(art, out: str) -> str:
     """Writes the artifact's weights as an HF checkpoint so the peer runs on the very same weights."""
     if (Path(out) / "config.json").exists():  # written earlier in this run for another workload
@@ -305,13 +411,15 @@ def category(node: str) -> str:
 
 
 def breakdown(arts, g, wanted: list[str], kernels: str) -> dict:
-    """Device ms by node category, one graph replay of a batch of each workload."""
+    """Device ms by node category, one graph replay of a batch of each workload (a mix: its first batch)."""
     out = {}
     for name in wanted:
         spec, per_batch = WORKLOAD_MODELS[name]
         art = arts[spec]
         rt = CppRuntime(art, device="cuda", use_graphs=True, kernels=kernels)
-        kind, batch = make_batch(art, [workload(name, g) for _ in range(per_batch)])
+        first = mix_batches(art, name, per_batch)[0] if name in MIXES else None
+        kind, batch = ((first.kind, first.batch) if first
+                       else make_batch(art, [workload(name, g) for _ in range(per_batch)]))
         for _ in range(3):
             run_batch(rt, kind, batch)
         cats: dict[str, float] = {}
@@ -408,7 +516,9 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--soak", type=int, default=10000)
-    p.add_argument("--workloads", default="W1,W2,W3", help="throughput: comma list of W1..W6")
+    p.add_argument("--workloads", default="W1,W2,W3",
+                   help="throughput: comma list of W1..W6, score-mix, beam-mix, mixed (a mix: up to 8 requests a "
+                        "batch, beside 1 at a time)")
     p.add_argument("--runtimes", default="cpp_graph,cpp_graph_triton,cpp_eager,python",
                    help="throughput: comma list of cpp_graph, cpp_graph_triton, cpp_eager, python")
     p.add_argument("--breakdown-kernels", default="aten,triton", help="node breakdown: comma list of aten,triton")
@@ -476,7 +586,6 @@ def main() -> None:
             spec, per_batch = WORKLOAD_MODELS[name]
             art = arts[spec]
             cfg = art.config
-            flops = request_flops(cfg, workload(name, g))
             for rt_name, make in (("cpp_graph", lambda a: CppRuntime(a, device="cuda", use_graphs=True)),
                                   ("cpp_graph_triton", lambda a: CppRuntime(a, device="cuda", use_graphs=True,
                                                                             kernels="triton")),
@@ -485,27 +594,33 @@ def main() -> None:
                 if rt_name not in runtimes:
                     continue
                 rt = make(art)
-                for bs in sorted({1, per_batch}):
-                    r = time_runtime(rt, art, name, bs, args.seconds, g)
-                    r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                for bs in sorted({1, per_batch}):  # a mix: at most bs requests a batch
+                    r = time_runtime(rt, workload_batches(art, name, bs, g), args.seconds)
                     rows[f"{name}/{rt_name}/x{bs}"] = r
-                    log(f"{name} {rt_name} x{bs}: {r['req_per_s']:.1f} req/s, batch p50 {r['batch_ms_p50']:.2f} ms, "
-                        f"MFU {r['eff_mfu_bf16']:.1%} ({r['bucket']})")
+                    log(f"{name} {rt_name} x{bs}: {r['req_per_s']:.1f} req/s, {r['requests_per_batch']} requests a "
+                        f"batch, batch p50 {r['batch_ms_p50']:.2f} ms, MFU {r['eff_mfu_bf16']:.1%} ({r['bucket']})")
                 if hasattr(rt, "shutdown"):
                     rt.shutdown()
                 del rt
                 torch.cuda.empty_cache()
             ckpt = save_hf_checkpoint(art, f"/tmp/hf-{spec}") if not {"hf", "strong"} <= skip else None
-            if "strong" not in skip:
+            if "strong" not in skip and name in MIXES:
+                r = hf_strong_peer_mix(ckpt, mix_batches(art, name, per_batch), args.seconds)
+                rows[f"{name}/hf_strong/x{per_batch}"] = r
+                log(f"{name} hf_strong x{per_batch}: {r['req_per_s']:.1f} req/s, {r['requests_per_batch']} requests "
+                    f"a batch, MFU {r['eff_mfu_bf16']:.1%} ({r['score_shapes']} padded Score shapes compiled in "
+                    f"the warm-up, {r['warmup_s']} s)")
+                save(out, result | {"throughput": rows})
+            elif "strong" not in skip:
                 r = hf_strong_peer(ckpt, name, per_batch, args.seconds, g)
-                r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                r["eff_mfu_bf16"] = r["req_per_s"] * request_flops(cfg, workload(name, g)) / PEAK_BF16
                 rows[f"{name}/hf_strong/x{per_batch}"] = r
                 log(f"{name} hf_strong x{per_batch}: {r['req_per_s']:.1f} req/s, batch p50 {r['batch_ms_p50']:.2f} ms, "
                     f"MFU {r['eff_mfu_bf16']:.1%} (compiled: {r['compiled']}, warm-up {r['warmup_s']} s)")
                 save(out, result | {"throughput": rows})
-            if "hf" not in skip:
+            if "hf" not in skip and name not in MIXES:  # the naive peer on the mixes: bench_grpc --peer
                 r = hf_peer(ckpt, name, 10 if name != "W1" else 40, g)
-                r["eff_mfu_bf16"] = r["req_per_s"] * flops / PEAK_BF16
+                r["eff_mfu_bf16"] = r["req_per_s"] * request_flops(cfg, workload(name, g)) / PEAK_BF16
                 rows[f"{name}/hf/x1"] = r
                 log(f"{name} hf x1: {r['req_per_s']:.1f} req/s, {r['ms_per_req']:.1f} ms/req, MFU {r['eff_mfu_bf16']:.1%}")
             result["throughput"] = rows

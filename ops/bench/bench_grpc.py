@@ -19,10 +19,12 @@ With --peer and an embedded spec, the artifact's weights are written as an HF ch
 slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
 every system (their largest difference is reported: "agreement"), and the peers are measured.
 
-Workloads, as service/loadgen/workloads.py defines them: W1..W6 (docs/benchmarks.md), or custom:
-"score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3". Token ids are uniform
-in [0, min(150000, vocab)), fixed seed; --pool distinct requests (default 512), drawn before the
-levels and cycled.
+Workloads, as service/loadgen/workloads.py defines them: W1..W6 (docs/benchmarks.md), custom:
+"score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3", or a mix (score-mix,
+beam-mix, mixed: drawn within the limits slmrank's ModelInfo gives; effective MFU on the FLOPs of
+the requests completed, and the strong peer pads its Score batches to powers of two, warming each
+such shape at start-up: hf_peer --warm-mix). Token ids are uniform in [0, min(150000, vocab)),
+fixed seed; --pool distinct requests (default 512), drawn before the levels and cycled.
 Writes DIR/bench_grpc.json; prints a short table last.
 """
 
@@ -49,7 +51,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, parse_workload
+from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, mix_score_bounds, parse_workload
 from service.loadgen.loop import Pool, Progress, capacity as capacity_at, sweep
 # the server's view of a window; overload_bench and the tests read them from here too
 from service.loadgen.server_view import SAMPLE as _SAMPLE, scrape, server_breakdown, window_delta  # noqa: F401
@@ -136,9 +138,12 @@ def capacity(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 async def bench_system(name: str, target: str, w: dict[str, Any], high: int, args: argparse.Namespace,
-                       flops: int, metrics_url: str | None = None) -> dict[str, Any]:
-    reqs = Requests(w, high, seed=args.seed)
-    pool = Pool([reqs.next() for _ in range(getattr(args, "pool", POOL))])
+                       flops: int | None, metrics_url: str | None = None, cfg: Any = None,
+                       limits: Any = None) -> dict[str, Any]:
+    """flops: a fixed shape's logical FLOPs a request; None for a mix, whose requests (drawn within
+    limits) count their own, on the model of config cfg."""
+    reqs = Requests(w, high, seed=args.seed, limits=limits)
+    pool = Pool([reqs.next() for _ in range(getattr(args, "pool", POOL))], cfg)
 
     def on_level(r: dict[str, Any]) -> None:
         level = r["level"]
@@ -162,26 +167,30 @@ async def bench_system(name: str, target: str, w: dict[str, Any], high: int, arg
     cap = capacity(rows)
     out: dict[str, Any] = {"target": target, "levels": rows, "skipped_levels": swept["skipped_levels"],
                            "capacity": cap}
-    out["eff_mfu_bf16"] = cap["qps"] * flops / PEAK_BF16 if cap else 0.0
+    flops_per_s = (cap["qps"] * flops if flops is not None else cap["flops_per_s"]) if cap else 0.0
+    out["eff_mfu_bf16"] = flops_per_s / PEAK_BF16
+    if flops is None:
+        out["pool"] = pool.describe()
     out["max_qps"] = max((r["qps"] for r in rows), default=0.0)
     return out
 
 
-async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: int) -> dict[str, Any]:
+async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: int,
+                    limits: Any = None) -> dict[str, Any]:
     """The same n requests to every system: the largest logprob difference, and whether beam ids agree."""
-    reqs = Requests(w, high, seed=12345)
+    reqs = Requests(w, high, seed=12345, limits=limits)
     msgs = [reqs.next() for _ in range(n)]
     stubs = load_stubs()
     answers: dict[str, list[Any]] = {}
     for name, target in targets.items():
         async with grpc.aio.insecure_channel(target) as ch:
             stub = stubs.pb2_grpc.RankerStub(ch)
-            call = stub.Score if w["kind"] == "score" else stub.BeamSearch
-            answers[name] = [await call(m, timeout=120) for m in msgs]
+            answers[name] = [await (stub.Score if hasattr(m, "samples") else stub.BeamSearch)(m, timeout=120)
+                             for m in msgs]
     a, b = answers["slmrank"], next(v for k, v in answers.items() if k != "slmrank")
     max_diff, ids_equal = 0.0, True
     for x, y in zip(a, b):
-        if w["kind"] == "score":
+        if hasattr(x, "samples"):
             for sx, sy in zip(x.samples, y.samples):
                 max_diff = max(max_diff, float(np.max(np.abs(np.array(sx.logprobs) - np.array(sy.logprobs)))))
         else:
@@ -198,7 +207,8 @@ async def agreement(targets: dict[str, str], w: dict[str, Any], high: int, n: in
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from service.artifact.resolve import resolve_artifact
 
-    w = parse_workload(args.workload)
+    w = parse_workload(args.workload, mixes=True)
+    is_mix = w["kind"] == "mix"
     model = args.model or w.get("model") or "embedded:tiny"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +216,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     artifact = resolve_artifact(model, quiet=True)
     cfg = artifact.config
     high = min(ID_HIGH, cfg.vocab_size)
-    flops = flops_per_request(cfg, w)
+    flops = None if is_mix else flops_per_request(cfg, w)  # a mix: each request its own
     runtime = args.runtime or ("cpp" if args.device == "cuda" else "python")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     result: dict[str, Any] = {
@@ -221,7 +231,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     served_model, ckpt = model, None
     peers = {name: extra for name, extra, on in (
         ("hf_peer", [], args.peer),
-        # the compiled peer compiles its padded Score shapes at start-up (--warm-score), not in the windows
+        # the compiled peer compiles its padded Score shapes at start-up (--warm-score, --warm-mix:
+        # added once slmrank's limits are known), not in the windows
         ("hf_strong", ["--max-batch", str(args.strong_peer), "--compile",
                        *(["--warm-score", f"{w['samples']}:{w['len']}:{w['prefix']}"] if w["kind"] == "score" else [])],
          args.strong_peer > 0)) if on}
@@ -247,12 +258,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out / "slmrank_server.log", args.start_timeout_s, Path(args.server_root))
         await wait_serving(procs["slmrank"].target, args.start_timeout_s)
         result["startup_s"] = round(time.perf_counter() - t0, 2)
+        limits = await served_limits(procs["slmrank"].target) if is_mix else None
+        if limits is not None and "hf_strong" in peers and w["weights"].get("score"):
+            peers["hf_strong"] += ["--warm-mix", "%d:%d" % mix_score_bounds(limits)]
+        result["peers"] = peers  # each peer's hf_peer flags
         # slmrank is measured before any peer process exists: a peer beside it, even idle between
         # its batches, shares the host's cores (its torch threads spin after each op, and a
         # compiled peer compiles at its first batches), and slmrank's event loop is CPU-bound
         print(f"slmrank on {procs['slmrank'].target}:", flush=True)
         result["systems"]["slmrank"] = await bench_system("slmrank", procs["slmrank"].target, w, high, args, flops,
-                                                          procs["slmrank"].metrics_url)
+                                                          procs["slmrank"].metrics_url, cfg, limits)
         _save_partial(out, result)
         for name, extra in peers.items():
             procs[name] = Proc(name, [
@@ -260,10 +275,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--port", "0", "--device", args.device, *extra], out / f"{name}.log", args.start_timeout_s)
             await wait_serving(procs[name].target, args.start_timeout_s)
         if peers:
-            result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high, args.check_requests)
+            result["agreement"] = await agreement({k: p.target for k, p in procs.items()}, w, high,
+                                                  args.check_requests, limits)
         for name in peers:
             print(f"{name} on {procs[name].target}:", flush=True)
-            result["systems"][name] = await bench_system(name, procs[name].target, w, high, args, flops, None)
+            result["systems"][name] = await bench_system(name, procs[name].target, w, high, args, flops, None, cfg,
+                                                         limits)
             _save_partial(out, result)
     finally:
         for name, p in procs.items():
@@ -275,6 +292,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result.pop("partial", None)
     (out / "bench_grpc.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+async def served_limits(target: str) -> Any:
+    """The server's limits (ModelInfo's), which a mix's requests are drawn within."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        stubs = load_stubs()
+        return (await stubs.pb2_grpc.RankerStub(ch).ModelInfo(stubs.pb2.ModelInfoRequest(), timeout=30)).limits
 
 
 def _save_partial(out: Path, result: dict[str, Any]) -> None:
@@ -292,8 +316,9 @@ def _git_commit() -> str | None:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    flops = result["logical_flops_per_request"]
     print(f"\n== {result['workload']['name']} on {result['model']} ({result['device']}, {result['dtype']}); "
-          f"{result['logical_flops_per_request'] / 1e12:.4f} TFLOP/request ==")
+          + (f"{flops / 1e12:.4f} TFLOP/request ==" if flops is not None else "each request's own FLOPs =="))
     print(f"{'system':8s} {'level':>5s} {'req/s':>9s} {'mean ms':>9s} {'p50 ms':>9s} {'p99 ms':>9s} {'errors':>6s}")
     for name, s in result["systems"].items():
         for r in s["levels"]:
@@ -310,8 +335,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", required=True, help="W1..W6, or 'score,prefix=0,samples=3,len=8,labels=2' / "
-                                                     "'beam,prompt=16,beam=4,new=3'")
+    p.add_argument("--workload", required=True,
+                   help="W1..W6, score-mix, beam-mix, mixed, or 'score,prefix=0,samples=3,len=8,labels=2' / "
+                        "'beam,prompt=16,beam=4,new=3'")
     p.add_argument("--levels", default=None, help="requests in flight, comma list (default 1,2,...,64; W6: 1)")
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--measure-s", type=float, default=10.0)
@@ -342,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rpc-timeout-s", type=float, default=60.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     args = p.parse_args(argv)
-    w = parse_workload(args.workload)
+    w = parse_workload(args.workload, mixes=True)
     args.levels = [int(x) for x in (args.levels or w.get("levels") or "1,2,4,8,16,32,64").split(",")]
     if args.warmup_s < 0 or args.measure_s <= 0 or min(args.levels) < 1 or args.pool < 1 or args.connections < 1:
         raise SystemExit("--warmup-s >= 0, --measure-s > 0, levels >= 1, --pool >= 1, --connections >= 1")

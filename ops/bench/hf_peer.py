@@ -5,8 +5,8 @@ What a Python user would build without slmrank (BENCHMARKS.md), in two strengths
 - strong (`--max-batch N --compile`): up to N whole requests that are waiting go into one batched
   call (Score: every sample of every request in one forward, the LM head only at each sample's last
   position, under torch.compile in its default mode, shapes padded to a few sizes so it compiles a
-  handful of times; BeamSearch: one batched `generate` over requests of the same beam width and
-  new tokens, prompts left-padded with an attention mask).
+  handful of times (PADDINGS); BeamSearch: one batched `generate` over requests of the same beam
+  width and new tokens, prompts left-padded with an attention mask).
 The model runs in one worker thread so the event loop keeps answering; token-id segments only
 (text -> INVALID_ARGUMENT "the peer takes ids"; no tokenizer is loaded).
 
@@ -20,6 +20,7 @@ The model runs in one worker thread so the event loop keeps answering; token-id 
 
     python -m ops.bench.hf_peer --checkpoint DIR [--host 127.0.0.1] [--port 0] [--device cpu|cuda]
                                 [--max-batch N] [--compile] [--warm-score SAMPLES:LEN:PREFIX]
+                                [--warm-mix MAX_SAMPLES:MAX_TOKENS]
 
 prints "listening on HOST:PORT" once the model is loaded and health says SERVING.
 """
@@ -38,6 +39,33 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from service.serving.proto_gen import load as load_stubs
 
 RANKER = "slmrank.v1.Ranker"
+# How a compiled Score forward pads [rows, width] (each new shape compiles: tens of seconds on the
+# H200 host). "fixed", for one request shape (W1..W6, custom; as first measured): rows to a power
+# of two >= 8, width to a multiple of 32. "mix", for requests of varied lengths (where multiples of
+# 32 would be up to 13 widths for score-mix): rows and width to powers of two, >= 8 and >= 64.
+PADDINGS = ("none", "fixed", "mix")
+MAX_COMPILED_SHAPES = 64  # torch._dynamo's recompile limit (8 by default) for the mix's shapes
+
+
+def pad_shape(rows: int, width: int, padding: str) -> tuple[int, int]:
+    """The [rows, width] a Score forward of `rows` sequences, the longest `width` tokens, runs at."""
+    if padding == "none":
+        return rows, width
+    rows = max(8, _pow2(rows))
+    return (rows, -(-width // 32) * 32) if padding == "fixed" else (rows, max(64, _pow2(width)))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def mix_score_shapes(max_batch: int, max_samples: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every padded shape ("mix") that 1..max_batch Score requests of at most max_samples samples
+    and max_tokens tokens a sample (prefix included) can take: rows 8, 16, ... x width 64, 128, ..."""
+    top_rows, top_width = pad_shape(max_batch * max_samples, max_tokens, "mix")
+    rows = [r for r in (8 << i for i in range(top_rows.bit_length())) if r <= top_rows]
+    widths = [w for w in (64 << i for i in range(top_width.bit_length())) if w <= top_width]
+    return [(r, w) for r in rows for w in widths]
 
 
 class PeerError(ValueError):
@@ -53,7 +81,9 @@ def _ids(segment: Any, what: str) -> list[int]:
 class HFModel:
     """The transformers model and the two operations, synchronous (run them in a thread)."""
 
-    def __init__(self, checkpoint_dir: str, device: str = "cpu", compile: bool = False) -> None:
+    def __init__(self, checkpoint_dir: str, device: str = "cpu", compile: bool = False,
+                 padding: str | None = None) -> None:
+        """padding: one of PADDINGS; by default "fixed" when compiled, else "none"."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -63,6 +93,11 @@ class HFModel:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).to(device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.compiled = compile
+        if padding not in (None, *PADDINGS):
+            raise ValueError(f"padding: {padding!r} is not one of {PADDINGS}")
+        self.padding = padding
+        if compile:  # past the limit, a new shape would silently run eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_SHAPES)
         # one static graph per padded shape (score_many pads to a few): without dynamic=False the
         # second shape would turn on automatic dynamic shapes and compile a slower, generic graph
         self._last_logprobs = (torch.compile(self._last_logprobs_eager, dynamic=False) if compile
@@ -120,11 +155,8 @@ class HFModel:
         return out
 
     def _padded(self, rows: int, width: int) -> tuple[int, int]:
-        """The shape a Score forward runs at: compiled, a few shapes only (rows to a power of two
-        >= 8, width to a multiple of 32); eager, as it is."""
-        if not self.compiled:
-            return rows, width
-        return max(8, 1 << (rows - 1).bit_length()), -(-width // 32) * 32
+        """The shape a Score forward runs at (pad_shape): compiled, a few shapes only; eager, as it is."""
+        return pad_shape(rows, width, self.padding or ("fixed" if self.compiled else "none"))
 
     def warm_score(self, samples: int, length: int, prefix: int, max_batch: int) -> list[dict[str, Any]]:
         """Runs score_many once for each padded shape that batches of 1..max_batch requests of this
@@ -142,6 +174,16 @@ class HFModel:
             self.score_many([req] * n)
             ran.append({"requests": n, "rows": shape[0], "width": shape[1],
                         "seconds": round(time.perf_counter() - t, 2)})
+        return ran
+
+    def warm_mix(self, max_batch: int, max_samples: int, max_tokens: int) -> list[dict[str, Any]]:
+        """Runs score_many once for each of mix_score_shapes (padding "mix"): compiled, each is
+        compiled now rather than inside a benchmark's measured window. What ran: rows, width, seconds."""
+        ran = []
+        for rows, width in mix_score_shapes(max_batch, max_samples, max_tokens):
+            t = time.perf_counter()
+            self.score_many([([], [[1] * width] + [[1]] * (rows - 1), [0])])  # one row as wide as the shape
+            ran.append({"rows": rows, "width": width, "seconds": round(time.perf_counter() - t, 2)})
         return ran
 
     def beam(self, prompt: list[int], beam_width: int, new_tokens: int) -> list[tuple[list[int], float]]:
@@ -261,14 +303,17 @@ class PeerServicer:
 
 
 async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0, device: str = "cpu",
-                     max_batch: int = 1, compile: bool = False,
-                     warm_score: tuple[int, int, int] | None = None) -> tuple[grpc.aio.Server, int]:
-    """Loads the checkpoint, (with warm_score = (samples, length, prefix)) runs each padded Score
-    shape once, binds, starts, health SERVING. Call inside the event loop that serves it."""
-    model = await asyncio.to_thread(HFModel, checkpoint_dir, device, compile)
-    if warm_score is not None:
+                     max_batch: int = 1, compile: bool = False, warm_score: tuple[int, int, int] | None = None,
+                     warm_mix: tuple[int, int] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Loads the checkpoint, runs each padded Score shape once (warm_score = (samples, length,
+    prefix): one request shape, padding "fixed"; warm_mix = (max samples, max tokens a sample):
+    varied ones, padding "mix"), binds, starts, health SERVING. Call inside the event loop that serves it."""
+    model = await asyncio.to_thread(HFModel, checkpoint_dir, device, compile, "mix" if warm_mix else None)
+    warm = (model.warm_score, *warm_score, max_batch) if warm_score else \
+        (model.warm_mix, max_batch, *warm_mix) if warm_mix else None
+    if warm is not None:
         t = time.perf_counter()
-        ran = await asyncio.to_thread(model.warm_score, *warm_score, max_batch)
+        ran = await asyncio.to_thread(*warm)
         print(f"[hf-peer] warmed {len(ran)} Score shape(s) in {time.perf_counter() - t:.1f} s: {ran}", flush=True)
     stubs = load_stubs()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
@@ -287,7 +332,7 @@ async def start_peer(checkpoint_dir: str, host: str = "127.0.0.1", port: int = 0
 
 async def _main(args: argparse.Namespace) -> None:
     server, port = await start_peer(args.checkpoint, args.host, args.port, args.device, args.max_batch, args.compile,
-                                    args.warm_score)
+                                    args.warm_score, args.warm_mix)
     print(f"[hf-peer] listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -307,6 +352,16 @@ def _warm_shape(text: str) -> tuple[int, int, int]:
     return samples, length, prefix
 
 
+def _warm_bounds(text: str) -> tuple[int, int]:
+    try:
+        samples, tokens = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--warm-mix: MAX_SAMPLES:MAX_TOKENS (two integers), got {text!r}") from None
+    if samples < 1 or tokens < 1:
+        raise argparse.ArgumentTypeError(f"--warm-mix: MAX_SAMPLES >= 1, MAX_TOKENS >= 1, got {text!r}")
+    return samples, tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a local Hugging Face checkpoint directory")
@@ -319,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm-score", type=_warm_shape, metavar="SAMPLES:LEN:PREFIX",
                    help="before serving, run each padded shape that 1..max-batch Score requests of this shape "
                         "take (with --compile: compile them at start-up, not in a benchmark's window)")
+    p.add_argument("--warm-mix", type=_warm_bounds, metavar="MAX_SAMPLES:MAX_TOKENS",
+                   help="varied Score shapes: pad rows and width to powers of two (>= 8, >= 64) and, before "
+                        "serving, run each such shape that 1..max-batch requests of at most MAX_SAMPLES samples "
+                        "of at most MAX_TOKENS tokens (prefix included) take")
     asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -3,7 +3,7 @@
 from a seed as gRPC messages, a request's logical FLOPs), since `slmrank bench` ships in the wheel
 and ops/ does not; this module re-exports them for the benches, and adds what only the benches
 that drive the executor directly need (bench_executor's requests per batch, the runtime's
-requests of a shape).
+requests of a shape, a mix's requests as the runtime takes them).
 """
 
 from __future__ import annotations
@@ -11,27 +11,28 @@ from __future__ import annotations
 from typing import Any
 
 from service.loadgen.workloads import (  # noqa: F401  (re-exported: the benches import them from here)
-    ID_HIGH, MIXES, WORKLOADS, Requests, WorkloadError, flops_per_request, message_flops)
+    ID_HIGH, MIXES, SCORE_MIX, WORKLOADS, Requests, WorkloadError, flops_per_request, message_flops)
 from service.loadgen.workloads import parse_workload as _parse_workload
 from service.model.flops import beam_flops, score_flops
 
 
-def parse_workload(text: str) -> dict[str, Any]:
-    """service.loadgen.workloads.parse_workload's fixed shapes (W1..W6, custom), its mistake a
-    one-line exit of the bench. The mixes vary per request, which these benches' FLOP counts and
-    executor batches do not: they are `slmrank bench`'s."""
+def parse_workload(text: str, mixes: bool = False) -> dict[str, Any]:
+    """service.loadgen.workloads.parse_workload's shapes, its mistake a one-line exit of the bench.
+    A mix varies per request: only a bench that counts each request's FLOPs takes one (mixes=True)."""
     try:
         w = _parse_workload(text)
     except WorkloadError as e:
         raise SystemExit(str(e)) from None
-    if w["kind"] == "mix":
+    if w["kind"] == "mix" and not mixes:
         raise SystemExit(f"--workload: {text} varies per request: measure it with `slmrank bench --workload {text}`")
     return w
 
 
 # requests per batch where the executor is driven directly (bench_executor): W6 is one request at
-# a time (latency)
+# a time (latency); a mix's batch: at most MIX_BATCH consecutive requests that one bucket holds
 EXECUTOR_BATCH = {"W1": 8, "W2": 8, "W3": 4, "W4": 8, "W5": 2, "W6": 1}
+MIX_BATCH = 8
+MIX_MODEL = "embedded:qwen3-0.6b"  # the mixes run on `slmrank serve`'s default model
 
 
 def runtime_request(w: dict[str, Any], g: Any) -> Any:
@@ -59,3 +60,27 @@ def request_flops(cfg: Any, req: Any) -> int:
     if isinstance(req, ScoreRequest):
         return score_flops(cfg, len(req.prefix_ids), [len(s) for s in req.samples])
     return beam_flops(cfg, len(req.prompt_ids), req.beam_width, req.new_tokens)
+
+
+def mix_requests(name: str, cfg: Any, limits: Any, n: int, seed: int = 7) -> list[Any]:
+    """n requests of a mix as the runtime takes them: the very requests `slmrank bench --workload
+    name --seed seed` draws against a server of these limits (Requests), converted (runtime_of)."""
+    reqs = Requests(_parse_workload(name), min(ID_HIGH, cfg.vocab_size), seed=seed, limits=limits)
+    return [runtime_of(reqs.next()) for _ in range(n)]
+
+
+def mix_score_bounds(limits: Any) -> tuple[int, int]:
+    """(the most samples of a mix's Score request, the most tokens of one of its samples, prefix
+    included) within a server's limits: what the strong peer's padded shapes must cover."""
+    m = SCORE_MIX
+    return min(m["samples"][1], limits.max_samples), min(m["prefix"][1] + m["len"][1], limits.max_score_tokens)
+
+
+def runtime_of(msg: Any) -> Any:
+    """A ScoreRequest / BeamSearchRequest message of token ids as the runtime takes it."""
+    from service.runtime.requests import BeamRequest, ScoreRequest
+
+    if hasattr(msg, "samples"):
+        return ScoreRequest(samples=tuple(tuple(s.ids) for s in msg.samples), label_ids=tuple(msg.label_ids),
+                            prefix_ids=tuple(msg.prefix.ids))
+    return BeamRequest(prompt_ids=tuple(msg.prompt.ids), beam_width=msg.beam_width, new_tokens=msg.new_tokens)

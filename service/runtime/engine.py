@@ -35,15 +35,16 @@ def validate(artifact: Artifact, req: Request) -> None:
         validate_beam(req, artifact.config, artifact.limits, catalogs=artifact.catalog_lengths)
 
 
-def plan_batches(artifact: Artifact, requests: Sequence[Request]) -> list[list[int]]:
+def plan_batches(artifact: Artifact, requests: Sequence[Request], max_requests: int | None = None) -> list[list[int]]:
     """Greedy, in order: consecutive requests of one kind (and one new_tokens) share a batch while
-    some bucket holds them all (buckets.Fill). Returns lists of indices into requests. Never
-    splits a request."""
+    some bucket holds them all (buckets.Fill), and (if given) while the batch has fewer than
+    max_requests. Returns lists of indices into requests. Never splits a request."""
     batches: list[list[int]] = []
     current: list[int] = []
     fill: Fill | None = None
     for i, req in enumerate(requests):
-        if current and kind(req) == kind(requests[current[0]]) and fill is not None and fill.fit(*dims(req)):
+        if (current and kind(req) == kind(requests[current[0]]) and fill is not None and fill.fit(*dims(req))
+                and (max_requests is None or len(current) < max_requests)):
             fill.add(*dims(req))
             current.append(i)
             continue

@@ -15,17 +15,20 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _checkpoint(out: Path, max_positions: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
     cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
                       initializer_range=0.3, tie_word_embeddings=True)
-    out = tmp_path_factory.mktemp("bench_grpc") / "qwen2_tiny"
     Qwen2ForCausalLM(cfg).eval().save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory.mktemp("bench_grpc") / "qwen2_tiny", 256)
 
 
 @pytest.mark.parametrize("workload", ["score,prefix=5,samples=3,len=7,labels=2"])
@@ -75,6 +78,38 @@ def test_bench_grpc_with_peer(tiny_checkpoint: Path, tmp_path: Path, monkeypatch
     assert len(first["slmrank"]["samples"]) == len(first["hf_peer"]["samples"]) == 3
     for a, b in zip(first["slmrank"]["samples"], first["hf_peer"]["samples"]):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_bench_grpc_score_mix_with_the_strong_peer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--workload score-mix --strong-peer: both systems take the same pool, drawn within slmrank's
+    limits; effective MFU from the FLOPs of the requests completed; the peer pads to powers of two
+    and warms each such shape before serving (TORCH_COMPILE_DISABLE: the compiled path runs eagerly,
+    ~17 s a shape of compile on this CPU otherwise). 2,048 positions: slmrank's limits hold
+    score-mix's requests (with 256, hardly one in a thousand draws fits)."""
+    from ops.bench import bench_grpc
+    from ops.bench.hf_peer import mix_score_shapes
+
+    tiny_checkpoint = _checkpoint(tmp_path / "qwen2_tiny", 2048)
+    monkeypatch.setenv("SLMRANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    out = tmp_path / "out"
+    bench_grpc.main(["--workload", "score-mix", "--levels", "1,2", "--warmup-s", "2", "--measure-s", "2",
+                     "--out", str(out), "--strong-peer", "2", "--device", "cpu", "--model", str(tiny_checkpoint),
+                     "--check-requests", "2", "--pool", "32", "--start-timeout-s", "120"])
+    result = json.loads((out / "bench_grpc.json").read_text())
+    assert set(result["systems"]) == {"slmrank", "hf_strong"} and result["logical_flops_per_request"] is None
+    for name, system in result["systems"].items():
+        assert system["pool"]["score"]["requests"] == 32 and "beam" not in system["pool"], name
+        assert system["pool"] == result["systems"]["slmrank"]["pool"]  # the same requests
+        # a score-mix request can take a second on this CPU: a level's window may close on none
+        assert sum(r["completed"] for r in system["levels"]) > 0, name
+        for r in system["levels"]:
+            assert r["num_errors"] == 0 and (r["flops_per_s"] > 0) == (r["completed"] > 0), (name, r)
+        cap = system["capacity"]
+        assert system["eff_mfu_bf16"] == (pytest.approx(cap["flops_per_s"] / 989e12) if cap else 0.0)
+    assert result["agreement"]["max_abs_logprob_diff"] < 1e-4, result["agreement"]
+    # slmrank's limits (2,048 tokens, 64 samples) cut neither bound: rows 8..64 x width 64..512 warmed
+    assert result["peers"]["hf_strong"][-2:] == ["--warm-mix", "30:416"] and len(mix_score_shapes(2, 30, 416)) == 16
 
 
 def test_a_run_cut_during_the_peer_keeps_slmranks_figures(tiny_checkpoint: Path, tmp_path: Path,

@@ -97,7 +97,7 @@ def fixed_batches(art, name: str, per_batch: int, g) -> list[Timed]:
 
 
 def mix_batches(art, name: str, max_requests: int, num_requests: int = MIX_POOL) -> list[Timed]:
-    """A mix's requests (ops/bench/workloads.mix_requests, within the artifact's limits) in the
+    """A mix's requests (mix_requests (ops/bench/workloads.py), within the artifact's limits) in the
     batches the engine forms (plan_batches: consecutive requests of one kind while a bucket holds
     them), at most max_requests a batch."""
     reqs = mix_requests(name, art.config, art.limits, num_requests)

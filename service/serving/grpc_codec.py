@@ -11,7 +11,6 @@ the proto's.
 from __future__ import annotations
 
 import functools
-
 import re
 import struct
 import time

@@ -155,13 +155,12 @@ def test_bad_catalog_requests_name_the_field(constrained):
     assert "3 tokens" in str(wrong_length)
 
 
+@pytest.mark.parametrize("constrained", ["qwen2_tiny"], indirect=True)  # the interpreter is slow: one checkpoint
 def test_fused_path_masks_as_the_aten_path(constrained, catalog_items):
     """kernels="triton" (the Triton interpreter on a CPU): beam_allowed's int32 bitmask is the ATen
     path's bool mask, packed (kernels/beam_topk.py allowed_bitmask), and beam_candidates under it
     finds the same items."""
-    m, art, runtime = constrained
-    if m.artifact.config.arch != "qwen2":
-        pytest.skip("the interpreter is slow: one checkpoint covers the node")
+    _, art, runtime = constrained
     fused = PythonRuntime(art, kernels="triton")
     rng = random.Random(11)
     reqs = [BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(n)), b, 3, id=f"r{i}", catalog=c)

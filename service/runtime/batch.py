@@ -216,8 +216,8 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
     pad_n, pad_r = bucket.max_prompt_tokens - len(tokens), r_max - len(requests)
     width = np.array(widths + [0] * pad_r, dtype=np.int64)  # a padding request has no live beam
     first = np.cumsum(width) - width  # [R]: each request's first packed row
-    req = np.repeat(np.arange(r_max, dtype=np.int64), width)  # [used]
-    rank = np.arange(used, dtype=np.int64) - first[req]
+    row_req = np.repeat(np.arange(r_max, dtype=np.int64), width)  # [used]
+    rank = np.arange(used, dtype=np.int64) - first[row_req]
     ranks = np.arange(b, dtype=np.int64)
     src = np.where(ranks < width[:, None], first[:, None] + ranks, rows)  # [R, B]
     inputs = {
@@ -226,9 +226,9 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
         "seg": _i64(seg + [-1] * pad_n),
         "last": _i64(last + [0] * pad_r),
         "beam_width": torch.from_numpy(width),
-        "beam_req": _padded(req, rows, r_max),
-        "beam_pos": _padded(np.array(prompt_len + [0] * pad_r, dtype=np.int64)[req], rows, 0),
-        "beam_slot": _padded(req * b + rank, rows, r_max * b),
+        "beam_req": _padded(row_req, rows, r_max),
+        "beam_pos": _padded(np.array(prompt_len + [0] * pad_r, dtype=np.int64)[row_req], rows, 0),
+        "beam_slot": _padded(row_req * b + rank, rows, r_max * b),
         "beam_src": torch.from_numpy(src.reshape(-1)),
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
         "beam_catalog": _i64([catalog_index(catalogs, req.catalog) for req in requests] + [-1] * pad_r),

@@ -653,6 +653,8 @@ class Scheduler:
     def _may_outlast_cap(self, bucket: Any, now: float) -> bool:
         """Whether a batch of the bucket may run longer than max_batch_s on this machine (a drain
         must outlast none); a family not measured at all yet is not bounded (its first batch is)."""
+        if math.isinf(self.max_batch_s):  # a Scheduler made without a cap: nothing to look up
+            return False
         bound_s = self.model.bound_s(self.costs.info(bucket), now)
         return bound_s is not None and bound_s > self.max_batch_s
 

@@ -19,20 +19,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..artifact.artifact import Artifact
-from ..artifact.buckets import BeamBucket, ScoreBucket
+from ..artifact.buckets import Bucket, Fill, ScoreBucket
 from ..model.config import ModelConfig
 from ..model.flops import beam_flops, score_flops
-from ..artifact.buckets import Fill
-from ..runtime.batch import dims, kind
+from ..runtime.batch import dims
+from ..runtime.batch import kind as request_kind  # re-exported: the batcher and the benches key tickets by it
 from ..runtime.requests import BeamRequest, ScoreRequest
 
 Request = ScoreRequest | BeamRequest
-Bucket = ScoreBucket | BeamBucket
-
-
-def request_kind(request: Request) -> str:
-    """Requests of one kind may share a batch: "score", or "beam.n<new_tokens>"."""
-    return kind(request)
 
 
 @dataclass(frozen=True)
@@ -100,7 +94,7 @@ class CostTable:
         return cost
 
     def _compute(self, request: Request) -> RequestCost:
-        fill, d = Fill(self.artifact.buckets.of_kind(kind(request))), dims(request)
+        fill, d = Fill(self.artifact.buckets.of_kind(request_kind(request))), dims(request)
         packings: list[tuple[int, BucketInfo]] = []
         n = 1
         while n <= self.max_batch_requests:

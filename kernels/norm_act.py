@@ -3,6 +3,9 @@
 - `rms_norm`: y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), computed in float32 per row;
   with `residual`, x + residual first (rounded to x.dtype, as torch's add) and that sum is
   returned too (it is the next residual stream). ROWS rows per program.
+- `rms_norm_parts`: the same with the residual given as a split-K GEMM's float32 partials
+  [S, rows, D] (kernels/gemm.py): summed in order 0..S-1, rounded to the dtype (the GEMM's
+  output), added to x and rounded, then normalised: the reduce and the norm in one pass.
 - `silu_mul`: silu(gate) * up of a fused [N, 2I] gate/up projection, rounded as torch does
   (silu to the dtype, then the product): replaces chunk + silu + mul.
 
@@ -51,6 +54,26 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
     tl.store(out_ptr + offs, (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
 
 
+@triton.jit
+def rms_norm_parts_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
+    offs = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    p = tl.load(parts_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, PARTS):
+        p += tl.load(parts_ptr + i * num_rows * D + offs, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + p.to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    y = (xf * inv[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + offs, (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+
+
 def silu_mul_config(inter: int) -> dict[str, int]:
     """Tile of the SiLU*up kernel: ROWS rows x BLOCK columns of the [N, I] output per program."""
     block = min(1024, triton.next_power_of_2(inter))
@@ -88,6 +111,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, residual if residual is not None else x, weight, out, total, rows, eps, D=d, BLOCK_D=cfg["BLOCK_D"],
         ROWS=cfg["ROWS"], HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"], **COMPILE_OPTIONS)
     return (out, total) if residual is not None else out
+
+
+def rms_norm_parts(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, D] contiguous; parts [S, rows, D] float32. Returns (norm(x + sum(parts)), that sum)."""
+    if x.dim() != 2 or not x.is_contiguous() or parts.shape[1:] != x.shape or parts.dtype != torch.float32 \
+            or not parts.is_contiguous():
+        raise ValueError(f"rms_norm_parts: x [rows, D] and float32 parts [S, rows, D], both contiguous; got "
+                         f"{list(x.shape)} and {list(parts.shape)} {parts.dtype}")
+    rows, d = x.shape
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm_parts: weight must be [{d}], got {list(weight.shape)}")
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    cfg = rms_norm_config(d)
+    rms_norm_parts_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
+        x, parts, weight, out, total, rows, eps, D=d, BLOCK_D=cfg["BLOCK_D"], ROWS=cfg["ROWS"],
+        PARTS=parts.shape[0], num_warps=cfg["num_warps"], **COMPILE_OPTIONS)
+    return out, total
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -704,12 +705,185 @@ def bench_prefill_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[st
     real rows; the floor is q, k, v of the real rows read and out written once at 4.8 TB/s."""
     return [row for name in PREFILL_SHAPES for row in _prefill_workload(name, dtype)]
 
+# --- a decode step's GEMMs (kernels/gemm.py) against cuBLAS ---------------------------------------
+
+# model: (hidden, heads, kv heads, head dim, intermediate, layers)
+GEMM_MODELS = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864, 24), "qwen3-0.6b": (1024, 16, 8, 128, 3072, 28)}
+GEMM_ROWS = (100, 200, 400, 800, 1600)  # beam rows: one W2 request .. 16 of them / four W5 ones
+GEMM_PEAK_TFLOPS = 700  # the bf16 dense GEMM ceiling measured at large shapes (BENCHMARKS.md)
+
+
+def gemm_configs(kind: str) -> list[Any]:
+    """The tiles tried for one GEMM of the layer (invalid ones for a shape are skipped)."""
+    from kernels.gemm import GemmConfig as C
+
+    base = [C(16, 64, 128), C(32, 64, 128), C(64, 64, 64), C(64, 32, 128), C(64, 128, 64, num_stages=3),
+            C(128, 64, 64), C(128, 128, 64, num_warps=8, num_stages=3), C(64, 64, 128, num_stages=3)]
+    if kind in ("o", "down"):  # the residual's partials: split-K
+        base += [C(b.block_m, b.block_n, b.block_k, s, b.num_warps, b.num_stages)
+                 for b in (C(32, 64, 128), C(64, 64, 64), C(128, 64, 64), C(64, 128, 64, num_stages=3))
+                 for s in (2, 4, 8)]
+    return base
+
+
+def _gemm_shapes(model: str) -> dict[str, tuple[int, int, bool, bool]]:
+    """kind: (N of the output, K, bias, SiLU epilogue) of one decoder layer."""
+    d, h, g, e, inter, _ = GEMM_MODELS[model]
+    return {"qkv": ((h + 2 * g) * e, d, model.startswith("qwen2"), False), "o": (d, h * e, False, False),
+            "gate_up": (inter, d, False, True), "down": (d, inter, False, False)}
+
+
+def _warm_gemms(jobs: list[tuple[int, int, bool, bool, Any]]) -> None:
+    """Compiles every (shape, config) once per worker process into Triton's disk cache, 8 at a time,
+    so the timing process finds them compiled."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(max_workers=8, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_warm_gemm_job, [jobs[i::8] for i in range(8)]))
+
+
+def _warm_gemm_job(jobs: list[tuple[int, int, bool, bool, Any]]) -> None:
+    from kernels.gemm import linear
+
+    for n, k, bias, silu, cfg in jobs:
+        a = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn((2 if silu else 1) * n, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias and cfg.split_k == 1 else None
+        try:
+            linear(a, w, b, cfg, silu=silu)
+        except ValueError:
+            pass
+
+
+def _gemm_floor_ms(m: int, n: int, k: int) -> float:
+    nbytes = 2 * (n * k + m * k + m * n)
+    return max(nbytes / (HBM_TB_S * 1e12), 2 * m * n * k / (GEMM_PEAK_TFLOPS * 1e12)) * 1e3
+
+
+def bench_gemm() -> list[dict[str, Any]]:
+    """A decode step's four GEMMs per layer at M = 100..1,600 beam rows, for both embedded models:
+    cuBLAS (F.linear; gate/up then the SiLU*up kernel) against kernels/gemm.py in every tile of
+    gemm_configs (split-K ones write float32 partials that the next RMSNorm sums: their time here
+    is the GEMM's alone, the chain below has the norm). Each is checked against float64 first. Then
+    the layer's chain without attention and q/k/v RoPE, both ways, with each GEMM's best tile:
+    cuBLAS: norm+residual, qkv, o, norm+residual, gate/up, SiLU*up, down (7 launches);
+    Triton: norm+parts, qkv, o (partials), norm+parts, gate/up+SiLU, down (partials) (6 launches)."""
+    from kernels.gemm import linear
+    from kernels.norm_act import silu_mul
+
+    jobs = [(n, k, bias, silu, cfg) for model in GEMM_MODELS for kind, (n, k, bias, silu) in _gemm_shapes(model).items()
+            for cfg in gemm_configs(kind)]
+    t0 = time.monotonic()
+    _warm_gemms(jobs)
+    print(f"gemm: {len(jobs)} variants compiled in {time.monotonic() - t0:.1f} s", flush=True)
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model, (d, h, g, e, inter, layers) in GEMM_MODELS.items():
+        shapes = _gemm_shapes(model)
+        weights = {kind: torch.randn((2 if silu else 1) * n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                   / k ** 0.5 for kind, (n, k, _, silu) in shapes.items()}
+        bias = torch.randn(shapes["qkv"][0], generator=gen, device="cuda", dtype=torch.bfloat16)
+        norm_w = 1 + 0.1 * torch.randn(d, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for m in GEMM_ROWS:
+            best: dict[str, tuple[float, Any]] = {}
+            for kind, (n, k, has_bias, silu) in shapes.items():
+                a = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                w, b = weights[kind], bias if has_bias else None
+                truth = F.linear(a.double(), w.double(), b.double() if b is not None else None)
+                if silu:
+                    gate, up = truth.chunk(2, dim=-1)
+                    truth = F.silu(gate) * up
+                    cublas = lambda a=a, w=w: silu_mul(F.linear(a, w))
+                else:
+                    cublas = lambda a=a, w=w, b=b: F.linear(a, w, b)
+                floor = _gemm_floor_ms(m, (2 if silu else 1) * n, k)
+                base_ms = graph_time_ms(cublas)
+                base_err = _rel_err(cublas(), truth)
+                row = {"bench": "gemm", "model": model, "kind": kind, "rows": m, "n": n, "k": k, "variant": "cublas",
+                       "ms": base_ms, "floor_ms": floor, "rel_err": base_err}
+                results.append(row)
+                tried = []
+                for cfg in gemm_configs(kind):
+                    try:
+                        fn = (lambda a=a, w=w, b=b, cfg=cfg: linear(a, w, b if cfg.split_k == 1 else None, cfg,
+                                                                    silu=silu))
+                        out = fn()
+                    except ValueError:
+                        continue
+                    got = out if cfg.split_k == 1 else (out.sum(0) + (b.float() if b is not None else 0))
+                    err = _rel_err(got, truth)
+                    if err > max(2 ** -5, 2 * base_err):  # a few bf16 roundings; mis-wired is O(1)
+                        raise AssertionError(f"gemm {model} {kind} M={m} {cfg}: off float64 by {err:.3e}")
+                    ms = graph_time_ms(fn)
+                    tried.append((ms, cfg))
+                    results.append({**row, "variant": "triton", "config": vars(cfg), "ms": ms, "rel_err": err})
+                ms, cfg = min(tried, key=lambda t: t[0])
+                best[kind] = (ms, cfg)
+                print(f"gemm {model:13s} M={m:5d} {kind:8s} N={n:6d} K={k:5d}  cublas {base_ms * 1e3:7.1f} us  "
+                      f"best triton {ms * 1e3:7.1f} us ({base_ms / ms:4.2f}x) {_cfg_str(cfg)}  floor "
+                      f"{floor * 1e3:6.1f} us", flush=True)
+            results.append(_gemm_chain(model, m, shapes, weights, bias, norm_w, best, layers))
+    return results
+
+
+def _cfg_str(cfg: Any) -> str:
+    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.split_k}w{cfg.num_warps}p{cfg.num_stages}"
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def _gemm_chain(model: str, m: int, shapes: dict[str, Any], weights: dict[str, torch.Tensor], bias: torch.Tensor,
+                norm_w: torch.Tensor, best: dict[str, tuple[float, Any]], layers: int) -> dict[str, Any]:
+    """One layer's GEMMs and norms both ways (module docstring of bench_gemm), per layer and per
+    decode step (x layers)."""
+    from kernels.gemm import linear
+    from kernels.norm_act import rms_norm, rms_norm_parts, silu_mul
+
+    d = norm_w.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    attn = torch.randn(m, shapes["o"][1], generator=gen, device="cuda", dtype=torch.bfloat16)
+    pending = torch.randn(m, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cfg = {kind: c for kind, (_, c) in best.items()}
+
+    def cublas():
+        hh, xx = rms_norm(pending, norm_w, EPS, residual=x)
+        F.linear(hh, weights["qkv"], bias if shapes["qkv"][2] else None)
+        o = F.linear(attn, weights["o"])
+        h2, _ = rms_norm(o, norm_w, EPS, residual=xx)
+        return F.linear(silu_mul(F.linear(h2, weights["gate_up"])), weights["down"])
+
+    def parts_of(out: torch.Tensor) -> torch.Tensor:
+        return out if out.dtype == torch.float32 else out.float()[None]
+
+    down0 = parts_of(linear(torch.randn(m, shapes["down"][1], device="cuda", dtype=torch.bfloat16),
+                            weights["down"], None, cfg["down"]))
+
+    def triton_chain():
+        hh, xx = rms_norm_parts(x, down0, norm_w, EPS)
+        linear(hh, weights["qkv"], bias if shapes["qkv"][2] else None, cfg["qkv"])
+        o = linear(attn, weights["o"], None, cfg["o"])
+        h2, _ = rms_norm_parts(xx, parts_of(o), norm_w, EPS) if o.dtype == torch.float32 else \
+            rms_norm(o, norm_w, EPS, residual=xx)
+        return linear(linear(h2, weights["gate_up"], None, cfg["gate_up"], silu=True), weights["down"], None,
+                      cfg["down"])
+
+    base, fused = graph_time_ms(cublas), graph_time_ms(triton_chain)
+    print(f"gemm chain {model:13s} M={m:5d}  cublas {base * 1e3:7.1f} us/layer  triton {fused * 1e3:7.1f} us/layer "
+          f"({base / fused:4.2f}x)  per step: {base * layers:6.3f} -> {fused * layers:6.3f} ms", flush=True)
+    return {"bench": "gemm_chain", "model": model, "rows": m, "cublas_ms_per_layer": base,
+            "triton_ms_per_layer": fused, "layers": layers, "configs": {k: vars(c) for k, c in cfg.items()}}
+
 
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
     "prefill_attention": bench_prefill_attention,
     "layer_kernels": bench_layer_kernels,
     "beam_step": bench_beam_step,
+    "gemm": bench_gemm,
 }
 
 

@@ -1,4 +1,4 @@
-"""The `slmrank` command line: build an artifact, run request files through a runtime."""
+"""The `slmrank` command line: build an artifact, run request files through a runtime, serve, evaluate a candidate."""
 
 from __future__ import annotations
 
@@ -356,8 +356,17 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
     _add_traffic_parser(sub)
+    from .evaluate.command import add_evaluate_parser  # its flags only: torch loads when `slmrank evaluate` runs
 
-    args = p.parse_args(argv)
+    add_evaluate_parser(sub)
+
+    args, extra = p.parse_known_args(argv)
+    if extra:  # as parse_args would, but in one line where the command's own usage errors are one line
+        message = f"unrecognized arguments: {' '.join(extra)}"
+        if args.cmd == "evaluate":
+            print(f"slmrank evaluate: error: {message} (see --help)", file=sys.stderr)
+            return 2
+        p.error(message)
     from .runtime.requests import BindError
 
     try:

@@ -2,10 +2,12 @@
 512: seconds a run): identical artifacts pass with zero deltas; a candidate with one weight tensor
 perturbed (a valid artifact, every hash right) is rejected with exit 1, the exceeded tolerances
 named; tolerances from a file and flags; the float64 truth beside both sides; the result recorded
-in the candidate (both loaders load it); bad flags are one line and exit 2."""
+in the candidate (both loaders load it) and shown by ModelInfo and `slmrank client info`; bad
+flags are one line and exit 2."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -171,6 +173,49 @@ def test_float64_truth_stands_beside_both_sides(baseline: Path, requests_file: P
     assert base["beam.overlap_mean"] == 1.0 and base["beam.best_logprob_delta_max"] < 1e-4
     assert cand_m["score.abs_logprob_max"] == pytest.approx(
         metrics["candidate_vs_baseline"]["score.abs_logprob_max"], abs=1e-4)
+
+
+def test_model_info_and_client_info_show_the_recorded_result(baseline: Path, damaged: Path, requests_file: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    """A served candidate says what its evaluation found: ModelInfo.acceptance (the record's
+    fields, every check) and `slmrank client info` (FAILED, the exceeded checks named)."""
+    from service.model.tokenizer import load_tokenizer
+    from service.runtime.python_runtime import PythonRuntime
+    from service.serving.client import RankerClient
+    from service.serving.server import Model, RankerServer, ServerConfig
+    from service.serving.server_thread import ServerThread
+
+    cand = copy_artifact(damaged, tmp_path / "cand")
+    rc, _, _ = evaluate(capsys, "--baseline", str(baseline), "--candidate", str(cand), "--requests", str(requests_file))
+    assert rc == 1
+    art = load_artifact(cand)
+    rec = art.acceptance
+    assert rec is not None
+    model = Model(art, PythonRuntime(art), load_tokenizer(art.tokenizer_dir), spec=str(cand))
+    srv = ServerThread(RankerServer(ServerConfig(host="127.0.0.1", port=0, grace_s=5), lambda: model))
+    try:
+        srv.wait_serving()
+        with RankerClient(srv.target, timeout_s=30) as c:
+            info = c.model_info()
+        assert info.HasField("acceptance")
+        a = info.acceptance
+        assert a.passed is False and a.date == rec["date"]
+        assert a.baseline_sha256 == sha256_file(baseline / MANIFEST) == rec["baseline"]["sha256"]
+        assert a.requests_sha256 == rec["requests"]["sha256"] == hashlib.sha256(requests_file.read_bytes()).hexdigest()
+        assert a.record_sha256 == sha256_file(cand / "acceptance.json")
+        assert a.evaluated_sha256 == rec["candidate"]["sha256"] != info.artifact_sha256
+        assert a.requests == 11
+        assert [(c.name, c.bound, c.limit, c.passed) for c in a.checks] == [
+            (c["name"], c["bound"], c["limit"], c["passed"]) for c in rec["checks"]]
+        assert [c.value for c in a.checks] == pytest.approx([c["value"] for c in rec["checks"]])
+        assert cli_main(["client", "info", "--target", srv.target]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("acceptance"))
+        assert f"FAILED {rec['date']}: against baseline {a.baseline_sha256[:16]}…, 11 requests" in row
+        assert "  exceeded: max_abs_logprob " in out
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("args, words", [

@@ -175,6 +175,32 @@ def test_float64_truth_stands_beside_both_sides(baseline: Path, requests_file: P
         metrics["candidate_vs_baseline"]["score.abs_logprob_max"], abs=1e-4)
 
 
+def test_a_line_only_one_side_answers_fails_the_answers_check(baseline: Path, qwen2_tiny, requests_file: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    """A candidate built with a narrower beam limit refuses the 16-wide line the baseline answers:
+    `answers` is exceeded, the line named in the report; the other lines still agree exactly."""
+    cand = build_artifact(str(qwen2_tiny.ckpt), tmp_path / "narrow", quiet=True, limit_overrides={"max_beam_width": 8})
+    rc, out, _ = evaluate(capsys, "--baseline", str(baseline), "--candidate", str(cand), "--requests",
+                          str(requests_file), "--out", str(tmp_path / "report.json"), "--no-record")
+    assert rc == 1 and out.strip().splitlines()[-1] == "REJECTED: answers 1 (limit ≤ 0)", out
+    report = json.loads((tmp_path / "report.json").read_text())
+    (row,) = [r for r in report["per_request"] if "mismatch" in r]
+    assert row["id"] == "b3" and row["mismatch"]["baseline"] == "answered"
+    assert "beam_width" in row["mismatch"]["candidate"] and "8" in row["mismatch"]["candidate"]
+    m = report["metrics"]["candidate_vs_baseline"]
+    assert m["beam.requests"] == 3 and m["beam.overlap_min"] == 1.0 and m["score.abs_logprob_max"] == 0.0
+
+
+def test_artifacts_whose_token_ids_differ_are_a_usage_error(baseline: Path, embedded_tiny, requests_file: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = evaluate(capsys, "--baseline", str(baseline), "--candidate", str(embedded_tiny[0]), "--requests",
+                            str(requests_file))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "vocabulary of 151936 tokens, the baseline's has 512: token ids would not mean the same" in err
+    assert load_artifact(embedded_tiny[0]).acceptance is None
+
+
 def test_model_info_and_client_info_show_the_recorded_result(baseline: Path, damaged: Path, requests_file: Path,
                                                               tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                                               ) -> None:

@@ -29,6 +29,7 @@ namespace slmrank {
 namespace {
 
 const char* kManifest = "manifest.msgpack";
+const char* kAcceptance = "acceptance.json";  // service/artifact/manifest.py ACCEPTANCE
 const char* kManifestSha256 = "manifest.sha256";  // "<64 hex>  manifest.msgpack\n", as sha256sum writes it
 constexpr int64_t kMaxManifestBytes = int64_t{64} << 20;  // service/artifact/manifest.py MAX_MANIFEST_BYTES
 
@@ -182,6 +183,17 @@ const FieldRule kSchema[] = {
     {"weights.sha256", Kind::kSha256},
 };
 
+// The acceptance record's reference (service/artifact/manifest.py _ACCEPTANCE; `slmrank evaluate`
+// writes it), checked when the manifest has one; load_artifact checks the file's name and sha256.
+const FieldRule kAcceptanceSchema[] = {
+    {"acceptance.file", Kind::kString},
+    {"acceptance.sha256", Kind::kSha256},
+    {"acceptance.passed", Kind::kBoolean},
+    {"acceptance.baseline_sha256", Kind::kSha256},
+    {"acceptance.requests_sha256", Kind::kSha256},
+    {"acceptance.date", Kind::kString},
+};
+
 std::string bound(double x) { return std::to_string(static_cast<int64_t>(x)); }
 
 // An integer in [lo, hi], else an error naming the field.
@@ -196,8 +208,9 @@ int64_t in_range(const Manifest& m, const Value& v, const std::string& field, in
   return v.type() == Value::Type::kInt ? v.raw_int() : static_cast<int64_t>(v.raw_uint());
 }
 
-void check_schema(const Manifest& m) {
-  for (const FieldRule& rule : kSchema) {
+template <size_t N>
+void check_rules(const Manifest& m, const FieldRule (&rules)[N]) {
+  for (const FieldRule& rule : rules) {
     const std::string field = rule.field;
     const Value& v = m.get(field);
     switch (rule.kind) {
@@ -224,6 +237,18 @@ void check_schema(const Manifest& m) {
           m.fail(field + ": must be 64 lower-case hex digits, got " + shown(&v));
         }
         break;
+    }
+  }
+}
+
+void check_schema(const Manifest& m) {
+  check_rules(m, kSchema);
+  const Value* acceptance = m.root().find("acceptance");  // optional: an artifact `slmrank evaluate` recorded
+  if (acceptance) {
+    if (acceptance->type() != Value::Type::kMap) m.fail("acceptance: must be a map, got " + shown(acceptance));
+    check_rules(m, kAcceptanceSchema);
+    if (m.str("acceptance.file") != kAcceptance) {
+      m.fail("acceptance.file: must be one of " + std::string(kAcceptance) + ", got '" + m.str("acceptance.file") + "'");
     }
   }
 }
@@ -467,6 +492,9 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
     }
   }
   a.catalogs = catalog_forest(tries, device);
+  if (verify && m.root().find("acceptance")) {  // the record itself is read by the Python side only
+    verify_file(dir + "/" + kAcceptance, m.str("acceptance.sha256"));
+  }
 
   // The positions any request can reach (service/runtime/python_runtime.py computes the same).
   const int64_t prompt = m.integer("limits.max_prompt_tokens"), new_tokens = m.integer("limits.max_new_tokens");

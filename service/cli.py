@@ -1,4 +1,4 @@
-"""The `slmrank` command line: build an artifact, run request files through a runtime."""
+"""The `slmrank` command line: build an artifact, run request files through a runtime, serve, evaluate a candidate."""
 
 from __future__ import annotations
 
@@ -70,38 +70,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .artifact.resolve import resolve_artifact
     from .runtime.engine import execute
     from .runtime.factory import make_runtime
-    from .runtime.jsonl import format_result, parse_request
+    from .runtime.jsonl import artifact_labels, format_result, read_request_file
     from .runtime.placement import resolve_placement
-    from .runtime.requests import ExecutionError, RequestError, label_ids_of_texts
+    from .runtime.requests import ExecutionError, RequestError
     from .serving.settings import RUN_SETTINGS, resolve
 
     values = resolve(RUN_SETTINGS, args)
     placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
     artifact = resolve_artifact(values["model"], quiet=args.quiet)
     runtime = make_runtime(placement.runtime, artifact, placement.device, placement.dtype, values["kernels"])
-    # split on "\n" only: U+2028 and friends are legal inside JSON strings
-    text = Path(args.requests).read_text(encoding="utf-8")
-    lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
-    parsed: list = []
-    ids: list = []
-    tokenizers: list = []  # loaded for the first line with label_texts
-
-    def labels_of(texts):
-        if not tokenizers:
-            from .model.tokenizer import load_tokenizer
-            tokenizers.append(load_tokenizer(artifact.tokenizer_dir))
-        return label_ids_of_texts(texts, tokenizers[0].encode_cached, artifact.config, artifact.limits)
-
-    for n, ln in lines:
-        try:
-            req = parse_request(ln, labels_of)
-            parsed.append(req)
-            ids.append(req.id)
-        except RequestError as e:
-            if e.field == "line":  # say which line when there is no id to go by
-                e = RequestError(f"line {n}", str(e).removeprefix("line: "))
-            parsed.append(e)
-            ids.append(getattr(e, "request_id", None))
+    lines = read_request_file(args.requests, artifact_labels(artifact))
+    ids = [rid for rid, _ in lines]
+    parsed: list = [req for _, req in lines]
     runnable = [(i, r) for i, r in enumerate(parsed) if not isinstance(r, RequestError)]
     t0 = time.monotonic()
     results = execute(artifact, runtime, [r for _, r in runnable])
@@ -376,8 +356,17 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
     _add_traffic_parser(sub)
+    from .evaluate.command import add_evaluate_parser  # its flags only: torch loads when `slmrank evaluate` runs
 
-    args = p.parse_args(argv)
+    add_evaluate_parser(sub)
+
+    args, extra = p.parse_known_args(argv)
+    if extra:  # as parse_args would, but in one line where the command's own usage errors are one line
+        message = f"unrecognized arguments: {' '.join(extra)}"
+        if args.cmd == "evaluate":
+            print(f"slmrank evaluate: error: {message} (see --help)", file=sys.stderr)
+            return 2
+        p.error(message)
     from .runtime.requests import BindError
 
     try:

@@ -1,6 +1,6 @@
 """The packages depend one way: kernels / cpp_dag -> service.model -> service.artifact ->
-service.runtime -> service.observe -> service.sched -> service.serving -> service.loadgen -> service.cli, and
-no module imports itself back through others.
+service.runtime -> service.observe -> service.sched -> service.serving -> service.loadgen / service.evaluate ->
+service.cli, and no module imports itself back through others.
 
 Read from the source with `ast`: every import counts, at module level, inside a function, or under
 `if TYPE_CHECKING:` alike (an import moved into a function to dodge a cycle is still an edge).
@@ -29,6 +29,7 @@ LAYERS = {
     "service.sched": 5,
     "service.serving": 6,
     "service.loadgen": 7,  # the load generator (`slmrank bench`): the serving layer's stubs and client
+    "service.evaluate": 7,  # `slmrank evaluate`: a tool over the artifact and the runtimes, beside the load generator
     "service.cli": 8,
 }
 

@@ -6,6 +6,7 @@
   DIR/weights.safetensors
   DIR/tokenizer/...      tokenizer files (and their license notice)
   DIR/catalogs/...       each catalog's trie and item ids (service/artifact/catalog.py), optional
+  DIR/acceptance.json    what `slmrank evaluate` found beside a baseline (service/artifact/acceptance.py), optional
 
 Loading checks the manifest's hash, its format version and schema, every file's hash, and refuses a
 corrupted or mismatched artifact in one ArtifactError,
@@ -15,6 +16,7 @@ or one whose files are not regular files (a link to /dev/zero, a FIFO: a load th
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import acceptance
 from .buckets import BucketTable, default_bucket_table
 from .catalog import Catalog, CatalogError, build_catalog, load_catalog
 from ..model.checkpoint import check_weights, expected_shapes, weight_source
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
-from .manifest import FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest, write_manifest
+from .manifest import (ACCEPTANCE, FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest,
+                       write_manifest)
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
 
@@ -41,7 +45,7 @@ FORMAT_VERSION = 9  # 2: Score request blocks; 3: varlen segment bounds; 4: ever
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
-           "load_artifact", "regular_file_size", "sha256_file"]
+           "load_artifact", "record_acceptance", "regular_file_size", "sha256_file"]
 
 
 def regular_file_size(path: Path) -> int:
@@ -81,6 +85,7 @@ class Artifact:
     tokenizer: dict[str, Any]  # {"kind": ..., "files": {relpath: sha256}}
     manifest: dict[str, Any]
     catalogs: tuple[Catalog, ...] = ()  # a request's catalog index is its place here (the manifest's order)
+    acceptance: dict[str, Any] | None = None  # the acceptance record (acceptance.py), None: none recorded
 
     @property
     def catalog_lengths(self) -> dict[str, int]:
@@ -140,6 +145,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         raise ArtifactError(f"weights: mixed dtypes {dtypes}; pass dtype=float32 or bfloat16")
     weight_dtype = dtypes.pop()
     save_file(weights, str(out / WEIGHTS), metadata={"format": FORMAT})
+    (out / ACCEPTANCE).unlink(missing_ok=True)  # a record of an artifact built here before is not this one's
     del weights
 
     tok_dir = out / "tokenizer"
@@ -205,8 +211,28 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
             _verify_file(path / entry["file"], entry["sha256"])
             _verify_file(path / entry["items_file"], entry["items_sha256"])
     catalogs = tuple(load_catalog(path, entry) for entry in m["catalogs"])
+    record = None
+    if (entry := m.get("acceptance")) is not None:
+        if verify:
+            _verify_file(path / entry["file"], entry["sha256"])
+        record = acceptance.read_record(path / entry["file"])
     return Artifact(path, cfg, limits, buckets, score, beam, DTYPES[m["weights"]["dtype"]], m["tokenizer"], m,
-                    catalogs)
+                    catalogs, record)
+
+
+def record_acceptance(path: str | Path, record: dict[str, Any]) -> str:
+    """Writes an acceptance record into the artifact directory (acceptance.json, replacing one
+    there) and references it from the manifest, whose digest is rewritten with it (write_manifest);
+    returns the manifest's new sha256. The manifest is read and verified first: a record is never
+    added to an artifact that does not load."""
+    path = Path(path)
+    data = acceptance.record_bytes(record)  # ArtifactError for a record the loader would refuse: nothing written
+    m, _ = read_manifest(path, FORMAT_VERSION)
+    tmp = path / (ACCEPTANCE + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path / ACCEPTANCE)
+    m["acceptance"] = acceptance.manifest_entry(record, hashlib.sha256(data).hexdigest())
+    return write_manifest(path, m)
 
 
 def _verify_file(path: Path, digest: str) -> None:

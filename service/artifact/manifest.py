@@ -34,6 +34,7 @@ FORMAT = "slmrank-artifact"
 MANIFEST = "manifest.msgpack"
 MANIFEST_SHA256 = "manifest.sha256"
 WEIGHTS = "weights.safetensors"
+ACCEPTANCE = "acceptance.json"  # the acceptance record (service/artifact/acceptance.py), when there is one
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 KB; more is not a manifest
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # artifact.DTYPES: their torch dtypes
 
@@ -201,6 +202,11 @@ _BUCKET_ORIGIN = record({
                                      "alone": _SHARE, "default_packed": _SHARE}, others=plain())),
 }, optional=frozenset({"log_sha256", "log_requests", "kinds"}), others=plain())
 
+# the acceptance record's reference (service/artifact/acceptance.py; `slmrank evaluate` writes it): the
+# C++ loader checks the same fields (cpp_dag/artifact_loader.cpp kAcceptanceSchema) and the file's sha256
+_ACCEPTANCE = record({"file": text((ACCEPTANCE,)), "sha256": sha256_hex, "passed": boolean,
+                      "baseline_sha256": sha256_hex, "requests_sha256": sha256_hex, "date": text()})
+
 SCHEMA = record({
     "format": text((FORMAT,)),
     "format_version": integer(1),
@@ -221,7 +227,8 @@ SCHEMA = record({
         "num_items": integer(1, MAX_ITEMS), "code_length": integer(1), "version": text(), "layout": text(("csr",)),
         "layout_bytes": array(record({"level": integer(0), "nodes": integer(1, MAX_ITEMS), "edges": integer(0, MAX_ITEMS),
                                       "dense_bytes": integer(0, 1 << 48), "csr_bytes": integer(0, 1 << 48)}))})),
-})
+    "acceptance": _ACCEPTANCE,
+}, optional=frozenset({"acceptance"}))
 
 
 # ---- on disk ---------------------------------------------------------------------------------------

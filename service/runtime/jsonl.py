@@ -15,9 +15,11 @@ Floats are written with Python's shortest round-trip repr, so two runtimes' file
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .requests import Beam, BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
+from .requests import (Beam, BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult,
+                       label_ids_of_texts)
 
 KINDS = ("score", "beam")
 
@@ -84,6 +86,40 @@ def parse_request(line: str, labels_of: Callable[[Sequence[str]], tuple[int, ...
     except RequestError as e:
         e.request_id = rid  # type: ignore[attr-defined]
         raise
+
+
+def artifact_labels(artifact: Any) -> Callable[[Sequence[str]], tuple[int, ...]]:
+    """label texts -> their ids with the artifact's own tokenizer, loaded for the first line that has them."""
+    tokenizers: list[Any] = []
+
+    def labels_of(texts: Sequence[str]) -> tuple[int, ...]:
+        if not tokenizers:
+            from ..model.tokenizer import load_tokenizer
+            tokenizers.append(load_tokenizer(artifact.tokenizer_dir))
+        return label_ids_of_texts(texts, tokenizers[0].encode_cached, artifact.config, artifact.limits)
+
+    return labels_of
+
+
+def read_request_file(path: str | Path, labels_of: Callable[[Sequence[str]], tuple[int, ...]] | None = None
+                      ) -> list[tuple[Any, ScoreRequest | BeamRequest | RequestError]]:
+    """Every non-blank line of a request file, in order: (its id, its request or its RequestError;
+    a line with no id to go by is named by its number, `line 3: invalid JSON ...`)."""
+    # split on "\n" only: U+2028 and friends are legal inside JSON strings
+    text = Path(path).read_text(encoding="utf-8")
+    out: list[tuple[Any, ScoreRequest | BeamRequest | RequestError]] = []
+    for n, ln in enumerate(text.split("\n"), 1):
+        if not ln.strip():
+            continue
+        try:
+            req = parse_request(ln, labels_of)
+            out.append((req.id, req))
+        except RequestError as e:
+            rid = getattr(e, "request_id", None)
+            if e.field == "line":  # say which line when there is no id to go by
+                e = RequestError(f"line {n}", str(e).removeprefix("line: "))
+            out.append((rid, e))
+    return out
 
 
 def _beam(b: Beam) -> dict[str, Any]:

@@ -131,6 +131,7 @@ def info_summary(info: Any) -> str:
              f"max_new_tokens {lim.max_new_tokens}"),
         ("buckets", f"{len(info.score_buckets)} score, {len(info.beam_buckets)} beam"),
         *bucket_origin_rows(info.bucket_origin),
+        *acceptance_rows(info),
         ("server_version", info.server_version),
     ]
     width = max(len(k) for k, _ in rows)
@@ -146,6 +147,22 @@ def bucket_origin_rows(origin: Any) -> list[tuple[str, str]]:
     return [("bucket_table", f"chosen for a traffic log: sha256 {origin.log_sha256[:16]}…, {origin.log_requests} "
                              "requests"),
             ("", f"expected padding (default table's): {pads}")]
+
+
+def acceptance_rows(info: Any) -> list[tuple[str, str]]:
+    """The acceptance recorded in the artifact (`slmrank evaluate`): passed or not, against which
+    baseline and request set, when; the checks that did not hold."""
+    if not info.HasField("acceptance"):
+        return [("acceptance", "none recorded")]
+    a = info.acceptance
+    verdict = "passed" if a.passed else "FAILED"
+    rows = [("acceptance", f"{verdict} {a.date}: against baseline {a.baseline_sha256[:16]}…, {a.requests} requests "
+                           f"(sha256 {a.requests_sha256[:16]}…), {sum(c.measured for c in a.checks)} checks")]
+    for c in a.checks:
+        if not c.passed:
+            sign = "≤" if c.bound == "max" else "≥"
+            rows.append(("", f"exceeded: {c.name} {c.value:.4g} (limit {sign} {c.limit:g})"))
+    return rows
 
 
 def describe_error(e: grpc.RpcError) -> str:

@@ -10,6 +10,7 @@ import dataclasses
 from importlib import metadata
 from typing import Any
 
+from ..artifact.acceptance import value_of
 from ..artifact.artifact import MANIFEST, Artifact, sha256_file
 
 
@@ -41,7 +42,22 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
         server_version=server_version(), bucket_origin=bucket_origin(pb2, artifact.manifest),
         catalogs=[pb2.Catalog(name=c["name"], num_items=c["num_items"], code_length=c["code_length"],
-                              version=c["version"]) for c in artifact.manifest.get("catalogs", [])])
+                              version=c["version"]) for c in artifact.manifest.get("catalogs", [])],
+        acceptance=acceptance(pb2, artifact))
+
+
+def acceptance(pb2: Any, artifact: Artifact) -> Any:
+    """The artifact's acceptance record (service/artifact/acceptance.py), None where it has none."""
+    rec, entry = artifact.acceptance, artifact.manifest.get("acceptance")
+    if rec is None or entry is None:
+        return None
+    checks = [pb2.AcceptanceCheck(name=c["name"], bound=c["bound"], limit=c["limit"], measured=c["value"] is not None,
+                                  value=value_of(c["value"]) or 0.0, passed=c["passed"]) for c in rec["checks"]]
+    counts = rec["requests"]
+    return pb2.Acceptance(passed=rec["passed"], baseline_sha256=rec["baseline"]["sha256"],
+                          requests_sha256=counts["sha256"], date=rec["date"], record_sha256=entry["sha256"],
+                          evaluated_sha256=rec["candidate"]["sha256"],
+                          requests=int(counts.get("score", 0)) + int(counts.get("beam", 0)), checks=checks)
 
 
 def bucket_origin(pb2: Any, manifest: dict[str, Any]) -> Any:

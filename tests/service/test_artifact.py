@@ -252,3 +252,19 @@ def test_a_bad_build_limit_is_one_line_and_exit_2(tmp_path, capsys, flag, value,
     assert cli_main(["build", "--model", "embedded:tiny", "--out", str(tmp_path / "x"), flag, value, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("slmrank build: error:") and all(w in err for w in words), err
+
+
+def test_a_rebuild_into_the_directory_drops_its_acceptance_record(qwen2_tiny, tmp_path):
+    """An acceptance record (`slmrank evaluate`) is of the artifact it measured: a build into the
+    same directory leaves none behind."""
+    from service.artifact.artifact import record_acceptance
+
+    out = build_artifact(str(qwen2_tiny.ckpt), tmp_path / "art", quiet=True)
+    record_acceptance(out, {"format": "slmrank-acceptance", "version": 1, "passed": True, "date": "2025-01-01T00:00:00Z",
+                            "baseline": {"sha256": "a" * 64}, "candidate": {"sha256": "b" * 64},
+                            "requests": {"sha256": "c" * 64}, "tolerances": {},
+                            "checks": [{"name": "answers", "bound": "max", "limit": 0, "value": 0, "passed": True}]})
+    assert load_artifact(out).acceptance is not None and (out / "acceptance.json").exists()
+    build_artifact(str(qwen2_tiny.ckpt), out, quiet=True)
+    assert load_artifact(out).acceptance is None and not (out / "acceptance.json").exists()
+    assert "acceptance" not in _manifest(out)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import shutil
@@ -223,3 +224,94 @@ def test_an_invalid_value_in_any_field_is_refused_in_one_line(art: Path) -> None
         if field[0] in ("model", "limits", "weights"):
             assert cpp is not None and cpp.startswith(f"{art / MANIFEST}: "), (field, value, cpp)
     assert MAX_COUNT == 1 << 20  # cpp_dag/artifact_loader.cpp kMaxCount
+
+
+# ---- the acceptance record (`slmrank evaluate`) -----------------------------------------------------
+
+def _record(**changes: Any) -> dict[str, Any]:
+    rec = {"format": "slmrank-acceptance", "version": 1, "passed": False, "date": "2025-01-02T03:04:05Z",
+           "baseline": {"sha256": "a" * 64, "path": "/x"}, "candidate": {"sha256": "b" * 64},
+           "requests": {"sha256": "c" * 64, "score": 3, "beam": 1}, "tolerances": {"max_abs_logprob": 0.5},
+           "checks": [{"name": "answers", "bound": "max", "limit": 0, "value": 0, "passed": True},
+                      {"name": "max_abs_logprob", "bound": "max", "limit": 0.5, "value": math.inf, "passed": False},
+                      {"name": "min_beam_overlap", "bound": "min", "limit": 0.8, "value": None, "passed": True}]}
+    rec.update(changes)
+    return rec
+
+
+def test_an_acceptance_record_is_covered_by_the_manifest_on_both_loaders(art: Path) -> None:
+    """record_acceptance writes acceptance.json and its sha256 into the manifest (the digest
+    rewritten): both loaders load it, the Python one reads it back (inf as "inf"); every bit flip
+    of the record is refused by both, naming the file."""
+    from service.artifact.artifact import record_acceptance
+
+    digest = record_acceptance(art, _record())
+    assert digest == hashlib.sha256((art / MANIFEST).read_bytes()).hexdigest()
+    assert _refusals(art) == (None, None)
+    loaded = load_artifact(art)
+    entry = loaded.manifest["acceptance"]
+    record_sha256 = hashlib.sha256((art / "acceptance.json").read_bytes()).hexdigest()
+    assert entry == {"file": "acceptance.json", "sha256": record_sha256, "passed": False, "baseline_sha256": "a" * 64,
+                     "requests_sha256": "c" * 64, "date": "2025-01-02T03:04:05Z"}
+    assert loaded.acceptance is not None and loaded.acceptance["checks"][1]["value"] == "inf"
+    data = (art / "acceptance.json").read_bytes()
+    rng = random.Random(29)
+    for _ in range(16):
+        bit = rng.randrange(8 * len(data))
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        (art / "acceptance.json").write_bytes(flipped)
+        python, cpp = _refusals(art)
+        for message in (python, cpp):
+            assert message is not None and f"{art / 'acceptance.json'}: sha256 mismatch" in message, (bit, message)
+    (art / "acceptance.json").unlink()
+    python, cpp = _refusals(art)
+    assert python is not None and "acceptance.json" in python and cpp is not None and "acceptance.json" in cpp
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("acceptance.passed", 1, "acceptance.passed: must be true or false, got 1"),
+    ("acceptance.sha256", "ab", "acceptance.sha256: must be 64 lower-case hex digits, got 'ab'"),
+    ("acceptance.baseline_sha256", DELETE, "acceptance.baseline_sha256: missing"),
+    ("acceptance.requests_sha256", 7, "acceptance.requests_sha256: must be 64 lower-case hex digits, got 7"),
+    ("acceptance.file", "../a.json", "acceptance.file: must be one of acceptance.json, got '../a.json'"),
+    ("acceptance", 7, "acceptance: must be a map, got 7"),
+], ids=lambda v: str(v)[:24])
+def test_an_acceptance_entry_of_the_wrong_type_is_refused_by_both_naming_it(art: Path, field: str, value: Any,
+                                                                            words: str) -> None:
+    from service.artifact.artifact import record_acceptance
+
+    record_acceptance(art, _record())
+    _edit(art, field, value)
+    python, cpp = _refusals(art, verify=False)
+    assert python is not None and python.startswith(f"{art / MANIFEST}: {words}"), python
+    name = words.split(":")[0]
+    assert cpp is not None and (f"{name}: must be" in cpp or f"no {name}" in cpp), cpp
+
+
+def test_the_record_itself_is_checked_by_the_python_loader(art: Path) -> None:
+    """A record whose hash is right but whose content is not one (edited, its sha256 rewritten
+    into the manifest): the Python loader, which reads it, refuses it naming file and field; the
+    C++ one reads only the manifest's entry. An unknown entry field: the Python schema's refusal."""
+    from service.artifact.acceptance import ArtifactError as AcceptanceError, record_bytes
+    from service.artifact.artifact import record_acceptance
+
+    record_acceptance(art, _record())
+    bad = _record(checks=[{"name": "answers", "bound": "between", "limit": 0, "value": 0, "passed": True}])
+    raw = json.dumps(bad).encode()
+    (art / "acceptance.json").write_bytes(raw)
+    _edit(art, "acceptance.sha256", hashlib.sha256(raw).hexdigest())
+    python, cpp = _refusals(art)
+    assert python == f"{art / 'acceptance.json'}: checks[0].bound: must be one of max, min, got 'between'", python
+    assert cpp is None
+    record_acceptance(art, _record())
+    # nothing is written that the loader would refuse
+    before = (art / MANIFEST).read_bytes(), (art / "acceptance.json").read_bytes()
+    with pytest.raises(AcceptanceError, match=r"acceptance.json: checks: must be an array of 1 to"):
+        record_bytes(_record(checks=[]))
+    with pytest.raises(AcceptanceError, match=r"acceptance.json: checks\[0\].value: must be a finite number"):
+        record_acceptance(art, _record(checks=[{"name": "a", "bound": "max", "limit": 0, "value": "x",
+                                                "passed": True}]))
+    assert ((art / MANIFEST).read_bytes(), (art / "acceptance.json").read_bytes()) == before
+    _edit(art, "acceptance.extra", 1)
+    assert _refusals(art) == (f"{art / MANIFEST}: acceptance.extra: unknown field", None)

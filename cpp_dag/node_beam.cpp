@@ -85,13 +85,25 @@ at::Tensor to_rows(const at::Tensor& rect, const at::Tensor& slot, const at::Sca
   return at::constant_pad_nd(rect.reshape({-1}), {0, 1}, pad).index_select(0, slot);
 }
 
+// kernels/beam_topk.py::top_keys: the num_beams largest of each row of unique keys [R, n], largest
+// first, in rounds over chunks of kMergeGroup x num_beams keys (the same ops).
+constexpr int64_t kMergeGroup = 8;
+
+at::Tensor top_keys(at::Tensor keys, int64_t num_beams) {
+  const int64_t r = keys.size(0), chunk = kMergeGroup * num_beams;
+  while (keys.size(1) >= 2 * chunk && keys.size(1) % chunk == 0) {
+    keys = std::get<0>(keys.reshape({-1, chunk}).topk(num_beams, -1)).reshape({r, -1});
+  }
+  return std::get<0>(keys.topk(num_beams, -1));
+}
+
 // kernels/beam_topk.py::merge_candidates + decode_keys: keys [R x P, K] -> the B best of each
 // request's P x K (scores [R, B] float32, parents, tokens [R, B] int64). Exact integer ops on
 // unique keys: no ties, no rounding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor& keys, int64_t num_requests,
                                                                 int64_t num_beams, int64_t vocab) {
   at::Tensor per_request = keys.view({num_requests, -1});
-  if (per_request.size(1) != num_beams) per_request = std::get<0>(per_request.topk(num_beams, -1));
+  if (per_request.size(1) != num_beams) per_request = top_keys(per_request, num_beams);
   at::Tensor ordered = per_request.bitwise_right_shift(32);  // the score's ordered bits
   at::Tensor flat = ordered.bitwise_left_shift(32).add(int64_t{0xFFFFFFFF}).sub(per_request);
   at::Tensor scores =

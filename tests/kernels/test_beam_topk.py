@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.beam_topk import allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes
+from kernels.beam_topk import (MERGE_GROUP, allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes,
+                               top_keys)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,6 +172,18 @@ def test_more_buffered_tokens_than_the_short_sort_takes_are_all_sorted(device: s
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert (got[0] - want[0]).abs().max().item() <= 1e-5
     assert set(got[2].flatten().tolist()) <= set(group.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("r,n,b", [(8, 128 * 128, 128), (2, 400 * 400, 400), (3, 4 * 4, 4), (1, 96 * 96, 96),
+                                   (2, 3 * 16 * MERGE_GROUP * 5, 5)])  # rounds: 2, 1, 0, 1, 1 (+ a final)
+def test_top_keys_in_rounds_is_topk(device: str, r: int, n: int, b: int) -> None:
+    """The merge's chunked rounds return exactly torch's top-k of the unique keys, in its order."""
+    g = torch.Generator().manual_seed(n + b)
+    keys = torch.randperm(r * n, generator=g).mul((1 << 24) + 7).sub(1 << 40).view(r, n).to(device)  # unique
+    assert torch.equal(top_keys(keys, b), keys.topk(b, dim=-1).values)
+    keys[:, -1] = keys.max() + 1  # a row's best in its last chunk
+    assert torch.equal(top_keys(keys, b)[:, 0], keys[:, -1])
 
 
 def test_bad_arguments_are_refused() -> None:

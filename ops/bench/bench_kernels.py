@@ -878,12 +878,32 @@ def _gemm_chain(model: str, m: int, shapes: dict[str, Any], weights: dict[str, t
             "triton_ms_per_layer": fused, "layers": layers, "configs": {k: vars(c) for k, c in cfg.items()}}
 
 
+def bench_beam_merge() -> list[dict[str, Any]]:
+    """The beam step's merge (top-B of each request's B x B unique keys, kernels/beam_topk.py):
+    one torch top-k slice a request against top_keys' rounds over chunks of MERGE_GROUP x B keys,
+    at the bookkeeping shapes of the default buckets (R requests x B ranks), checked equal first."""
+    from kernels.beam_topk import top_keys
+
+    results = []
+    for r, b in [(8, 128), (8, 96), (8, 48), (2, 400), (3, 400), (8, 400)]:
+        keys = torch.randperm(r * b * b, device="cuda").mul((1 << 24) + 7).sub(1 << 40).view(r, b * b)
+        if not torch.equal(top_keys(keys, b), keys.topk(b, dim=-1).values):
+            raise AssertionError(f"beam_merge R={r} B={b}: top_keys is not topk")
+        one = graph_time_ms(lambda: keys.topk(b, dim=-1).values)
+        rounds = graph_time_ms(lambda: top_keys(keys, b))
+        print(f"beam_merge R={r} B={b:3d}: one top-k {one * 1e3:7.1f} us   rounds {rounds * 1e3:7.1f} us "
+              f"({one / rounds:4.2f}x)", flush=True)
+        results.append({"bench": "beam_merge", "requests": r, "beams": b, "topk_ms": one, "rounds_ms": rounds})
+    return results
+
+
 BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "decode_attention": bench_decode_attention,
     "prefill_attention": bench_prefill_attention,
     "layer_kernels": bench_layer_kernels,
     "beam_step": bench_beam_step,
     "gemm": bench_gemm,
+    "beam_merge": bench_beam_merge,
 }
 
 

@@ -86,12 +86,14 @@ at::Tensor to_rows(const at::Tensor& rect, const at::Tensor& slot, const at::Sca
 }
 
 // kernels/beam_topk.py::top_keys: the num_beams largest of each row of unique keys [R, n], largest
-// first, in rounds over chunks of kMergeGroup x num_beams keys (the same ops).
+// first; for widths 96-128 (MERGE_ROUNDS_WIDTHS: where it measured faster) in rounds over chunks of
+// kMergeGroup x num_beams keys (the same ops).
 constexpr int64_t kMergeGroup = 8;
 
 at::Tensor top_keys(at::Tensor keys, int64_t num_beams) {
   const int64_t r = keys.size(0), chunk = kMergeGroup * num_beams;
-  while (keys.size(1) >= 2 * chunk && keys.size(1) % chunk == 0) {
+  const bool rounds = num_beams >= 96 && num_beams <= 128;
+  while (rounds && keys.size(1) >= 2 * chunk && keys.size(1) % chunk == 0) {
     keys = std::get<0>(keys.reshape({-1, chunk}).topk(num_beams, -1)).reshape({r, -1});
   }
   return std::get<0>(keys.topk(num_beams, -1));

@@ -366,19 +366,23 @@ def decode_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Ten
     return scores, parents, flat - parents * vocab
 
 
-# Parents a chunk of the merge's first rounds: top-B of every MERGE_GROUP x B keys, then of the
-# winners. torch's top-k runs a slice per thread block, so one slice of B x B keys a request (8
-# requests of 128: 8 blocks over 16,384 keys each) took 145 us a call on the H200 (2026-12-04,
-# 4 calls a W2 batch); 128 slices of 1,024 keys spread over the SMs.
+# The merge in rounds: top-B of every MERGE_GROUP x B keys, then of the winners. torch's top-k
+# runs a slice per thread block, so one slice of B x B keys a request is slow at W2's width: on the
+# H200 (2026-12-04, `bench_kernels --only beam_merge`, 8 requests) 113.6 us at B = 128 against
+# 76.9 in rounds, 76.6 against 56.2 at B = 96; but 36.7 against 39.7 at B = 48, and 125-139
+# against 154-224 at B = 400 (torch's multi-block top-k for large slices wins there): rounds only
+# for widths in MERGE_ROUNDS_WIDTHS.
 MERGE_GROUP = 8
+MERGE_ROUNDS_WIDTHS = range(96, 129)
 
 
 def top_keys(keys: torch.Tensor, num_beams: int) -> torch.Tensor:
     """keys [R, n] unique -> the num_beams largest of each row, largest first: exactly
-    keys.topk(num_beams).values, in rounds over chunks of MERGE_GROUP x num_beams keys while a
-    round leaves under half of them (the top B of a union are among each part's top B)."""
+    keys.topk(num_beams).values; for widths in MERGE_ROUNDS_WIDTHS in rounds over chunks of
+    MERGE_GROUP x num_beams keys while a round leaves under half of them (the top B of a union
+    are among each part's top B)."""
     r, chunk = keys.shape[0], MERGE_GROUP * num_beams
-    while keys.shape[1] >= 2 * chunk and keys.shape[1] % chunk == 0:
+    while num_beams in MERGE_ROUNDS_WIDTHS and keys.shape[1] >= 2 * chunk and keys.shape[1] % chunk == 0:
         keys = keys.reshape(-1, chunk).topk(num_beams, dim=-1).values.reshape(r, -1)
     return keys.topk(num_beams, dim=-1).values
 

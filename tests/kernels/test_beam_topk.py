@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.beam_topk import (MERGE_GROUP, allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes,
+from kernels.beam_topk import (MERGE_GROUP, MERGE_ROUNDS_WIDTHS, allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes,
                                top_keys)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -176,9 +176,11 @@ def test_more_buffered_tokens_than_the_short_sort_takes_are_all_sorted(device: s
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("r,n,b", [(8, 128 * 128, 128), (2, 400 * 400, 400), (3, 4 * 4, 4), (1, 96 * 96, 96),
-                                   (2, 3 * 16 * MERGE_GROUP * 5, 5)])  # rounds: 2, 1, 0, 1, 1 (+ a final)
+                                   (2, 3 * 16 * MERGE_GROUP * 100, 100), (8, 127 * 127, 127)])
 def test_top_keys_in_rounds_is_topk(device: str, r: int, n: int, b: int) -> None:
-    """The merge's chunked rounds return exactly torch's top-k of the unique keys, in its order."""
+    """The merge (in rounds at widths 96-128: 2, 0, 0, 1, 2 of them, then 0 for 127 x 127 keys, no
+    multiple of a chunk) returns exactly torch's top-k of the unique keys, in its order."""
+    assert (MERGE_ROUNDS_WIDTHS.start, MERGE_ROUNDS_WIDTHS.stop) == (96, 129), "cpp_dag/node_beam.cpp has 96-128"
     g = torch.Generator().manual_seed(n + b)
     keys = torch.randperm(r * n, generator=g).mul((1 << 24) + 7).sub(1 << 40).view(r, n).to(device)  # unique
     assert torch.equal(top_keys(keys, b), keys.topk(b, dim=-1).values)

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..model.config import ConfigError, ServingLimits
+from ..model.config import ConfigError, ModelConfig, ServingLimits
 
 
 @dataclass(frozen=True, order=True)
@@ -308,6 +308,44 @@ def beam_buckets(limits: ServingLimits, max_rows: int = 1600, max_requests: int 
             out.update(BeamBucket(n, requests, p, width, rows) for n in range(1, limits.max_new_tokens + 1)
                        for p in prompts)
     return sorted(out)
+
+
+def _row_values(cfg: ModelConfig) -> int:
+    """The live values of one token row in a layer: 2·hidden + 2·q + 2·kv + 3·intermediate."""
+    return 2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+
+
+def activation_bytes(bucket: Bucket, cfg: ModelConfig, elem: int = 2, dense_attention: bool = False) -> int:
+    """The activation memory of a batch of this bucket with elem-byte activations (2: bfloat16, on a
+    GPU; 4: float32), the operator's formula of `slmrank build --max-activation-mib`: a Score
+    bucket of T tokens and S samples elem·T·A + (elem + 4)·S·V; a BeamSearch bucket of N packed
+    rows, P prompt tokens and n new tokens elem·P·(A + 2·L·kv) + N·(elem·A + (elem + 4)·V +
+    2·elem·L·n·kv), with A the live values of a token row in a layer (_row_values), L layers, kv
+    = kv heads x head dim, V the vocabulary (or a classification head's labels).
+
+    dense_attention: the ATen path (the CPU's). Its attention holds float32 scores and
+    probabilities for every query row against every key of the batch, with a boolean mask or two
+    of the same size: 4 x 4·H·Q·K + 4·Q·K bytes (H heads) for Q x K = T x T (Score), P x P (the
+    prompts) and N x P (a decode step); its beam step keeps four float32 copies of a row's
+    V logits (logits, log-softmax, plus the beam score, padded: 16·V bytes a row) and one per rank
+    of the R x B bookkeeping (gathered per request: 4·V), and its Score head three (12·V a sample). On the CPU a Score batch of 8,192 tokens of embedded:tiny
+    (4 heads) grew the peak RSS by 3.3 GiB (Python runtime) and 4.3 GiB (C++) where the rest of
+    the formula says 0.35: tests/service/test_batch_memory.py measures it."""
+    a = _row_values(cfg)
+    head = cfg.num_labels if cfg.has_cls_head else cfg.vocab_size
+
+    def dense(q: int, k: int) -> int:
+        return (16 * cfg.num_heads + 4) * q * k if dense_attention else 0
+
+    if isinstance(bucket, ScoreBucket):
+        per_sample = 12 if dense_attention else elem + 4
+        return elem * bucket.max_tokens * a + bucket.max_samples * head * per_sample + dense(bucket.max_tokens,
+                                                                                           bucket.max_tokens)
+    p, n = bucket.max_prompt_tokens, bucket.max_rows
+    per_row = 16 if dense_attention else elem + 4
+    ranks = 4 * head * bucket.max_requests * bucket.beam_width if dense_attention else 0
+    step = elem * a + head * per_row + 2 * cfg.num_layers * bucket.new_tokens * cfg.kv_size * elem
+    return elem * p * (a + 2 * cfg.num_layers * cfg.kv_size) + n * step + ranks + max(dense(p, p), dense(n, p))
 
 
 def default_bucket_table(limits: ServingLimits, max_batch_tokens: int = 8192,

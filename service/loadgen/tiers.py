@@ -52,6 +52,7 @@ import numpy as np
 
 from ..artifact.buckets import (BeamBucket, Bucket, BucketTable, Fill, ScoreBucket, default_bucket_table, kind_of,
                                 pick_order)
+from ..artifact.buckets import activation_bytes as bucket_activation_bytes
 from ..model.config import ModelConfig, ServingLimits
 from ..model.progress import Progress
 from ..runtime.batch import dims, kind as request_kind
@@ -79,15 +80,6 @@ def _round_up(n: int, to: int) -> int:
     return max(to, -(-n // to) * to)
 
 
-def _row_bytes(cfg: ModelConfig) -> int:
-    """A, above: the live values of one token row in a layer."""
-    return 2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
-
-
-def _head_width(cfg: ModelConfig) -> int:
-    return cfg.num_labels if cfg.has_cls_head else cfg.vocab_size
-
-
 # ---- per kind: the only code that knows a bucket's fields ----------------------------------------
 
 def _quantiles(values: np.ndarray, to: int, qs: Sequence[int] = SIDE_QUANTILES) -> set[int]:
@@ -104,7 +96,7 @@ class ScoreTiers:
     limits: ServingLimits
 
     def activation_bytes(self, b: ScoreBucket) -> int:
-        return ACT_BYTES * b.max_tokens * _row_bytes(self.cfg) + b.max_samples * _head_width(self.cfg) * (ACT_BYTES + 4)
+        return bucket_activation_bytes(b, self.cfg, ACT_BYTES)
 
     def largest_request(self, kind: str) -> ScoreRequest:
         n = self.limits.max_samples
@@ -144,9 +136,7 @@ class BeamTiers:
     limits: ServingLimits
 
     def activation_bytes(self, b: BeamBucket) -> int:
-        c, e = self.cfg, ACT_BYTES
-        step = e * _row_bytes(c) + _head_width(c) * (e + 4) + 2 * c.num_layers * b.new_tokens * c.kv_size * e
-        return e * b.max_prompt_tokens * (_row_bytes(c) + 2 * c.num_layers * c.kv_size) + b.max_rows * step
+        return bucket_activation_bytes(b, self.cfg, ACT_BYTES)
 
     def largest_request(self, kind: str) -> BeamRequest:
         return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, int(kind.split(".n")[1]))

@@ -11,6 +11,8 @@ has waited `max_wait_s` (under load, up to `load_wait_share` of its first reques
 most `load_wait_max_s`, counted from when the batch could first have gone: see
 Scheduler._release_s). Requests are never split. No batch grows into a bucket that may run longer
 than `max_batch_s` on this machine (ServiceTimeModel.bound_s; the server's: half its SIGTERM grace),
+or whose activations (buckets.activation_bytes) exceed `max_batch_bytes` (the server's, on a CPU: a
+share of the memory the host has left, service/sched/memory.py),
 and while draining none starts that is expected to end after the drain's timeout: its requests are
 answered "draining" at once.
 
@@ -46,7 +48,7 @@ from .admission import (GROWTH_TOLERANCE, AdmissionConfig, AdmissionController, 
 from .cost import CostTable, RequestCost, request_kind
 from ..artifact.artifact import Artifact
 from ..runtime.batch import BeamBatch, ScoreBatch, dims, pack_beam, pack_score, pick_bucket, unpack_beam, unpack_score
-from ..artifact.buckets import Fill
+from ..artifact.buckets import Fill, activation_bytes
 from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 from ..runtime.timings import BatchTimings, NodeTimer
@@ -343,11 +345,17 @@ class Scheduler:
 
     def __init__(self, artifact: Artifact, runtime: Any, admission: AdmissionConfig | None = None,
                  batcher: BatcherConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_batch_s: float = math.inf) -> None:
+                 max_batch_s: float = math.inf, max_batch_bytes: float = math.inf) -> None:
         """max_batch_s: no batch grows into a bucket whose time on this machine may be longer
-        (ServiceTimeModel.bound_s; the server's: a share of its SIGTERM grace)."""
+        (ServiceTimeModel.bound_s; the server's: a share of its SIGTERM grace). max_batch_bytes: nor
+        into one whose activations in the runtime's dtype may take more (a request alone still runs
+        in its own smallest bucket)."""
         self.artifact, self.runtime, self.clock = artifact, runtime, clock
         self.max_batch_s = max_batch_s
+        self.max_batch_bytes = max_batch_bytes
+        self._act_elem = getattr(getattr(runtime, "dtype", None), "itemsize", 4)
+        # the ATen path's dense attention (what a CPU runs) holds scores for every pair of rows
+        self._dense = getattr(runtime, "kernels", "aten") == "aten"
         self._drain_end_s = math.inf  # drain(timeout_s): no batch starts that may end after it
         self.config = batcher or BatcherConfig()
         admission = admission or AdmissionConfig()
@@ -581,7 +589,8 @@ class Scheduler:
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
-                        or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)):
+                        or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)
+                        or self._outgrows_memory(bucket)):
                     is_full = True
                     misses += 1
                     continue
@@ -657,6 +666,11 @@ class Scheduler:
             return False
         bound_s = self.model.bound_s(self.costs.info(bucket), now)
         return bound_s is not None and bound_s > self.max_batch_s
+
+    def _outgrows_memory(self, bucket: Any) -> bool:
+        return (not math.isinf(self.max_batch_bytes)
+                and activation_bytes(bucket, self.artifact.config, self._act_elem, dense_attention=self._dense)
+                > self.max_batch_bytes)
 
     def _solo_s(self, ticket: Ticket, now: float) -> float:
         """A request's batch time alone (its smallest bucket)."""

@@ -42,6 +42,7 @@ from ..sched.verdict import lane_of
 from ..artifact.artifact import Artifact
 from ..artifact.resolve import resolve_artifact
 from ..sched.batcher import BatcherConfig, DeadlineExpired, Scheduler
+from ..sched.memory import available_memory_bytes
 from .grpc_codec import Codec
 from ..observe.metrics import MetricsServer, ServerMetrics
 from .proto_gen import load as load_stubs
@@ -147,6 +148,18 @@ def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: s
 # no batch may run longer than this share of the SIGTERM grace: one running when the drain begins
 # leaves the rest of the grace to the requests queued behind it (issue 32, point 6)
 BATCH_GRACE_SHARE = 0.5
+# on a CPU, the batches in flight together may take this share of the memory the host has left once
+# the model is loaded (service/sched/memory.py); on a GPU the graphs' memory is taken at capture
+BATCH_MEMORY_SHARE = 0.5
+
+
+def batch_memory_bytes(runtime: Any, batcher: BatcherConfig | None) -> float:
+    """The activation bytes one batch may take: inf on a GPU; on a CPU, BATCH_MEMORY_SHARE of what
+    the host has left, shared by the batches that may run at once."""
+    if getattr(getattr(runtime, "device", None), "type", "cpu") != "cpu":
+        return math.inf
+    inflight = (batcher or BatcherConfig()).max_inflight
+    return BATCH_MEMORY_SHARE * available_memory_bytes() / max(inflight, 1)
 DRAIN_LULL_S = 1.0  # shutdown closes the listener once no Ranker RPC has arrived for this long (or at the grace);
 # an idle server (nothing for this long already) stops at once; longer than a loaded client's pauses
 
@@ -424,7 +437,8 @@ class RankerServer:
         t0 = time.monotonic()
         self.model = await _in_daemon_thread(self.loader)
         scheduler = Scheduler(self.model.artifact, self.model.runtime, self.config.admission, self.config.batcher,
-                              max_batch_s=BATCH_GRACE_SHARE * self.config.grace_s)
+                              max_batch_s=BATCH_GRACE_SHARE * self.config.grace_s,
+                              max_batch_bytes=batch_memory_bytes(self.model.runtime, self.config.batcher))
         await scheduler.start()
         if self.metrics is not None:
             self.metrics.stats_source = scheduler.stats if self.fronts is None else (

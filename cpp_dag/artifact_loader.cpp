@@ -18,7 +18,9 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include "msgpack_reader.h"
@@ -241,8 +243,32 @@ void check_rules(const Manifest& m, const FieldRule (&rules)[N]) {
   }
 }
 
+// weights.fp8 (service/artifact/manifest.py _fp8_parts): the e4m3 linear layers, distinct parts of these.
+const char* const kFp8Parts[] = {"mlp", "attn", "head"};  // service/model/checkpoint.py FP8_PARTS
+
+std::vector<std::string> fp8_parts(const Manifest& m) {
+  const Value& v = m.get("weights.fp8");
+  if (v.type() != Value::Type::kArray || v.as_array().size() > std::size(kFp8Parts)) {
+    m.fail("weights.fp8: must be an array of 0 to " + std::to_string(std::size(kFp8Parts)) + " items, got " + shown(&v));
+  }
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < v.as_array().size(); ++i) {
+    const Value& p = v.as_array()[i];
+    const std::string field = "weights.fp8[" + std::to_string(i) + "]";
+    const bool known = p.type() == Value::Type::kStr &&
+                       std::any_of(std::begin(kFp8Parts), std::end(kFp8Parts), [&](const char* k) { return p.as_str() == k; });
+    if (!known) m.fail(field + ": must be one of mlp, attn, head, got " + shown(&p));
+    if (std::find(parts.begin(), parts.end(), p.as_str()) != parts.end()) {
+      m.fail("weights.fp8: must be distinct parts of mlp, attn, head, got '" + p.as_str() + "' twice");
+    }
+    parts.push_back(p.as_str());
+  }
+  return parts;
+}
+
 void check_schema(const Manifest& m) {
   check_rules(m, kSchema);
+  fp8_parts(m);
   const Value* acceptance = m.root().find("acceptance");  // optional: an artifact `slmrank evaluate` recorded
   if (acceptance) {
     if (acceptance->type() != Value::Type::kMap) m.fail("acceptance: must be a map, got " + shown(acceptance));
@@ -346,8 +372,25 @@ std::vector<NodeSpec> dag(const Manifest& m, const std::string& which) {
   return nodes;
 }
 
+bool has_part(const std::vector<std::string>& fp8, const char* part) {
+  return std::find(fp8.begin(), fp8.end(), part) != fp8.end();
+}
+
+// service/model/checkpoint.py::fp8_weight_names: the weights stored as e4m3, each with NAME.scale.
+std::vector<std::string> fp8_weight_names(const ModelConfig& c, const std::vector<std::string>& fp8) {
+  std::vector<std::string> names;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    if (has_part(fp8, "attn")) names.insert(names.end(), {p + "wqkv", p + "wo"});
+    if (has_part(fp8, "mlp")) names.insert(names.end(), {p + "wgu", p + "wdown"});
+  }
+  if (has_part(fp8, "head")) names.push_back(c.num_labels > 0 ? "cls_head" : "lm_head");
+  return names;
+}
+
 // service/model/checkpoint.py::expected_shapes.
-std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c, bool tied, bool bias) {
+std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c, bool tied, bool bias,
+                                                            const std::vector<std::string>& fp8) {
   const int64_t d = c.hidden_size, f = c.intermediate_size, qkv = c.q_size() + 2 * c.kv_size();
   std::map<std::string, std::vector<int64_t>> shapes = {{"embed", {c.vocab_size, d}}, {"final_norm", {d}}};
   if (c.num_labels > 0) {
@@ -369,11 +412,15 @@ std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c
     shapes[p + "wgu"] = {2 * f, d};
     shapes[p + "wdown"] = {d, f};
   }
+  for (const std::string& name : fp8_weight_names(c, fp8)) {
+    if (name == "lm_head") shapes[name] = {c.vocab_size, d};  // an fp8 head of tied embeddings: its own table
+    shapes[name + ".scale"] = {shapes[name][0]};
+  }
   return shapes;
 }
 
 void check_weights(const std::string& path, const WeightMap& weights,
-                   const std::map<std::string, std::vector<int64_t>>& want) {
+                   const std::map<std::string, std::vector<int64_t>>& want, const std::set<std::string>& quantized) {
   std::vector<std::string> missing, extra;
   for (const auto& [name, shape] : want) {
     if (!weights.count(name)) missing.push_back(name);
@@ -395,6 +442,17 @@ void check_weights(const std::string& path, const WeightMap& weights,
     if (weights.at(name).sizes().vec() != shape) {
       throw std::invalid_argument(path + ": weight " + name + ": shape " + c10::str(weights.at(name).sizes()) +
                                   " != expected " + c10::str(at::IntArrayRef(shape)));
+    }
+  }
+  // service/model/checkpoint.py::check_weights: the fp8 policy's weights e4m3 with float32 scales, no other fp8
+  for (const auto& [name, t] : weights) {
+    if ((t.scalar_type() == at::kFloat8_e4m3fn) != (quantized.count(name) > 0)) {
+      throw std::invalid_argument(path + ": weight " + name + ": dtype " + c10::toString(t.scalar_type()) +
+                                  " does not match the manifest's fp8 policy (weights.fp8)");
+    }
+    if (name.size() > 6 && name.compare(name.size() - 6, 6, ".scale") == 0 && t.scalar_type() != at::kFloat) {
+      throw std::invalid_argument(path + ": weight " + name + ": an fp8 scale must be float32, got " +
+                                  c10::toString(t.scalar_type()));
     }
   }
 }
@@ -460,13 +518,19 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
     m.fail(std::string("weights.") + e.what());
   }
   regular_size(weights_path);  // a device or FIFO here would never finish loading
+  a.fp8 = fp8_parts(m);
+  const std::vector<std::string> quantized_names = fp8_weight_names(a.cfg, a.fp8);
+  const std::set<std::string> quantized(quantized_names.begin(), quantized_names.end());
+  std::set<std::string> keep = quantized;  // the e4m3 weights and their float32 scales are not cast to dtype
+  for (const std::string& name : quantized_names) keep.insert(name + ".scale");
   try {
-    for (auto& [name, t] : read_safetensors(weights_path, device, a.dtype).tensors) a.weights[name] = std::move(t);
+    for (auto& [name, t] : read_safetensors(weights_path, device, a.dtype, keep).tensors) a.weights[name] = std::move(t);
   } catch (const std::runtime_error& e) {
     throw std::invalid_argument(e.what());  // already names the file
   }
   check_weights(weights_path, a.weights,
-                expected_shapes(a.cfg, m.boolean("model.tie_word_embeddings"), m.boolean("model.attention_bias")));
+                expected_shapes(a.cfg, m.boolean("model.tie_word_embeddings"), m.boolean("model.attention_bias"), a.fp8),
+                quantized);
 
   std::vector<CatalogTrie> tries;
   const Value& catalogs = m.get("catalogs");

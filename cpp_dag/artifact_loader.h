@@ -20,14 +20,15 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 9;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 10;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;
   ModelConfig cfg;
   at::Scalar rope_theta;  // as the manifest stores it (int or float), as Python would use it
   at::ScalarType dtype = at::kFloat;  // the compute dtype: the requested one, else the weights'
-  WeightMap weights;                   // on the device, in dtype
+  WeightMap weights;                   // on the device, in dtype (fp8 weights e4m3, their NAME.scale float32)
+  std::vector<std::string> fp8;        // weights.fp8: the e4m3 linear layers (mlp, attn, head), in order
   int64_t num_positions = 0;           // rows of the RoPE tables
   at::Tensor rope_cos, rope_sin;       // [num_positions, head_dim] in dtype
   std::vector<NodeSpec> score_dag, beam_dag;

@@ -38,6 +38,8 @@ using WeightMap = std::unordered_map<std::string, at::Tensor>;
 
 struct LayerWeights {
   at::Tensor attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // bqkv/q_norm/k_norm may be undefined
+  // the e4m3 weights' per-output-channel float32 scales (`slmrank build --fp8`); undefined: not fp8
+  at::Tensor wqkv_scale, wo_scale, wgu_scale, wdown_scale;
 };
 
 // Everything a node reads besides the Env: immutable after construction.

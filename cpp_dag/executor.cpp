@@ -52,6 +52,10 @@ LayerWeights layer_weights(const Context& ctx, int64_t i) {
   w.mlp_norm = ctx.weight(p + "mlp_norm");
   w.wgu = ctx.weight(p + "wgu");
   w.wdown = ctx.weight(p + "wdown");
+  w.wqkv_scale = optional("wqkv.scale");
+  w.wo_scale = optional("wo.scale");
+  w.wgu_scale = optional("wgu.scale");
+  w.wdown_scale = optional("wdown.scale");
   if (ctx.cfg.qk_norm && !(w.q_norm.defined() && w.k_norm.defined())) {
     throw std::invalid_argument("layer " + std::to_string(i) + ": qwen3 needs q_norm and k_norm weights");
   }

@@ -2,6 +2,10 @@
 #include "layer_ops.h"
 
 #include <ATen/ops/_flash_attention_forward.h>
+#include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
@@ -48,6 +52,34 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight.mul(xf.to(x.scalar_type()));
 }
 
+constexpr double kE4m3Max = 448.0;  // kernels/fp8_linear.py E4M3_MAX
+
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& t) {
+  at::Tensor tf = t.to(at::kFloat);
+  at::Tensor amax = tf.abs().amax({-1}, /*keepdim=*/true);  // [M, 1]
+  at::Tensor scale = at::where(amax.gt(0), amax.div(kE4m3Max), at::ones_like(amax));
+  at::Tensor q = tf.div(scale).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
+  return {q, scale.squeeze(-1)};
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale, const at::Tensor& bias) {
+  auto [a_q, s_a] = quantize_rows(x);
+  // kernels/fp8_linear.py::uses_scaled_mm: CUDA, bfloat16 activations, K and N multiples of 16 (untested on a GPU)
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.size(-1) % 16 == 0 && w_q.size(0) % 16 == 0) {
+    at::Tensor y = at::_scaled_mm(a_q, w_q.t(), s_a.unsqueeze(1), w_scale.unsqueeze(0), c10::nullopt, c10::nullopt,
+                                  at::kBFloat16);
+    return bias.defined() ? y.add(bias) : y;
+  }
+  at::Tensor y = at::mm(a_q.to(at::kFloat), w_q.to(at::kFloat).t()).mul(s_a.unsqueeze(1)).mul(w_scale.unsqueeze(0));
+  if (bias.defined()) y = y.add(bias.to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& scale) {
+  if (!scale.defined()) return at::linear(x, w, opt(bias));
+  return fp8_linear(x, w, scale, bias);
+}
+
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
@@ -72,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig&
                                                               const at::Tensor& k_out, const at::Tensor& v_out) {
   const int64_t n = h.size(0);
   const double eps = cfg.rms_norm_eps;
-  at::Tensor qkv = at::linear(h, w.wqkv, opt(w.bqkv));  // the bias rides in the GEMM's epilogue: one rounding
+  at::Tensor qkv = linear(h, w.wqkv, w.bqkv, w.wqkv_scale);  // the bias rides in the GEMM's epilogue: one rounding
   if (fused) {
     const bool norm = cfg.qk_norm;
     return fused->qkv_rope(qkv, positions, pos_offset, rope_cos, rope_sin, cfg.num_heads, cfg.num_kv_heads,
@@ -99,15 +131,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig&
 std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w,
                                                            const at::Tensor& x, const at::Tensor& attn,
                                                            const TritonKernels* fused) {
-  at::Tensor o = at::linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo);
+  at::Tensor o = linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo, at::Tensor(), w.wo_scale);
   if (fused) {  // residual add + norm in one kernel, then SiLU(gate)*up in one
     auto [h, y] = fused->rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps);
-    return {y, at::linear(fused->silu_mul(at::linear(h, w.wgu)), w.wdown)};
+    return {y, linear(fused->silu_mul(linear(h, w.wgu, at::Tensor(), w.wgu_scale)), w.wdown, at::Tensor(),
+                      w.wdown_scale)};
   }
   at::Tensor y = x.add(o);
   at::Tensor h = rms_norm(y, w.mlp_norm, cfg.rms_norm_eps);
-  auto gate_up = at::linear(h, w.wgu).chunk(2, -1);
-  return {y, at::linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown)};
+  auto gate_up = linear(h, w.wgu, at::Tensor(), w.wgu_scale).chunk(2, -1);
+  return {y, linear(at::silu(gate_up[0]).mul(gate_up[1]), w.wdown, at::Tensor(), w.wdown_scale)};
 }
 
 std::tuple<at::Tensor, at::Tensor> masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -13,6 +13,20 @@ namespace slmrank {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// t [M, K] -> (e4m3 [M, K], float32 scale [M]): per row scale = amax / 448 (a zero row: 1), the
+// quotient clamped to +-448. kernels/fp8_linear.py::quantize_rows, op for op.
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& t);
+
+// x [M, K] @ the e4m3 weight w_q [N, K] with per-output-channel scales w_scale [N] (float32), + bias
+// -> [M, N] in x's dtype; the activations quantized per row here. The float32 emulation, or on CUDA
+// in bfloat16 at::_scaled_mm (untested on a GPU). kernels/fp8_linear.py::fp8_linear, op for op.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale, const at::Tensor& bias);
+
+// Every GEMM of the model: at::linear, or fp8_linear when `scale` is defined (an e4m3 weight).
+// service/model/layers.py::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = at::Tensor(),
+                  const at::Tensor& scale = at::Tensor());
+
 // x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

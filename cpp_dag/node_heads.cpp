@@ -1,20 +1,25 @@
 // lm_head, cls_head, label_logprobs: from the last hidden rows to a request's scores.
 // Mirrors service/runtime/nodes.py::lm_head / cls_head / label_logprobs.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/ops/linear.h>
-
+#include "layer_ops.h"
 #include "node_types.h"
 
 namespace slmrank {
 namespace {
 
+// the weight's fp8 scale (NAME.scale: an e4m3 weight), or undefined
+at::Tensor scale_of(const Context& ctx, const std::string& name) {
+  auto it = ctx.weights.find(name + ".scale");
+  return it != ctx.weights.end() ? it->second : at::Tensor();
+}
+
 class LmHead final : public Node {
  public:
   explicit LmHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
-    auto it = ctx.weights.find("lm_head");  // tied embeddings share the table
+    auto it = ctx.weights.find("lm_head");  // tied embeddings share the table (unless the head is fp8)
     const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
-    at::Tensor logits = at::linear(in(env, 0), w);
+    at::Tensor logits = linear(in(env, 0), w, at::Tensor(), scale_of(ctx, "lm_head"));
     // the fused beam step reads the model-dtype logits once (computing in float32): no float32 copy
     env[spec_.outputs[0]] = ctx.fused ? logits : logits.to(at::kFloat);
   }
@@ -24,7 +29,8 @@ class ClsHead final : public Node {
  public:
   explicit ClsHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
-    env[spec_.outputs[0]] = at::linear(in(env, 0), ctx.weight("cls_head")).to(at::kFloat);
+    at::Tensor logits = linear(in(env, 0), ctx.weight("cls_head"), at::Tensor(), scale_of(ctx, "cls_head"));
+    env[spec_.outputs[0]] = logits.to(at::kFloat);
   }
 };
 

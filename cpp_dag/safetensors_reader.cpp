@@ -335,7 +335,8 @@ void read_exact(FILE* fh, void* dst, uint64_t size, uint64_t offset, const char*
   }
 }
 
-SafetensorsFile read_file(const std::string& path, at::Device device, std::optional<at::ScalarType> dtype) {
+SafetensorsFile read_file(const std::string& path, at::Device device, std::optional<at::ScalarType> dtype,
+                          const std::set<std::string>& keep) {
   File fh(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!fh) throw std::runtime_error("cannot open");
   if (fseeko(fh.get(), 0, SEEK_END) != 0) throw std::runtime_error("cannot seek");
@@ -377,7 +378,7 @@ SafetensorsFile read_file(const std::string& path, at::Device device, std::optio
     // The views keep the buffer alive; it is freed once every tensor was copied (cast, moved) away.
     const at::Tensor host = at::from_blob(data + e.begin, e.shape, [backing](void*) {},
                                           at::TensorOptions().dtype(e.dtype.type));
-    const bool cast = dtype && at::isFloatingType(e.dtype.type);
+    const bool cast = dtype && at::isFloatingType(e.dtype.type) && !keep.count(e.name);
     out.tensors.emplace_back(e.name, cast ? host.to(device, *dtype) : host.to(device));
   }
   return out;
@@ -385,9 +386,10 @@ SafetensorsFile read_file(const std::string& path, at::Device device, std::optio
 
 }  // namespace
 
-SafetensorsFile read_safetensors(const std::string& path, at::Device device, std::optional<at::ScalarType> dtype) {
+SafetensorsFile read_safetensors(const std::string& path, at::Device device, std::optional<at::ScalarType> dtype,
+                                 const std::set<std::string>& keep) {
   try {
-    return read_file(path, device, dtype);
+    return read_file(path, device, dtype, keep);
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(path + ": " + e.what());
   }

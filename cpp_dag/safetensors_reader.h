@@ -10,6 +10,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,8 +24,10 @@ struct SafetensorsFile {
 
 // Reads the tensor data into one host buffer (each tensor at its file offset modulo the page size,
 // as load_file's mmap places it), then moves every tensor to `device`; floating-point tensors are
-// cast to `dtype` when given (integer and bool tensors keep theirs).
+// cast to `dtype` when given (integer and bool tensors keep theirs, and so do the tensors named in
+// `keep`: an artifact's fp8 weights and their float32 scales).
 SafetensorsFile read_safetensors(const std::string& path, at::Device device = at::kCPU,
-                                 std::optional<at::ScalarType> dtype = std::nullopt);
+                                 std::optional<at::ScalarType> dtype = std::nullopt,
+                                 const std::set<std::string>& keep = {});
 
 }  // namespace slmrank

@@ -25,15 +25,33 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if args.traffic is None and (args.max_graphs or args.max_activation_mib):
         raise ValueError("--max-graphs and --max-activation-mib bound a table chosen with --traffic LOG")
     table, origin = _traffic_table(args, limits) if args.traffic is not None else (None, None)
+    fp8 = _fp8_policy(args.fp8)
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits,
-                         buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog))
+                         buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog), fp8=fp8)
     art = load_artifact(out)
-    print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}, "
+    fp8_note = f" (fp8 e4m3: {','.join(art.fp8)})" if art.fp8 else ""
+    print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}"
+          f"{fp8_note}, "
           f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets; limits {art.limits.to_dict()}")
     for entry in art.manifest["catalogs"]:
         print(f"catalog {entry['name']}: {entry['num_items']:,} items of {entry['code_length']} tokens, "
               f"version {entry['version']}")
     return 0
+
+
+def _fp8_policy(value: str) -> tuple[str, ...]:
+    """--fp8 none | PART[,PART...] (mlp, attn, head) -> the parts; a ValueError naming the flag otherwise."""
+    from .model.checkpoint import FP8_PARTS
+
+    if value == "none":
+        return ()
+    parts = value.split(",")
+    for part in parts:
+        if part not in FP8_PARTS:
+            raise ValueError(f"--fp8 {value!r}: {part!r} is not one of {', '.join(FP8_PARTS)} (comma-separated), or none")
+        if parts.count(part) > 1:
+            raise ValueError(f"--fp8 {value!r}: {part!r} given twice")
+    return tuple(parts)
 
 
 def _catalog_files(specs: list[str] | None) -> dict[str, str]:
@@ -339,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--catalog", action="append", metavar="NAME=FILE",
                    help="a catalog for constrained BeamSearch (repeatable): FILE has one item a line, "
                         "item_id<TAB>tok tok tok (token ids, one code length per catalog)")
+    b.add_argument("--fp8", default="none", metavar="PARTS",
+                   help="linear layers stored as float8_e4m3fn with per-output-channel scales, activations "
+                        "quantized per token at run time: none (default) | mlp | mlp,attn | mlp,attn,head "
+                        "(docs/operations.md, FP8 linear layers)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

@@ -3,7 +3,7 @@
   DIR/manifest.msgpack   format + version, model config, limits, bucket table, the Score and
                          BeamSearch DAGs (precision per node), sha256 of every file, tokenizer ref
   DIR/manifest.sha256    the manifest's own sha256 (manifest.py: verified before it is decoded)
-  DIR/weights.safetensors
+  DIR/weights.safetensors  (with `--fp8`: the chosen linear weights float8_e4m3fn + NAME.scale float32 [rows])
   DIR/tokenizer/...      tokenizer files (and their license notice)
   DIR/catalogs/...       each catalog's trie and item ids (service/artifact/catalog.py), optional
   DIR/acceptance.json    what `slmrank evaluate` found beside a baseline (service/artifact/acceptance.py), optional
@@ -28,20 +28,24 @@ from safetensors.torch import load_file, save_file
 from . import acceptance
 from .buckets import BucketTable, default_bucket_table
 from .catalog import Catalog, CatalogError, build_catalog, load_catalog
-from ..model.checkpoint import check_weights, expected_shapes, weight_source
+from ..model.checkpoint import FP8_PARTS, check_weights, expected_shapes, fp8_weight_names, weight_source
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
 from .manifest import (ACCEPTANCE, FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest,
                        write_manifest)
 from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
 from ..model.progress import Progress
+from ..siblings import sibling
 
-FORMAT_VERSION = 9  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+# kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
+quantize_rows = sibling("kernels.fp8_linear").quantize_rows
+
+FORMAT_VERSION = 10  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
 # 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
 # 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema;
-# 9: catalogs (tries), beam_catalog input, beam_allowed nodes
+# 9: catalogs (tries), beam_catalog input, beam_allowed nodes; 10: weights.fp8 (e4m3 linear layers + NAME.scale)
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
@@ -92,12 +96,19 @@ class Artifact:
         """Each catalog's name -> its code length (the new_tokens of a request that names it)."""
         return {cat.name: cat.code_length for cat in self.catalogs}
 
+    @property
+    def fp8(self) -> tuple[str, ...]:
+        """The linear layers stored as float8_e4m3fn (parts of FP8_PARTS; `slmrank build --fp8`), () for none."""
+        return tuple(self.manifest["weights"]["fp8"])
+
     def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """dtype: the other weights cast to it; the fp8 weights and their float32 scales stay as stored."""
         regular_file_size(self.path / WEIGHTS)  # a device or FIFO here would never finish loading
         weights = load_file(str(self.path / WEIGHTS), device=str(device))
-        check_weights(self.config, weights)
+        check_weights(self.config, weights, self.fp8)
         if dtype is not None:
-            weights = {k: v.to(dtype) for k, v in weights.items()}
+            keep = {n for name in fp8_weight_names(self.config, self.fp8) for n in (name, name + ".scale")}
+            weights = {k: v if k in keep else v.to(dtype) for k, v in weights.items()}
         return weights
 
     @property
@@ -114,12 +125,14 @@ class Artifact:
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False,
                    limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None,
-                   catalogs: dict[str, str | Path] | None = None) -> Path:
+                   catalogs: dict[str, str | Path] | None = None, fp8: tuple[str, ...] | list[str] = ()) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
     limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
     bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
     the log and the table's expected padding on it); default {"source": "default"}, or "given".
-    catalogs: name -> catalog file (service/artifact/catalog.py), for constrained beam search."""
+    catalogs: name -> catalog file (service/artifact/catalog.py), for constrained beam search.
+    fp8: the linear layers to store as float8_e4m3fn (parts of FP8_PARTS: mlp, attn, head), each weight
+    with its per-output-channel float32 scale (kernels/fp8_linear.py quantize_rows, from the source's values)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
@@ -128,19 +141,36 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     given_buckets = buckets is not None
     buckets = buckets or default_bucket_table(limits)
     buckets.fits_one(limits)
+    for part in fp8:
+        if part not in FP8_PARTS:
+            raise ArtifactError(f"fp8: {part!r} is not one of {', '.join(FP8_PARTS)}")
+        if list(fp8).count(part) > 1:
+            raise ArtifactError(f"fp8: {part!r} given twice")
+    fp8 = tuple(part for part in FP8_PARTS if part in fp8)  # in one order
+    quantized = set(fp8_weight_names(cfg, fp8))
     target = None if dtype == "auto" else DTYPES.get(dtype)
     if dtype != "auto" and target is None:
         raise ArtifactError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
 
     t0 = time.monotonic()
     weights: dict[str, torch.Tensor] = {}
+    embed_src = None
     with Progress("build weights", len(expected_shapes(cfg)), quiet=quiet) as bar:
         for name, tensor in weights_iter():
             want = target or src_dtype or tensor.dtype
-            weights[name] = tensor.to(want).contiguous()
+            if name in quantized:  # from the source's values, not the target dtype's
+                weights[name], weights[name + ".scale"] = quantize_rows(tensor)
+            else:
+                weights[name] = tensor.to(want).contiguous()
+            if name == "embed":
+                embed_src = tensor
             bar.advance(1, name)
-    check_weights(cfg, weights)
-    dtypes = {t.dtype for t in weights.values()}
+    if "lm_head" in quantized and "lm_head" not in weights and embed_src is not None:
+        # an fp8 head of tied embeddings: its own e4m3 table; the lookup keeps embed in the model dtype
+        weights["lm_head"], weights["lm_head.scale"] = quantize_rows(embed_src)
+    del embed_src
+    check_weights(cfg, weights, fp8)
+    dtypes = {t.dtype for name, t in weights.items() if name not in quantized and not name.endswith(".scale")}
     if len(dtypes) != 1:
         raise ArtifactError(f"weights: mixed dtypes {dtypes}; pass dtype=float32 or bfloat16")
     weight_dtype = dtypes.pop()
@@ -167,10 +197,11 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         "limits": limits.to_dict(),
         "buckets": buckets.to_dict(),
         "bucket_origin": bucket_origin or {"source": "given" if given_buckets else "default"},
-        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens)), "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens,
-                                                                                                              bool(catalog_entries)))},
+        "dags": {"score": dag_to_list(score_dag(cfg, limits.max_score_tokens, fp8)),
+                 "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens, bool(catalog_entries), fp8))},
         "catalogs": catalog_entries,
-        "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS)},
+        "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS),
+                    "fp8": list(fp8)},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
         "build_seconds": round(time.monotonic() - t0, 3),

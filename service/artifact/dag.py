@@ -74,10 +74,18 @@ class Node:
         return cls(d["name"], d["type"], tuple(d["inputs"]), tuple(d["outputs"]), dict(d["attrs"]))
 
 
-def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: int = 0) -> list[Node]:
+def _precision(parts: tuple[str, ...]) -> str:
+    """A node's precision attr (informational; the runtimes go by the weights' dtypes): "model", or
+    "fp8:" and its e4m3 linear layers (`slmrank build --fp8`)."""
+    return "fp8:" + ",".join(parts) if parts else "model"
+
+
+def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: int = 0,
+            fp8: tuple[str, ...] = ()) -> list[Node]:
     nodes = []
+    precision = _precision(tuple(part for part in fp8 if part in ("attn", "mlp")))
     for i in range(cfg.num_layers):
-        attrs: dict[str, Any] = {"layer": i, "mode": mode, "precision": "model"}
+        attrs: dict[str, Any] = {"layer": i, "mode": mode, "precision": precision}
         if step:
             attrs["step"] = step
         if max_rows:
@@ -101,30 +109,31 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: i
     return nodes
 
 
-def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0) -> list[Node]:
+def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0, fp8: tuple[str, ...] = ()) -> list[Node]:
     attrs = {"step": step} if step else {}
+    precision = _precision(("head",) if "head" in fp8 else ())
     nodes = [Node(f"{prefix}final_norm", "rms_norm", ("x", "mlp_out"), ("x",), {**attrs, "weight": "final_norm"})]
     if rows:
         nodes.append(Node(f"{prefix}gather_last", "gather_rows", ("x", rows), ("h",), dict(attrs)))
     src = "h" if rows else "x"
     if cfg.has_cls_head:
-        nodes.append(Node(f"{prefix}cls_head", "cls_head", (src,), ("logits",), {**attrs, "precision": "model"}))
+        nodes.append(Node(f"{prefix}cls_head", "cls_head", (src,), ("logits",), {**attrs, "precision": precision}))
     else:
-        nodes.append(Node(f"{prefix}lm_head", "lm_head", (src,), ("logits",), {**attrs, "precision": "model"}))
+        nodes.append(Node(f"{prefix}lm_head", "lm_head", (src,), ("logits",), {**attrs, "precision": precision}))
     return nodes
 
 
-def score_dag(cfg: ModelConfig, max_rows: int) -> list[Node]:
+def score_dag(cfg: ModelConfig, max_rows: int, fp8: tuple[str, ...] = ()) -> list[Node]:
     """max_rows: the most tokens of one Score request (limits.max_score_tokens), which bounds a
-    segment: the varlen attention's static longest run."""
+    segment: the varlen attention's static longest run. fp8: the e4m3 parts (the nodes' precision)."""
     # on the CPU (and float32 on CUDA) the masks of the dense reference; on CUDA in 16 bits the varlen segment bounds;
     # with the fused kernels each row's key ranges (kernels/segment_attention.py)
     nodes = [Node("masks", "score_masks", ("positions", "seg", "ctx", "request_rows", "prefix_rows", "last"),
                   ("mask_self", "mask_ctx", "cu_self", "cu_blocks", "prefix_len", "has_ctx", "key_ranges"),
                   {"max_rows": max_rows}),
              Node("embed", "embedding", ("tokens",), ("x",))]
-    nodes += _layers(cfg, "", "score", max_rows=max_rows)
-    nodes += _head(cfg, "", "last")
+    nodes += _layers(cfg, "", "score", max_rows=max_rows, fp8=fp8)
+    nodes += _head(cfg, "", "last", fp8=fp8)
     if not cfg.has_cls_head:
         nodes.append(Node("label_logprobs", "label_logprobs", ("logits", "labels"), ("scores",)))
     else:
@@ -132,7 +141,7 @@ def score_dag(cfg: ModelConfig, max_rows: int) -> list[Node]:
     return nodes
 
 
-def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False) -> list[Node]:
+def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, fp8: tuple[str, ...] = ()) -> list[Node]:
     """constrained (the artifact has catalogs): a beam_allowed node before each selection computes
     each row's allowed tokens from the trie (beam_trie [R, B]: each beam's trie node), and the
     selection masks with it and advances beam_trie."""
@@ -146,8 +155,8 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False) -
                   ("mask_self", "cu_self", "key_ranges", "mask_beam", "kv_start", "kv_len")),
              Node("beam_state", "beam_state", ("beam_seqs", "beam_slot"), suffix),
              Node("embed", "embedding", ("tokens",), ("x",))]
-    nodes += _layers(cfg, "", "prefill")
-    nodes += _head(cfg, "", "last")
+    nodes += _layers(cfg, "", "prefill", fp8=fp8)
+    nodes += _head(cfg, "", "last", fp8=fp8)
     if constrained:
         nodes.append(Node("beam_allowed", "beam_allowed", ("beam_catalog",), trie))
     nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot") + trie,
@@ -155,8 +164,8 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False) -
     for t in range(1, max_new_tokens):
         p = f"step{t}."
         nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
-        nodes += _layers(cfg, p, "decode", t)
-        nodes += _head(cfg, p, "", t)
+        nodes += _layers(cfg, p, "decode", t, fp8=fp8)
+        nodes += _head(cfg, p, "", t, fp8=fp8)
         if constrained:
             nodes.append(Node(f"{p}beam_allowed", "beam_allowed", ("beam_trie", "beam_slot"), ("allowed",), {"step": t}))
         nodes.append(Node(f"{p}beam_step", "beam_step",

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from ..model.checkpoint import FP8_PARTS
 from ..model.config import SUPPORTED_ARCHS, ModelConfig, ServingLimits
 from ..model.files import read_bounded
 from .buckets import BeamBucket, ScoreBucket
@@ -180,6 +181,14 @@ def of_dataclass(cls: type, special: dict[str, Check]) -> Check:
     return record(fields)
 
 
+def _fp8_parts(value: Any, field: str) -> None:
+    """weights.fp8: the e4m3 linear layers, each of FP8_PARTS at most once (cpp_dag/artifact_loader.cpp
+    checks the same)."""
+    array(text(FP8_PARTS), 0, len(FP8_PARTS))(value, field)
+    if len(set(value)) != len(value):
+        _fail(field, f"distinct parts of {', '.join(FP8_PARTS)}", value)
+
+
 _NODE = record({
     "name": text(), "type": text(NODE_TYPES), "inputs": array(text()), "outputs": array(text()),
     "attrs": record({"layer": integer(0), "step": integer(0), "max_rows": integer(0), "mode": text(),
@@ -218,7 +227,8 @@ SCHEMA = record({
     "buckets": record({"score": array(of_dataclass(ScoreBucket, {}), 1),
                        "beam": array(of_dataclass(BeamBucket, {}), 1)}),
     "dags": record({"score": array(_NODE, 1), "beam": array(_NODE)}),  # a classification head has no beam DAG
-    "weights": record({"file": text((WEIGHTS,)), "dtype": text(WEIGHT_DTYPES), "sha256": sha256_hex}),
+    "weights": record({"file": text((WEIGHTS,)), "dtype": text(WEIGHT_DTYPES), "sha256": sha256_hex,
+                       "fp8": _fp8_parts}),
     "tokenizer": record({"kind": text(), "files": mapping(file_name, sha256_hex)}),
     "build_seconds": number(0, 1e7, open_lo=False),
     "bucket_origin": _BUCKET_ORIGIN,

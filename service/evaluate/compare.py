@@ -271,8 +271,14 @@ def _load(flag: str, path: str | Path) -> Artifact:
 
 def _describe(art: Artifact, runtime: str) -> dict[str, Any]:
     return {"path": str(art.path), "sha256": identity(art), "source": str(art.manifest.get("source", "")),
-            "weights_dtype": art.manifest["weights"]["dtype"], "weights_sha256": art.manifest["weights"]["sha256"],
-            "runtime": runtime}
+            "weights_dtype": art.manifest["weights"]["dtype"], "weights_fp8": list(art.fp8),
+            "weights_sha256": art.manifest["weights"]["sha256"], "runtime": runtime}
+
+
+def _weights_note(side: dict[str, Any]) -> str:
+    """The weights' dtype, and the e4m3 linear layers where there are (`slmrank build --fp8`)."""
+    fp8 = side.get("weights_fp8") or []
+    return side["weights_dtype"] + (f" + fp8 {','.join(fp8)}" if fp8 else "")
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -315,8 +321,8 @@ def format_table(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     b, c, r = report["baseline"], report["candidate"], report["requests"]
-    head = [f"baseline   {b['path']} ({b['weights_dtype']}, sha256 {b['sha256'][:16]}…, {b['runtime']} runtime)",
-            f"candidate  {c['path']} ({c['weights_dtype']}, sha256 {c['sha256'][:16]}…, {c['runtime']} runtime)",
+    head = [f"baseline   {b['path']} ({_weights_note(b)}, sha256 {b['sha256'][:16]}…, {b['runtime']} runtime)",
+            f"candidate  {c['path']} ({_weights_note(c)}, sha256 {c['sha256'][:16]}…, {c['runtime']} runtime)",
             f"requests   {r['file']} (sha256 {r['sha256'][:16]}…): {r['score']} Score, {r['beam']} BeamSearch "
             "compared"
             + (f", {r['refused_by_both']} refused by both" if r["refused_by_both"] else ""), ""]

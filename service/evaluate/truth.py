@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..artifact.artifact import Artifact
 from ..artifact.catalog import Catalog
+from ..model.checkpoint import fp8_weight_names
 from ..runtime.requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
 F64 = torch.float64
@@ -38,6 +39,8 @@ class Float64Model:
         self.cfg = cfg = artifact.config
         self.device = torch.device(device)
         self.w = artifact.load_weights(self.device, F64)
+        for name in fp8_weight_names(cfg, artifact.fp8):  # e4m3 weights (`build --fp8`): dequantized, exactly
+            self.w[name] = self.w[name].to(F64) * self.w.pop(name + ".scale").to(F64).unsqueeze(1)
         self.catalogs = {c.name: c for c in artifact.catalogs}
         e = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, e, 2, dtype=F64, device=self.device) / e))

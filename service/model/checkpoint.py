@@ -4,6 +4,9 @@ Artifact layout (fused where one GEMM serves several HF projections):
   embed [V, D]; final_norm [D]; lm_head [V, D] (untied only); cls_head [labels, D] (classifier only)
   layers.{i}.attn_norm [D], .wqkv [(H+2G)E, D], .bqkv (qwen2), .q_norm/.k_norm [E] (qwen3),
   layers.{i}.wo [D, HE], .mlp_norm [D], .wgu [2F, D] (gate rows first), .wdown [D, F]
+With FP8 linear layers (`slmrank build --fp8`, kernels/fp8_linear.py) the chosen GEMM weights are
+float8_e4m3fn, each with NAME.scale [rows] float32 (per output channel); an fp8 head of tied
+embeddings is its own lm_head (embed stays in the model dtype for the lookup).
 Nothing is ever downloaded and nothing is unpickled: safetensors only.
 """
 
@@ -21,7 +24,22 @@ from .config import ConfigError, ModelConfig
 from .files import check_safetensors, read_json
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+FP8_PARTS = ("mlp", "attn", "head")  # `slmrank build --fp8`: which linear layers are e4m3
+
+
+def fp8_weight_names(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The weights stored as float8_e4m3fn under the fp8 policy (parts of FP8_PARTS); each has NAME.scale."""
+    names = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names += [p + "wqkv", p + "wo"] if "attn" in fp8 else []
+        names += [p + "wgu", p + "wdown"] if "mlp" in fp8 else []
+    if "head" in fp8:
+        names.append("cls_head" if cfg.has_cls_head else "lm_head")
+    return names
+
+
+def expected_shapes(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) -> dict[str, tuple[int, ...]]:
     d, e, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
     if cfg.has_cls_head:
@@ -42,11 +60,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp_norm"] = (d,)
         shapes[p + "wgu"] = (2 * f, d)
         shapes[p + "wdown"] = (d, f)
+    for name in fp8_weight_names(cfg, fp8):
+        if name == "lm_head":  # an fp8 head of tied embeddings: its own table
+            shapes[name] = (cfg.vocab_size, d)
+        shapes[name + ".scale"] = shapes[name][:1]
     return shapes
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    want = expected_shapes(cfg)
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], fp8: tuple[str, ...] | list[str] = ()) -> None:
+    """Names and shapes as the config (and the fp8 policy) want; the fp8 policy's weights float8_e4m3fn
+    with float32 scales, and no other weight fp8."""
+    want = expected_shapes(cfg, fp8)
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
     if missing or extra:
@@ -54,6 +78,13 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     for name, shape in want.items():
         if tuple(weights[name].shape) != shape:
             raise ConfigError(f"weight {name}: shape {tuple(weights[name].shape)} != expected {shape}")
+    quantized = fp8_weight_names(cfg, fp8)
+    for name, t in weights.items():
+        is_fp8 = t.dtype == torch.float8_e4m3fn
+        if is_fp8 != (name in quantized):
+            raise ConfigError(f"weight {name}: dtype {t.dtype} does not match the fp8 policy {list(fp8) or 'none'}")
+        if name.endswith(".scale") and t.dtype != torch.float32:
+            raise ConfigError(f"weight {name}: an fp8 scale must be float32, got {t.dtype}")
 
 
 # ---- Hugging Face checkpoints ---------------------------------------------------------------

@@ -17,6 +17,7 @@ from .config import ModelConfig
 masked_attention_ref = sibling("kernels.attention").masked_attention_ref
 rowwise_attention_ref = sibling("kernels.attention").rowwise_attention_ref
 merge_attention_states_ref = sibling("kernels.attention_merge").merge_attention_states_ref
+fp8_linear = sibling("kernels.fp8_linear").fp8_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +25,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Every GEMM of the model: F.linear, or with `scale` (the weight's per-output-channel float32
+    scale: an e4m3 weight, `slmrank build --fp8`) kernels/fp8_linear.py's fp8_linear."""
+    if scale is None:
+        return F.linear(x, w, bias)
+    return fp8_linear(x, w, scale, bias)
 
 
 def rope_table(cfg: ModelConfig, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +67,11 @@ class LayerWeights:
         self.mlp_norm = weights[p + "mlp_norm"]
         self.wgu = weights[p + "wgu"]
         self.wdown = weights[p + "wdown"]
+        # the e4m3 weights' per-output-channel scales (`slmrank build --fp8`), None: not fp8
+        self.wqkv_scale = weights.get(p + "wqkv.scale")
+        self.wo_scale = weights.get(p + "wo.scale")
+        self.wgu_scale = weights.get(p + "wgu.scale")
+        self.wdown_scale = weights.get(p + "wdown.scale")
 
 
 def residual_rms_norm(x: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -87,7 +102,7 @@ def qkv_projection(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, positions
     returned; None: fresh tensors. fused: the split, q/k norm (Qwen3), RoPE and v copy in one kernel
     reading the GEMM's output (service.runtime.fused), or None for these torch ops."""
     n, eps = h.shape[0], cfg.rms_norm_eps
-    qkv = F.linear(h, w.wqkv, w.bqkv)  # the bias rides in the GEMM's epilogue: one rounding
+    qkv = linear(h, w.wqkv, w.bqkv, w.wqkv_scale)  # the bias rides in the GEMM's epilogue: one rounding
     if fused is not None:
         q_norm, k_norm = (w.q_norm, w.k_norm) if cfg.qk_norm else (None, None)
         return fused.qkv_rope(qkv, positions, pos_offset, rope_cos, rope_sin, cfg.num_heads, cfg.num_kv_heads, q_norm,
@@ -117,14 +132,14 @@ def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     Returns (x + o_proj(attn), mlp_out): the MLP's output is not added here; the next layer's first
     norm (residual_rms_norm) adds it in the same kernel, or the caller does. fused: the residual add
     + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused)."""
-    o = F.linear(attn.reshape(x.shape[0], cfg.q_size), w.wo)
+    o = linear(attn.reshape(x.shape[0], cfg.q_size), w.wo, None, w.wo_scale)
     if fused is not None:
         h, y = fused.rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps)
-        return y, F.linear(fused.silu_mul(F.linear(h, w.wgu)), w.wdown)
+        return y, linear(fused.silu_mul(linear(h, w.wgu, None, w.wgu_scale)), w.wdown, None, w.wdown_scale)
     x = x + o
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    gate, up = F.linear(h, w.wgu).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, w.wdown)
+    gate, up = linear(h, w.wgu, None, w.wgu_scale).chunk(2, dim=-1)
+    return x, linear(F.silu(gate) * up, w.wdown, None, w.wdown_scale)
 
 
 def two_part_attention(q: torch.Tensor, k_a: torch.Tensor, v_a: torch.Tensor, mask_a: torch.Tensor,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
-from ..model.layers import (LayerWeights, attention_output_and_mlp, qkv_projection, residual_rms_norm,
+from ..model.layers import (LayerWeights, attention_output_and_mlp, linear, qkv_projection, residual_rms_norm,
                             two_part_attention)
 from ..siblings import sibling
 
@@ -157,15 +157,16 @@ def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:
 
 
 def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
-    w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table
-    logits = F.linear(env[node.inputs[0]], w)
+    w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table (unless the head is fp8)
+    logits = linear(env[node.inputs[0]], w, None, ctx.weights.get("lm_head.scale"))
     # the fused beam step reads the model-dtype logits once, computing in float32 (no float32
     # [rows, V] copy); the consumers on the ATen path upcast as before
     env[node.outputs[0]] = logits if ctx.fused is not None else logits.float()
 
 
 def cls_head(ctx: NodeContext, node: Node, env: Env) -> None:
-    env[node.outputs[0]] = F.linear(env[node.inputs[0]], ctx.weights["cls_head"]).float()
+    logits = linear(env[node.inputs[0]], ctx.weights["cls_head"], None, ctx.weights.get("cls_head.scale"))
+    env[node.outputs[0]] = logits.float()
 
 
 def label_logprobs(ctx: NodeContext, node: Node, env: Env) -> None:

@@ -124,7 +124,8 @@ def info_summary(info: Any) -> str:
         ("artifact_sha256", info.artifact_sha256),
         ("architecture", f"{info.arch}, {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}"),
         ("runtime", f"{info.runtime} on {info.device}, kernels {info.kernels}"),
-        ("dtype", f"compute {info.compute_dtype}, weights {info.weights_dtype}"),
+        ("dtype", f"compute {info.compute_dtype}, weights {info.weights_dtype}"
+                  + (f" (fp8 e4m3 {','.join(info.weights_fp8)})" if info.weights_fp8 else "")),
         ("limits", f"{head}; max_labels {lim.max_labels}"),
         ("", f"Score: max_samples {lim.max_samples}, max_score_tokens {lim.max_score_tokens}"),
         ("", f"BeamSearch: max_prompt_tokens {lim.max_prompt_tokens}, max_beam_width {lim.max_beam_width}, "

@@ -33,13 +33,13 @@ class Model:
 
 
 def _make(save: Callable[..., Any], root: Path, name: str, arch: str, cls_name: str, seed: int,
-          **extra: Any) -> Model:
+          fp8: tuple[str, ...] = (), **extra: Any) -> Model:
     from service.artifact.artifact import build_artifact, load_artifact
     from service.runtime.cpp_runtime import CppRuntime
     from service.runtime.python_runtime import PythonRuntime
 
     _, ckpt = save(root, name, arch, cls_name, seed, vocab=VOCAB, max_pos=MAX_POS, **extra)
-    art = load_artifact(build_artifact(str(ckpt), root / f"{name}.art", quiet=True))
+    art = load_artifact(build_artifact(str(ckpt), root / f"{name}.art", quiet=True, fp8=fp8))
     return Model(ckpt, art, PythonRuntime(art), CppRuntime(art))
 
 
@@ -67,6 +67,29 @@ def qwen2_cls_small(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
     """Qwen2ForSequenceClassification with 3 labels: Score only."""
     return _make(save_tiny_checkpoint, cpp_models_root, "qwen2_cls", "qwen2", "Qwen2ForSequenceClassification",
                  seed=303, num_labels=3, tie_word_embeddings=False)
+
+
+# the same checkpoints with FP8 (e4m3) linear layers: every part (`slmrank build --fp8 mlp,attn,head`);
+# the tied Qwen2 head becomes its own e4m3 lm_head
+FP8_ALL = ("mlp", "attn", "head")
+
+
+@pytest.fixture(scope="session")
+def qwen2_small_fp8(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen2_fp8", "qwen2", "Qwen2ForCausalLM",
+                 seed=101, fp8=FP8_ALL, tie_word_embeddings=True, rope_theta=50000.0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_small_fp8(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen3_fp8", "qwen3", "Qwen3ForCausalLM",
+                 seed=202, fp8=FP8_ALL, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def qwen2_cls_small_fp8(cpp_models_root: Path, save_tiny_checkpoint) -> Model:
+    return _make(save_tiny_checkpoint, cpp_models_root, "qwen2_cls_fp8", "qwen2", "Qwen2ForSequenceClassification",
+                 seed=303, fp8=("mlp", "attn"), num_labels=3, tie_word_embeddings=False)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

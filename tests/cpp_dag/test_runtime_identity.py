@@ -7,6 +7,9 @@
 - BeamSearch step by step: after every node the same buffers hold the same bytes (candidate
   tokens, cumulative scores, parents, sequences, suffix K/V of every layer, prompt K/V, hidden x);
 - Score step by step: the hidden state after every layer (and every other traced buffer).
+
+Each also on the same checkpoints built with FP8 (e4m3) linear layers (`--fp8 mlp,attn,head`; the
+classifier `mlp,attn`): kernels/fp8_linear.py's emulation and cpp_dag/layer_ops.cpp's agree byte for byte.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def _check_output(data: bytes, lines: list[Any], errors: dict[int, str], cfg) ->
 
 # qwen2 runs the real command line (two processes); qwen3 and the classifier call the CLI's main()
 @pytest.mark.parametrize("model_name,how", [("qwen2_small", "subprocess"), ("qwen3_small", "in-process"),
-                                            ("qwen2_cls_small", "in-process")])
+                                            ("qwen2_cls_small", "in-process"), ("qwen2_small_fp8", "in-process"),
+                                            ("qwen2_cls_small_fp8", "in-process")])
 def test_cli_outputs_byte_identical(model_name: str, how: str, request: pytest.FixtureRequest,
                                     tmp_path: Path) -> None:
     model = request.getfixturevalue(model_name)
@@ -191,7 +195,9 @@ def test_cli_outputs_byte_identical(model_name: str, how: str, request: pytest.F
     outs = {}
     for runtime in ("python", "cpp"):
         out = tmp_path / f"{runtime}.jsonl"
-        rc, stderr = slmrank(cache, "run", "--model", str(model.ckpt), "--runtime", runtime,
+        # an fp8 model runs its artifact (a checkpoint would be built without fp8)
+        model_arg = model.artifact.path if model.artifact.fp8 else model.ckpt
+        rc, stderr = slmrank(cache, "run", "--model", str(model_arg), "--runtime", runtime,
                              "--requests", str(req_file), "--out", str(out))
         assert rc == 0, stderr
         assert f"through the {runtime} runtime" in stderr
@@ -254,7 +260,7 @@ BEAM_CASES = {
 
 
 @pytest.mark.parametrize("case", list(BEAM_CASES))
-@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small", "qwen2_small_fp8", "qwen3_small_fp8"])
 def test_beam_step_by_step(model_name: str, case: str, request: pytest.FixtureRequest, helpers) -> None:
     model = request.getfixturevalue(model_name)
     art, cfg = model.artifact, model.artifact.config
@@ -302,7 +308,8 @@ SCORE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SCORE_CASES))
-@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small", "qwen2_cls_small"])
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small", "qwen2_cls_small", "qwen2_small_fp8",
+                                        "qwen3_small_fp8", "qwen2_cls_small_fp8"])
 def test_score_step_by_step(model_name: str, case: str, request: pytest.FixtureRequest, helpers) -> None:
     model = request.getfixturevalue(model_name)
     art, cfg = model.artifact, model.artifact.config
@@ -326,3 +333,23 @@ def test_score_step_by_step(model_name: str, case: str, request: pytest.FixtureR
     assert helpers.same_bytes(scores_c, scores_p)
     n = sum(r.num_samples for r in reqs)
     assert torch.isfinite(scores_c[:n]).all()
+
+
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
+def test_the_fp8_models_take_the_fp8_path(model_name: str, request: pytest.FixtureRequest, helpers) -> None:
+    """The fp8 builds above really run e4m3 GEMMs: their weights are e4m3 in the Python runtime, and
+    both runtimes' scores move off the unquantized model's, within bounds."""
+    plain, fp8 = request.getfixturevalue(model_name), request.getfixturevalue(model_name + "_fp8")
+    assert fp8.python.ctx.layers[0].wgu.dtype == torch.float8_e4m3fn
+    assert fp8.python.ctx.layers[1].wqkv_scale.dtype == torch.float32
+    assert fp8.python.ctx.weights["lm_head"].dtype == torch.float8_e4m3fn
+    rng = random.Random(29)
+    reqs = [ScoreRequest(tuple(helpers.rand_ids(rng, n) for n in (4, 6, 2)), helpers.rand_ids(rng, 3),
+                         helpers.rand_ids(rng, 8))]
+    batch = pack_score(reqs, pick_score_bucket(fp8.artifact.buckets, reqs), fp8.artifact.limits.max_labels)
+    quantized, reference = fp8.cpp.run_score(batch)[:3], plain.cpp.run_score(batch)[:3]
+    assert helpers.same_bytes(quantized, fp8.python.run_score(batch)[:3])
+    delta = float((quantized - reference).abs().max())
+    # these random small models are sensitive: every GEMM in e4m3 moved a log-prob of magnitude up to
+    # 13.6 by 2.44 (qwen2); missing scales would put the logits off by 448x
+    assert 0 < delta < 5, delta

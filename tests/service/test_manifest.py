@@ -162,6 +162,10 @@ def test_the_digest_is_what_sha256sum_checks(art: Path) -> None:
     ("limits.max_new_tokens", DELETE, "limits.max_new_tokens: missing"),
     ("weights.sha256", "ab", "weights.sha256: must be 64 lower-case hex digits, got 'ab'"),
     ("weights.dtype", "int4", "weights.dtype: must be one of float32, bfloat16, float16, got 'int4'"),
+    ("weights.fp8", ["mlp", "bogus"], "weights.fp8[1]: must be one of mlp, attn, head, got 'bogus'"),
+    ("weights.fp8", ["attn", "attn"], "weights.fp8: must be distinct parts of mlp, attn, head"),
+    ("weights.fp8", "mlp", "weights.fp8: must be an array of 0 to 3 items"),
+    ("weights.fp8", DELETE, "weights.fp8: missing"),
     ("dags.beam.3.attrs.layer", -5, "dags.beam[3].attrs.layer: must be an integer in [0, 1048576], got -5"),
 ], ids=lambda v: str(v)[:24])
 def test_a_field_of_the_wrong_type_or_range_is_refused_naming_it(art: Path, field: str, value: Any,

@@ -26,7 +26,7 @@ from service.serving.server import batch_memory_bytes
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
-import json, resource, sys
+import json, sys
 import torch
 from service.artifact.artifact import load_artifact
 from service.runtime.batch import pack_beam, pack_score, pick_bucket
@@ -43,11 +43,14 @@ else:  # 3 requests of prompt 300 and beam 100, 3 new tokens
     reqs = [BeamRequest(tuple(range(1, 301)), 100, 3) for _ in range(3)]
     b = pick_bucket(art.buckets, reqs)
     run = lambda: rt.run_beam(pack_beam(reqs, b, art.catalogs))
+def status(key):  # kB -> bytes
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
 torch.set_num_threads(1)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from the resident set
+    f.write("5")
+before = status("VmRSS")
 run()
-grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-print(json.dumps({"bucket": b.key, "grown": grown}))
+print(json.dumps({"bucket": b.key, "grown": status("VmHWM") - before}))
 """
 
 

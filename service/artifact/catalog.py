@@ -88,26 +88,35 @@ def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]
     line_of_tab = np.searchsorted(ends, tabs)
     _fail_where(path, np.bincount(line_of_tab, minlength=len(ends)) != 1, "needs exactly one TAB: item_id<TAB>tokens")
     _fail_where(path, tabs == starts, "empty item id")
-    # token part: digits and spaces only (\r of a CRLF file counts as a space)
-    line_of = np.repeat(np.arange(len(ends)), ends - starts + 1)  # [len(buf)]: each byte's line
-    region = np.zeros(len(buf) + 1, dtype=np.int64)
-    np.add.at(region, tabs + 1, 1)
-    np.add.at(region, ends, -1)
-    in_codes = np.cumsum(region[:-1]) > 0
-    digit = (buf >= 48) & (buf <= 57) & in_codes
-    space = ((buf == 32) | (buf == 13)) & in_codes
-    _fail_where(path, np.bincount(line_of[in_codes & ~digit & ~space], minlength=len(ends)) > 0,
-                "tokens must be integer ids separated by spaces")
-    first = digit & ~np.concatenate([[False], digit[:-1]])  # a token's first digit
-    run = np.cumsum(first) - 1  # each digit's token
-    pos = np.flatnonzero(digit)
-    token_of = run[pos]
-    num_digits = np.bincount(token_of)
-    _fail_where(path, np.bincount(line_of[pos][num_digits[token_of] > MAX_TOKEN_DIGITS], minlength=len(ends)) > 0,
+    # token part (after each line's one TAB, before its newline): digits and spaces only (\r of a
+    # CRLF file counts as a space). Every array over all bytes is a bool or int8 one; each byte's
+    # line is looked up (searchsorted in `ends`) only for the bytes that need it.
+    region = np.zeros(len(buf), dtype=np.int8)
+    region[tabs + 1] += 1  # tabs + 1 <= the line's newline: a TAB is never the newline
+    region[ends] -= 1
+    in_codes = np.cumsum(region, dtype=np.int8).view(bool)  # 0 or 1: one TAB a line
+    del region
+    digit = (buf >= 48) & (buf <= 57)
+    digit &= in_codes
+    bad = (buf != 32) & (buf != 13)
+    bad &= in_codes
+    bad &= ~digit
+    _fail_lines(path, np.searchsorted(ends, np.flatnonzero(bad)), "tokens must be integer ids separated by spaces")
+    del bad, in_codes
+    after = np.zeros(len(buf), dtype=bool)  # the byte after a digit is one too
+    after[:-1] = digit[1:]
+    last = np.flatnonzero(digit & ~after)  # each token's last digit (a newline always follows the tokens)
+    after[1:] = digit[:-1]  # now: the byte before is a digit
+    first = np.flatnonzero(digit & ~after)  # each token's first digit
+    del digit, after
+    num_digits = last - first + 1
+    _fail_lines(path, np.searchsorted(ends, first[num_digits > MAX_TOKEN_DIGITS]),
                 f"a token id has more than {MAX_TOKEN_DIGITS} digits")
-    place = np.cumsum(num_digits)[token_of] - np.arange(len(pos)) - 1  # digits after this one in its token
-    values = np.bincount(token_of, weights=(buf[pos] - 48) * 10.0 ** place).astype(np.int64)
-    per_line = np.bincount(line_of[np.flatnonzero(first)], minlength=len(ends))
+    values = np.zeros(len(first), dtype=np.int64)
+    for d in range(int(num_digits.max(initial=0))):  # Horner over the tokens' digits, all tokens at once
+        more = num_digits > d
+        values[more] = values[more] * 10 + (buf[first[more] + d] - 48)
+    per_line = np.diff(np.searchsorted(first, ends), prepend=0)  # tokens before each newline, less the line before
     _fail_where(path, per_line == 0, "no tokens")
     _fail_where(path, per_line != per_line[0],
                 f"{'{'}n{'}'} tokens, but line 1 has {per_line[0]}: every item of a catalog has one code length",
@@ -116,6 +125,12 @@ def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]
     _fail_where(path, (codes >= vocab_size).any(axis=1), f"token id outside the model's vocabulary [0, {vocab_size})")
     ids = data.replace(b"\t", b"\n").split(b"\n")[0:2 * len(ends):2]
     return ids, codes
+
+
+def _fail_lines(path: Path, lines: np.ndarray, what: str) -> None:
+    """CatalogError naming the first of these (0-based) lines, if any."""
+    if len(lines):
+        raise CatalogError(f"{path}:{int(lines.min()) + 1}: {what}")
 
 
 def _fail_where(path: Path, bad: np.ndarray, what: str, counts: np.ndarray | None = None) -> None:
@@ -127,7 +142,16 @@ def _fail_where(path: Path, bad: np.ndarray, what: str, counts: np.ndarray | Non
 
 def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Catalog:
     """Sorts the items by code and lays out the BFS trie; CatalogError for duplicate ids or codes."""
-    order = np.lexsort(codes.T[::-1])
+    n, length = codes.shape
+    bits = max(int(codes.max(initial=0)).bit_length(), 1)
+    if bits * length <= 63:  # the code packed into one int64 key, in the same order: one argsort, not a lexsort
+        key = np.zeros(n, dtype=np.int64)
+        for level in range(length):
+            key = (key << bits) | codes[:, level]
+        order = np.argsort(key, kind="stable")
+        del key
+    else:
+        order = np.lexsort(codes.T[::-1])
     codes = codes[order]
     same = (codes[1:] == codes[:-1]).all(axis=1)
     if same.any():
@@ -141,7 +165,6 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
         i = int(np.argmax(same_id))
         a, b = int(by_id[i]), int(by_id[i + 1])
         raise CatalogError(f"{path}:{b + 1}: duplicate item id {ids[b].decode(errors='replace')!r} (also line {a + 1})")
-    n, length = codes.shape
     new = np.arange(n) == 0  # row starts a new prefix of the current length
     level_sizes, edge_tokens, child_counts = [1], [], []
     parent_of_row = np.zeros(n, dtype=np.int64)  # the row's node index within the previous level

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +58,20 @@ class Catalog:
     def num_nodes(self) -> int:
         return len(self.offsets) - 1
 
-    def item_of(self, codes: np.ndarray) -> list[str | None]:
-        """codes [k, code_length] -> each code's item id, None for a code that is no item. Walks the
-        trie a level at a time for all k codes at once (edge e of node n: key n * V' + token, sorted)."""
-        node = np.zeros(len(codes), dtype=np.int64)
+    @cached_property
+    def edge_keys(self) -> tuple[np.ndarray, int]:
+        """(keys [edges] int64, span): edge e of node n has key n * span + its token, sorted (BFS
+        order, tokens sorted within a node). Computed once (load_catalog: at load), not per lookup:
+        at 10M items it is 0.1 s and 80 MB."""
         parent = np.repeat(np.arange(self.num_nodes, dtype=np.int64), np.diff(self.offsets))
         span = int(self.tokens.max(initial=0)) + 1
-        keys = parent * span + self.tokens  # sorted: BFS order, tokens sorted within a node
+        return parent * span + self.tokens, span
+
+    def item_of(self, codes: np.ndarray) -> list[str | None]:
+        """codes [k, code_length] -> each code's item id, None for a code that is no item. Walks the
+        trie a level at a time for all k codes at once (a binary search of edge_keys a level)."""
+        node = np.zeros(len(codes), dtype=np.int64)
+        keys, span = self.edge_keys
         found = np.ones(len(codes), dtype=bool)
         for level in range(self.code_length):
             want = node * span + np.clip(codes[:, level], 0, span - 1)
@@ -227,7 +235,9 @@ def build_catalog(name: str, path: str | Path, vocab_size: int, out_dir: Path, q
 def load_catalog(art_dir: Path, entry: dict) -> Catalog:
     trie = load_file(str(art_dir / entry["file"]))
     items = (art_dir / entry["items_file"]).read_bytes().decode().split("\n")[:-1]
-    return Catalog(entry["name"], trie["offsets"].numpy(), trie["tokens"].numpy(), items, int(entry["code_length"]))
+    cat = Catalog(entry["name"], trie["offsets"].numpy(), trie["tokens"].numpy(), items, int(entry["code_length"]))
+    cat.edge_keys  # noqa: B018  (at load, not on the first request's beams)
+    return cat
 
 
 def trie_forest(catalogs: list[Catalog], device: torch.device) -> dict[str, torch.Tensor]:

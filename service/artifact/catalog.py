@@ -115,8 +115,11 @@ def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]
     after[:-1] = digit[1:]
     last = np.flatnonzero(digit & ~after)  # each token's last digit (a newline always follows the tokens)
     after[1:] = digit[:-1]  # now: the byte before is a digit
-    first = np.flatnonzero(digit & ~after)  # each token's first digit
+    starts_token = digit & ~after
     del digit, after
+    first = np.flatnonzero(starts_token)  # each token's first digit
+    per_line = np.add.reduceat(starts_token, starts, dtype=np.int64)  # a line's tokens (no line is empty: its newline)
+    del starts_token
     num_digits = last - first + 1
     _fail_lines(path, np.searchsorted(ends, first[num_digits > MAX_TOKEN_DIGITS]),
                 f"a token id has more than {MAX_TOKEN_DIGITS} digits")
@@ -124,7 +127,6 @@ def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]
     for d in range(int(num_digits.max(initial=0))):  # Horner over the tokens' digits, all tokens at once
         more = num_digits > d
         values[more] = values[more] * 10 + (buf[first[more] + d] - 48)
-    per_line = np.diff(np.searchsorted(first, ends), prepend=0)  # tokens before each newline, less the line before
     _fail_where(path, per_line == 0, "no tokens")
     _fail_where(path, per_line != per_line[0],
                 f"{'{'}n{'}'} tokens, but line 1 has {per_line[0]}: every item of a catalog has one code length",
@@ -157,10 +159,13 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
         for level in range(length):
             key = (key << bits) | codes[:, level]
         order = np.argsort(key, kind="stable")
+        key = key[order]  # one int64 gathered a row, not `length`; the sorted codes unpacked from it
+        codes = np.stack([(key >> (bits * (length - 1 - level))) & ((1 << bits) - 1) for level in range(length)],
+                         axis=1)
         del key
     else:
         order = np.lexsort(codes.T[::-1])
-    codes = codes[order]
+        codes = codes[order]
     same = (codes[1:] == codes[:-1]).all(axis=1)
     if same.any():
         i = int(np.argmax(same))
@@ -187,7 +192,8 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
     child_counts.append(np.zeros(n, dtype=np.int64))  # the leaves
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(child_counts))]).astype(np.int64)
     tokens = np.concatenate(edge_tokens).astype(np.int32)
-    return Catalog(name, offsets, tokens, [s.decode() for s in id_arr[order]], length)
+    # one decode and split of all the ids, not one decode an id (10M items: seconds)
+    return Catalog(name, offsets, tokens, b"\n".join(id_arr[order].tolist()).decode().split("\n"), length)
 
 
 def layout_bytes(cat: Catalog, vocab_size: int) -> list[dict[str, int]]:

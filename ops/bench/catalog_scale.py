@@ -17,7 +17,8 @@ peak RSS (ru_maxrss) is its own:
          then load_artifact (sha256 of every file, load_catalog) and CppRuntime construction on the
          CPU (artifact_loader.cpp reads the trie files itself, catalog_forest.cpp builds the forest),
          beside the same artifact without the catalog.
-Prints one line a phase; --out writes the rows as JSON.
+Wall times (_s) and each phase's CPU seconds (cpu_s: user + system, which a machine shared with
+other work inflates less). Prints one line a phase; --out writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ QWEN_VOCAB = 151_936
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_s() -> float:
+    """This process's CPU seconds (user + system): on a shared machine, what the wall times are not."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def phase_build(file: Path, out: Path) -> dict[str, Any]:
@@ -118,8 +125,10 @@ def phase_cpp(file: Path, out: Path) -> dict[str, Any]:
 def child(args: argparse.Namespace) -> None:
     file, out = Path(args.file), Path(args.art)
     out.mkdir(parents=True, exist_ok=True)
+    cpu0 = cpu_s()
     row = {"build": lambda: phase_build(file, out), "load": lambda: phase_load(out, args.device),
            "cpp": lambda: phase_cpp(file, out)}[args.child]()
+    row["cpu_s"] = cpu_s() - cpu0  # the phase's CPU seconds, the imports before it left out
     row["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(row), flush=True)
 
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             file = base / f"sid-{items}-seed{args.seed}.tsv"
             t = time.perf_counter()
             write_catalog(file, items, args.seed)
-            row: dict[str, Any] = {"items": items, "generate_s": time.perf_counter() - t, "cpus": os.cpu_count()}
+            row: dict[str, Any] = {"items": items, "generate_s": time.perf_counter() - t, "cpus": os.cpu_count(),
+                                   "loadavg": os.getloadavg()[0]}
             print(f"{items:,} items: generated {file.stat().st_size / 2**20:.0f} MiB in {row['generate_s']:.1f} s",
                   flush=True)
             for phase in ("build", "load") + (("cpp",) if args.cpp else ()):

@@ -196,7 +196,8 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
         a, b = sorted((int(order[i]) + 1, int(order[i + 1]) + 1))
         raise CatalogError(f"{path}:{b}: duplicate item code (the same tokens as line {a})")
     id_arr = np.array(ids, dtype=object)
-    by_id = np.argsort(np.array(ids), kind="stable")
+    id_fixed = np.array(ids)  # S<longest>, zero-padded: sorted here, and the ids in leaf order below
+    by_id = np.argsort(id_fixed, kind="stable")
     same_id = id_arr[by_id[1:]] == id_arr[by_id[:-1]]
     if same_id.any():
         i = int(np.argmax(same_id))
@@ -216,8 +217,20 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
     child_counts.append(np.zeros(n, dtype=np.int64))  # the leaves
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(child_counts))]).astype(np.int64)
     tokens = np.concatenate(edge_tokens).astype(np.int32)
-    # one decode and split of all the ids, not one decode an id (10M items: seconds)
-    return Catalog(name, offsets, tokens, b"\n".join(id_arr[order].tolist()).decode().split("\n"), length)
+    # the ids in leaf order from the fixed-width copy (a gather of bytes, not of 10M objects in a
+    # random order: 5.4 s at 10M), cut to their true lengths, decoded and split in one piece
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))[order]
+    return Catalog(name, offsets, tokens, _join_lines(id_fixed[order], lengths).decode().split("\n"), length)
+
+
+def _join_lines(fixed: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Byte strings as a zero-padded S array and their true lengths (a trailing zero byte of an id
+    is its own) -> b"\n".join of them."""
+    n, width = len(fixed), fixed.dtype.itemsize
+    rows = np.zeros((n, width + 1), dtype=np.uint8)
+    rows[:, :width] = fixed.view(np.uint8).reshape(n, width)
+    rows[np.arange(n), lengths] = 10
+    return rows[np.arange(width + 1) <= lengths[:, None]].tobytes()[:-1]
 
 
 def layout_bytes(cat: Catalog, vocab_size: int) -> list[dict[str, int]]:

@@ -16,7 +16,8 @@ averages more than V / 32 children a node (4,748 for Qwen's 151,936 tokens); sem
 most a few hundred a node (3 x 256 codes: CSR is 1/19 of dense at the root and 1/74 at level 1),
 so every level is CSR.
 
-Parsing and building are numpy over the whole file (no Python loop per item): 1M items in ~1 s.
+Parsing and building are numpy (no Python loop per item): 1M items in 1.5 s, 10M in 18 s on a
+2-core CPU (ops/bench/catalog_scale.py; docs/performance.md).
 """
 
 from __future__ import annotations

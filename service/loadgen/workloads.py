@@ -77,7 +77,7 @@ def parse_workload(text: str) -> dict[str, Any]:
         return dict(kind="mix", weights=MIXES[text], name=text)
     kind, *parts = text.split(",")
     if kind not in ("score", "beam"):
-        raise WorkloadError(f"--workload: {text!r} is not {', '.join(WORKLOADS)}, {', '.join(MIXES)}, nor 'score,...' / 'beam,...'")
+        raise WorkloadError(f"--workload: {text!r} is not W1..W8, W7u, W8u, {', '.join(MIXES)}, nor 'score,...' / 'beam,...'")
     w: dict[str, Any] = dict(kind="score", prefix=0, samples=15, len=64, labels=2) if kind == "score" \
         else dict(kind="beam", prompt=128, beam=100, new=5)
     for part in parts:

@@ -80,3 +80,19 @@ def test_the_catalog_artifact_is_built_once_and_serves_items(tmp_path: Path, mon
         assert len(result.beams) == 4
         for beam in result.beams:
             assert f"{beam.item_id}\t{' '.join(map(str, beam.ids))}" in items
+
+
+def test_bench_grpc_serves_the_catalog_artifact_and_refuses_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ops.bench import bench_grpc
+    from service.artifact.artifact import build_artifact
+
+    monkeypatch.setenv("SLMRANK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(gen.CATALOGS, "sid-test", dict(items=500, levels=3, codes=256, base=1000, seed=9))
+    built = bench_grpc.catalog_model("embedded:tiny", "sid-test")
+    assert Path(built) == catalog_artifact("embedded:tiny", "sid-test")
+    assert bench_grpc.catalog_model(built, "sid-test") == built  # an artifact that holds it: as it is
+    plain = build_artifact("embedded:tiny", tmp_path / "plain", quiet=True)
+    with pytest.raises(SystemExit, match="has no catalog 'sid-test'"):
+        bench_grpc.catalog_model(str(plain), "sid-test")
+    with pytest.raises(SystemExit, match="the peers have no catalog"):
+        bench_grpc.main(["--workload", "W7", "--peer", "--out", str(tmp_path / "out")])

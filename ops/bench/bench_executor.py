@@ -12,6 +12,8 @@
    of exactly the requests run;
 4. lanes: async submit with 1 lane / 1 batch in flight vs 2 lanes / 2 in flight;
 5. a soak: 10,000 consecutive mixed requests through the executor, host RSS and GPU memory.
+A catalog workload (W7, W8) runs on the artifact built with its catalog (ops.bench.workloads.
+catalog_artifact, cached), without peers (they have no catalog: W7u / W8u are the runs beside it).
 Writes DIR/bench.json and DIR/log.txt; prints a short table last.
 """
 
@@ -30,8 +32,8 @@ from typing import Any
 import torch
 
 from ops.bench.hf_peer import HFModel
-from ops.bench.workloads import (EXECUTOR_BATCH, ID_HIGH, MIX_BATCH, MIX_MODEL, MIXES, WORKLOADS, mix_requests,
-                                 request_flops, runtime_request)
+from ops.bench.workloads import (EXECUTOR_BATCH, ID_HIGH, MIX_BATCH, MIX_MODEL, MIXES, WORKLOADS, catalog_artifact,
+                                 mix_requests, request_flops, runtime_request)
 from service.artifact.artifact import build_artifact, load_artifact
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket
 from service.runtime.cpp_runtime import CppRuntime
@@ -64,15 +66,16 @@ def ids(g: torch.Generator, n: int) -> tuple[int, ...]:
 
 
 def workload(name: str, g: torch.Generator):
-    """One request of W1..W6 (ops/bench/workloads.py), its ids from g."""
+    """One request of W1..W8 (ops/bench/workloads.py), its ids from g."""
     if name not in WORKLOADS:
         raise ValueError(name)
     return runtime_request(WORKLOADS[name], g)
 
 
 # (model, requests per batch) of each workload (ops/bench/workloads.py); W6 is one request at a time;
-# a mix's batches hold up to MIX_BATCH requests
-WORKLOAD_MODELS = {**{name: (w["model"].removeprefix("embedded:"), EXECUTOR_BATCH[name])
+# a mix's batches hold up to MIX_BATCH requests; a catalog workload's model is "SPEC+CATALOG" (art_dir)
+WORKLOAD_MODELS = {**{name: (w["model"].removeprefix("embedded:") + (f"+{w['catalog']}" if w.get("catalog") else ""),
+                             EXECUTOR_BATCH[name])
                       for name, w in WORKLOADS.items()},
                    **{name: (MIX_MODEL.removeprefix("embedded:"), MIX_BATCH) for name in MIXES}}
 MIX_POOL = 512  # a mix's requests, drawn once (seed 7, as slmrank bench's pool), then cycled in batches
@@ -85,6 +88,15 @@ class Timed:
     kind: str
     batch: Any
     flops: int
+
+
+def art_dir(spec: str) -> Path:
+    """The artifact of WORKLOAD_MODELS' model: embedded:SPEC built into /tmp/art-SPEC, or for
+    "SPEC+CATALOG" embedded:SPEC with the catalog (catalog_artifact: built once, cached)."""
+    model, _, catalog = spec.partition("+")
+    if catalog:
+        return catalog_artifact(f"embedded:{model}", catalog)
+    return build_artifact(f"embedded:{model}", f"/tmp/art-{model}", quiet=True)
 
 
 def timed(art, reqs) -> Timed:
@@ -111,7 +123,7 @@ def workload_batches(art, name: str, per_batch: int, g) -> list[Timed]:
 def make_batch(art, reqs):
     if isinstance(reqs[0], ScoreRequest):
         return "score", pack_score(reqs, pick_score_bucket(art.buckets, reqs), art.limits.max_labels)
-    return "beam", pack_beam(reqs, pick_beam_bucket(art.buckets, reqs))
+    return "beam", pack_beam(reqs, pick_beam_bucket(art.buckets, reqs), art.catalogs)
 
 
 def run_batch(rt, kind, batch):
@@ -539,7 +551,7 @@ def main() -> None:
     specs = {"qwen2.5-0.5b", "qwen3-0.6b"} | {WORKLOAD_MODELS[w][0] for w in wanted + [w for w, _ in profiled]}
     for spec in sorted(specs):
         t = time.perf_counter()
-        arts[spec] = load_artifact(build_artifact(f"embedded:{spec}", f"/tmp/art-{spec}", quiet=True))
+        arts[spec] = load_artifact(art_dir(spec))
         log(f"built embedded:{spec} in {time.perf_counter() - t:.1f} s")
     m05 = arts["qwen2.5-0.5b"]
 
@@ -603,6 +615,10 @@ def main() -> None:
                     rt.shutdown()
                 del rt
                 torch.cuda.empty_cache()
+            if WORKLOADS.get(name, {}).get("catalog"):  # the peers have no catalog: W7u / W8u are the comparison
+                result["throughput"] = rows
+                save(out, result)
+                continue
             ckpt = save_hf_checkpoint(art, f"/tmp/hf-{spec}") if not {"hf", "strong"} <= skip else None
             if "strong" not in skip and name in MIXES:
                 r = hf_strong_peer_mix(ckpt, mix_batches(art, name, per_batch), args.seconds)

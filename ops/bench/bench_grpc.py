@@ -19,12 +19,16 @@ With --peer and an embedded spec, the artifact's weights are written as an HF ch
 slmrank is measured first, alone on the host; then the peers start, a few fixed requests go to
 every system (their largest difference is reported: "agreement"), and the peers are measured.
 
-Workloads, as service/loadgen/workloads.py defines them: W1..W6 (docs/benchmarks.md), custom:
+Workloads, as service/loadgen/workloads.py defines them: W1..W8 (docs/benchmarks.md), custom:
 "score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3", or a mix (score-mix,
 beam-mix, mixed: drawn within the limits slmrank's ModelInfo gives; effective MFU on the FLOPs of
 the requests completed, and the strong peer pads its Score batches to powers of two, warming each
 such shape at start-up: hf_peer --warm-mix). Token ids are uniform in [0, min(150000, vocab)),
 fixed seed; --pool distinct requests (default 512), drawn before the levels and cycled.
+A catalog workload (W7, W8: beams held to the catalog sid-1m) runs against the artifact of --model
+built with that catalog (ops.bench.workloads.catalog_artifact: built once into the artifact cache),
+or an artifact directory that holds it; the peers have no catalog (--peer / --strong-peer refused):
+its unconstrained twin (W7u, W8u) is the run beside it.
 Writes DIR/bench_grpc.json; prints a short table last.
 """
 
@@ -51,7 +55,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, mix_score_bounds, parse_workload
+from ops.bench.workloads import (ID_HIGH, Requests, catalog_artifact, flops_per_request, mix_score_bounds,
+                                 parse_workload)
 from service.loadgen.loop import Pool, Progress, capacity as capacity_at, sweep
 # the server's view of a window; overload_bench and the tests read them from here too
 from service.loadgen.server_view import SAMPLE as _SAMPLE, scrape, server_breakdown, window_delta  # noqa: F401
@@ -213,7 +218,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    artifact = resolve_artifact(model, quiet=True)
+    served_model = catalog_model(model, w["catalog"]) if w.get("catalog") else model
+    artifact = resolve_artifact(served_model, quiet=True)
     cfg = artifact.config
     high = min(ID_HIGH, cfg.vocab_size)
     flops = None if is_mix else flops_per_request(cfg, w)  # a mix: each request its own
@@ -228,7 +234,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_flops": PEAK_BF16, "id_range": [0, high], "systems": {}}
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-grpc-"))
-    served_model, ckpt = model, None
+    ckpt = None
     peers = {name: extra for name, extra, on in (
         ("hf_peer", [], args.peer),
         # the compiled peer compiles its padded Score shapes at start-up (--warm-score, --warm-mix:
@@ -294,6 +300,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def catalog_model(model: str, catalog: str) -> str:
+    """What slmrank serves for a catalog workload: an artifact directory that holds the catalog as
+    it is; else the artifact of the spec / checkpoint built with it (catalog_artifact)."""
+    from service.artifact.artifact import MANIFEST, load_artifact
+
+    path = Path(model)
+    if (path / MANIFEST).exists():
+        if catalog not in load_artifact(path).catalog_lengths:
+            raise SystemExit(f"--model {model}: the artifact has no catalog {catalog!r} (build it with "
+                             f"ops.bench.workloads.catalog_artifact, or give the spec)")
+        return model
+    return str(catalog_artifact(model, catalog))
+
+
 async def served_limits(target: str) -> Any:
     """The server's limits (ModelInfo's), which a mix's requests are drawn within."""
     async with grpc.aio.insecure_channel(target) as ch:
@@ -336,7 +356,7 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True,
-                   help="W1..W6, score-mix, beam-mix, mixed, or 'score,prefix=0,samples=3,len=8,labels=2' / "
+                   help="W1..W8 (W7u, W8u), score-mix, beam-mix, mixed, or 'score,prefix=0,samples=3,len=8,labels=2' / "
                         "'beam,prompt=16,beam=4,new=3'")
     p.add_argument("--levels", default=None, help="requests in flight, comma list (default 1,2,...,64; W6: 1)")
     p.add_argument("--warmup-s", type=float, default=2.0)
@@ -370,6 +390,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     w = parse_workload(args.workload, mixes=True)
     args.levels = [int(x) for x in (args.levels or w.get("levels") or "1,2,4,8,16,32,64").split(",")]
+    if w.get("catalog") and (args.peer or args.strong_peer):
+        raise SystemExit(f"--workload {args.workload}: the peers have no catalog; compare it with its unconstrained "
+                         f"twin ({args.workload}u)")
     if args.warmup_s < 0 or args.measure_s <= 0 or min(args.levels) < 1 or args.pool < 1 or args.connections < 1:
         raise SystemExit("--warmup-s >= 0, --measure-s > 0, levels >= 1, --pool >= 1, --connections >= 1")
     result = asyncio.run(run(args))

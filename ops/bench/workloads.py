@@ -1,13 +1,15 @@
 """The benchmarks' workloads: the definitions live in the package, service/loadgen/workloads.py
-(W1..W6's shapes and models, custom shapes, the variable-shape mixes, the requests of a workload
+(W1..W8's shapes and models, custom shapes, the variable-shape mixes, the requests of a workload
 from a seed as gRPC messages, a request's logical FLOPs), since `slmrank bench` ships in the wheel
 and ops/ does not; this module re-exports them for the benches, and adds what only the benches
 that drive the executor directly need (bench_executor's requests per batch, the runtime's
-requests of a shape, a mix's requests as the runtime takes them).
+requests of a shape, a mix's requests as the runtime takes them, the artifact a catalog workload
+runs against).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from service.loadgen.workloads import (  # noqa: F401  (re-exported: the benches import them from here)
@@ -30,7 +32,7 @@ def parse_workload(text: str, mixes: bool = False) -> dict[str, Any]:
 
 # requests per batch where the executor is driven directly (bench_executor): W6 is one request at
 # a time (latency); a mix's batch: at most MIX_BATCH consecutive requests that one bucket holds
-EXECUTOR_BATCH = {"W1": 8, "W2": 8, "W3": 4, "W4": 8, "W5": 2, "W6": 1}
+EXECUTOR_BATCH = {"W1": 8, "W2": 8, "W3": 4, "W4": 8, "W5": 2, "W6": 1, "W7": 8, "W7u": 8, "W8": 2, "W8u": 2}
 MIX_BATCH = 8
 MIX_MODEL = "embedded:qwen3-0.6b"  # the mixes run on `slmrank serve`'s default model
 
@@ -50,7 +52,8 @@ def runtime_request(w: dict[str, Any], g: Any) -> Any:
         samples = tuple(ids(w["len"]) for _ in range(w["samples"]))
         labels = tuple(1000 * (i + 1) for i in range(w["labels"]))
         return ScoreRequest(samples=samples, label_ids=labels, prefix_ids=ids(w["prefix"]) if w["prefix"] else ())
-    return BeamRequest(prompt_ids=ids(w["prompt"]), beam_width=w["beam"], new_tokens=w["new"])
+    return BeamRequest(prompt_ids=ids(w["prompt"]), beam_width=w["beam"], new_tokens=w["new"],
+                       catalog=w.get("catalog", ""))
 
 
 def request_flops(cfg: Any, req: Any) -> int:
@@ -83,4 +86,34 @@ def runtime_of(msg: Any) -> Any:
     if hasattr(msg, "samples"):
         return ScoreRequest(samples=tuple(tuple(s.ids) for s in msg.samples), label_ids=tuple(msg.label_ids),
                             prefix_ids=tuple(msg.prefix.ids))
-    return BeamRequest(prompt_ids=tuple(msg.prompt.ids), beam_width=msg.beam_width, new_tokens=msg.new_tokens)
+    return BeamRequest(prompt_ids=tuple(msg.prompt.ids), beam_width=msg.beam_width, new_tokens=msg.new_tokens,
+                       catalog=msg.catalog)
+
+
+def catalog_artifact(model: str, catalog: str, out: str | Path | None = None, quiet: bool = True) -> Path:
+    """The artifact of an embedded spec or checkpoint `model` built with the catalog CATALOGS[catalog]
+    (service/loadgen/catalogs.py, seeded: the same items every time) under that name: what a catalog
+    workload (W7, W8) runs against. Built once into out (default: the artifact cache,
+    $SLMRANK_CACHE/artifacts, keyed by the model, the catalog's name and its definition), the
+    catalog file beside it; later calls load the one there (rebuilt if it does not load)."""
+    import hashlib
+    import json
+
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.artifact.manifest import ArtifactError
+    from service.artifact.resolve import cache_dir
+    from service.loadgen.catalogs import CATALOGS, catalog_file
+
+    if catalog not in CATALOGS:
+        raise SystemExit(f"catalog {catalog!r} is not one of {', '.join(CATALOGS)}")
+    key = json.dumps([model, catalog, CATALOGS[catalog]], sort_keys=True)
+    out = Path(out) if out else cache_dir() / "artifacts" / ("catalog-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    if (out / "manifest.msgpack").exists():
+        try:
+            if catalog in load_artifact(out).catalog_lengths:
+                return out
+        except ArtifactError:
+            pass
+    file = catalog_file(catalog, cache_dir() / "catalogs")
+    build_artifact(model, out, quiet=quiet, catalogs={catalog: file})
+    return out

@@ -1,5 +1,5 @@
 """The workloads, one definition for every load generator and benchmark (docs/benchmarks.md's
-tables): W1..W6's fixed shapes, a custom shape from its text, the seeded variable-shape mixes, a
+tables): W1..W8's fixed shapes (W7u, W8u: W7, W8 unconstrained), a custom shape from its text, the seeded variable-shape mixes, a
 `slmrank run` request file; their requests as slmrank.v1 messages; a request's logical FLOPs
 (service/model/flops.py, the numerator of effective MFU).
 
@@ -9,6 +9,12 @@ tables): W1..W6's fixed shapes, a custom shape from its text, the seeded variabl
   W4  Score       a 384-token prefix, 15 samples x 24 tokens, 2 labels  qwen3-0.6b
   W5  BeamSearch  prompt 480, beam 400, 5 new tokens                    qwen3-0.6b
   W6  BeamSearch  prompt 1000, beam 256, 3 new tokens (one at a time)   qwen3-1.7b
+  W7  BeamSearch  prompt 128, beam 100, 3 new tokens, catalog sid-1m    qwen2.5-0.5b
+  W8  BeamSearch  prompt 128, beam 400, 3 new tokens, catalog sid-1m    qwen3-0.6b
+  W7u, W8u        W7, W8 without the catalog (any tokens): the unconstrained run of the same shape
+
+  sid-1m: 1M random 3-token semantic-ID items over 3 x 256 code tokens (service/loadgen/catalogs.py,
+  seeded); a catalog workload runs against an artifact built with it (the benches build it).
 
   score-mix  Score: 5-30 samples, each 8-160 tokens; half the requests with a prefix of 32-256 tokens; 2 labels
   beam-mix   BeamSearch: prompt 32-480 tokens, beam 20-200, 3-5 new tokens
@@ -41,6 +47,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W4": dict(kind="score", prefix=384, samples=15, len=24, labels=2, model="embedded:qwen3-0.6b"),
     "W5": dict(kind="beam", prompt=480, beam=400, new=5, model="embedded:qwen3-0.6b"),
     "W6": dict(kind="beam", prompt=1000, beam=256, new=3, model="embedded:qwen3-1.7b", levels="1"),
+    # generative retrieval (issue 28): beams held to a catalog (catalogs.CATALOGS), new = its code length
+    "W7": dict(kind="beam", prompt=128, beam=100, new=3, model="embedded:qwen2.5-0.5b", catalog="sid-1m"),
+    "W7u": dict(kind="beam", prompt=128, beam=100, new=3, model="embedded:qwen2.5-0.5b"),
+    "W8": dict(kind="beam", prompt=128, beam=400, new=3, model="embedded:qwen3-0.6b", catalog="sid-1m"),
+    "W8u": dict(kind="beam", prompt=128, beam=400, new=3, model="embedded:qwen3-0.6b"),
 }
 
 # the variable shapes: (low, high) inclusive ranges; prefix_share: the share of Score requests with a prefix
@@ -57,7 +68,7 @@ class WorkloadError(ValueError):
 
 
 def parse_workload(text: str) -> dict[str, Any]:
-    """W1..W6, a mix (score-mix, beam-mix, mixed), or a custom shape:
+    """W1..W8 (W7u, W8u), a mix (score-mix, beam-mix, mixed), or a custom shape:
     "score,prefix=0,samples=3,len=8,labels=2" / "beam,prompt=16,beam=4,new=3" (keys left out take
     W1's / W2's values). The shape's dict, with its name."""
     if text in WORKLOADS:
@@ -66,7 +77,7 @@ def parse_workload(text: str) -> dict[str, Any]:
         return dict(kind="mix", weights=MIXES[text], name=text)
     kind, *parts = text.split(",")
     if kind not in ("score", "beam"):
-        raise WorkloadError(f"--workload: {text!r} is not W1..W6, {', '.join(MIXES)}, nor 'score,...' / 'beam,...'")
+        raise WorkloadError(f"--workload: {text!r} is not W1..W8, W7u, W8u, {', '.join(MIXES)}, nor 'score,...' / 'beam,...'")
     w: dict[str, Any] = dict(kind="score", prefix=0, samples=15, len=64, labels=2) if kind == "score" \
         else dict(kind="beam", prompt=128, beam=100, new=5)
     for part in parts:
@@ -85,7 +96,7 @@ def parse_workload(text: str) -> dict[str, Any]:
 
 class Requests:
     """A workload's requests as slmrank.v1 messages, every one different: ids uniform in [0, high)
-    from one seeded generator. A fixed shape (W1..W6, custom) or a mix; limits: the server's
+    from one seeded generator. A fixed shape (W1..W8, custom; W7/W8's name their catalog) or a mix; limits: the server's
     (a ModelInfoResponse's Limits, or any object with its fields), which a mix's draws keep to."""
 
     def __init__(self, w: dict[str, Any], high: int, seed: int = 7, limits: Any = None) -> None:
@@ -115,16 +126,16 @@ class Requests:
             msg.prefix.CopyFrom(pb2.Segment(ids=self.ids(prefix)))
         return msg
 
-    def beam(self, prompt: int, beam: int, new: int) -> Any:
+    def beam(self, prompt: int, beam: int, new: int, catalog: str = "") -> Any:
         return self.pb2.BeamSearchRequest(prompt=self.pb2.Segment(ids=self.ids(prompt)), beam_width=beam,
-                                          new_tokens=new)
+                                          new_tokens=new, catalog=catalog)
 
     def next(self) -> Any:
         w = self.w
         if w["kind"] == "score":
             return self.score(w["prefix"], [w["len"]] * w["samples"])
         if w["kind"] == "beam":
-            return self.beam(w["prompt"], w["beam"], w["new"])
+            return self.beam(w["prompt"], w["beam"], w["new"], w.get("catalog", ""))
         kind = self.kinds[int(self.rng.choice(len(self.kinds), p=self.p))] if len(self.kinds) > 1 else self.kinds[0]
         for _ in range(MAX_REDRAWS):
             shape = self._draw_score() if kind == "score" else self._draw_beam()

@@ -104,3 +104,24 @@ def test_build_refuses_a_bad_catalog(tmp_path):
     cat_file.write_text("a\t1 2 3\nb\t1 2 999999\n")
     with pytest.raises(CatalogError, match=r"bad.tsv:2: token id outside"):
         build_artifact("embedded:tiny", tmp_path / "art", quiet=True, catalogs={"shop": cat_file})
+
+
+def test_blocks_of_lines_parse_as_the_whole_file(tmp_path, monkeypatch):
+    """parse_catalog's token part goes a block of lines at a time: blocks of a line or two give the
+    whole file's codes, and an error names its line in the file, not in its block."""
+    from service.artifact import catalog
+
+    rng = np.random.default_rng(3)
+    codes = np.unique(rng.integers(0, 1000, (300, 3)), axis=0)
+    path = tmp_path / "c.tsv"
+    path.write_text("".join(f"item{i}\t{a} {b}  {c}\r\n" for i, (a, b, c) in enumerate(codes.tolist())))
+    whole = parse_catalog(path, 151_936)
+    monkeypatch.setattr(catalog, "BLOCK_BYTES", 16)
+    ids, got = parse_catalog(path, 151_936)
+    assert ids == whole[0] and (got == whole[1]).all() and (got == codes).all()
+    lines = path.read_text().split("\n")
+    for bad, what in (("item9\t1 2 x", "integer ids"), ("item9\t1 2 1234567890", "more than 9 digits"),
+                      ("item9\t1 2", "2 tokens, but line 1 has 3")):
+        path.write_text("\n".join(lines[:200] + [bad] + lines[201:]))
+        with pytest.raises(CatalogError, match=f"c.tsv:201: .*{what}"):
+            parse_catalog(path, 151_936)

@@ -12,10 +12,9 @@ import random
 import pytest
 import torch
 
-from service.runtime.engine import execute
 from service.runtime.requests import BeamRequest, BeamResult
 
-from tests.e2e.test_float32_accuracy import _hf_float64, _hf_logprobs
+from tests.e2e.test_float32_accuracy import _hf_float64, _hf_logprobs, run_both_runtimes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 TOL = 3e-4
@@ -70,9 +69,6 @@ def _hf_constrained(hf, prompt: list[int], beams: int, items) -> list[tuple[list
 
 
 def test_constrained_beams_equal_hf_float64_in_a_cuda_graph(model) -> None:
-    from service.runtime.cpp_runtime import CppRuntime
-    from service.runtime.python_runtime import PythonRuntime
-
     art, hf, items = model
     rng = random.Random(28)
     big_width = 400 if art.config.arch == "qwen3" else 100  # the W8 and W7 widths
@@ -80,12 +76,7 @@ def test_constrained_beams_equal_hf_float64_in_a_cuda_graph(model) -> None:
                         catalog="big"),
             BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(40)), 100, CODE_LEN, id="few", catalog="few"),
             BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(60)), 20, CODE_LEN, id="free")]
-    cpp = CppRuntime(art, device="cuda", dtype=torch.float32, use_graphs=True, kernels="triton")
-    try:
-        got = execute(art, PythonRuntime(art, device="cuda", dtype=torch.float32, kernels="triton"), reqs)
-        assert execute(art, cpp, reqs) == got, "the two runtimes launch the same kernels: equal results"
-    finally:
-        cpp.shutdown()
+    got = run_both_runtimes(art, reqs)
     worst = 0.0
     for req, res in zip(reqs, got):
         assert isinstance(res, BeamResult), res
@@ -106,19 +97,11 @@ def test_constrained_beams_equal_hf_float64_in_a_cuda_graph(model) -> None:
 
 
 def test_bf16_constrained_batch_is_valid_and_runtimes_agree(model) -> None:
-    from service.runtime.cpp_runtime import CppRuntime
-    from service.runtime.python_runtime import PythonRuntime
-
     art, _, items = model
     rng = random.Random(7)
     reqs = [BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(16, 300))), rng.randint(1, 200),
                         CODE_LEN, id=str(i), catalog=rng.choice(["big", "few", ""])) for i in range(24)]
-    cpp = CppRuntime(art, device="cuda", dtype=torch.bfloat16, use_graphs=True, kernels="triton")
-    try:
-        got = execute(art, cpp, reqs)
-        assert execute(art, PythonRuntime(art, device="cuda", dtype=torch.bfloat16, kernels="triton"), reqs) == got
-    finally:
-        cpp.shutdown()
+    got = run_both_runtimes(art, reqs, torch.bfloat16)
     for req, res in zip(reqs, got):
         assert isinstance(res, BeamResult), res
         if req.catalog:

@@ -65,10 +65,22 @@ def model(request, tmp_path_factory: pytest.TempPathFactory):
     return art, _hf_float64(art)
 
 
-def test_float32_triton_path_within_3e4_of_hf_float64(model) -> None:
+def run_both_runtimes(art, reqs: list, dtype: torch.dtype = torch.float32) -> list:
+    """The requests through the Python runtime and the C++ one (CUDA graphs), both on the Triton
+    kernels: they launch the same kernels, so their results must be equal; returns them."""
     from service.runtime.cpp_runtime import CppRuntime
     from service.runtime.python_runtime import PythonRuntime
 
+    cpp = CppRuntime(art, device="cuda", dtype=dtype, use_graphs=True, kernels="triton")
+    try:
+        got = execute(art, PythonRuntime(art, device="cuda", dtype=dtype, kernels="triton"), reqs)
+        assert execute(art, cpp, reqs) == got, "the two runtimes launch the same kernels: equal results"
+    finally:
+        cpp.shutdown()
+    return got
+
+
+def test_float32_triton_path_within_3e4_of_hf_float64(model) -> None:
     art, hf = model
     rng = random.Random(8)
     labels = _ids(rng, 6)
@@ -77,12 +89,7 @@ def test_float32_triton_path_within_3e4_of_hf_float64(model) -> None:
             BeamRequest(_ids(rng, 100), 400, 5),  # W5's width
             BeamRequest(_ids(rng, 128), 100, 5),  # W2
             BeamRequest(_ids(rng, 17), 4, 3)]
-    cpp = CppRuntime(art, device="cuda", dtype=torch.float32, use_graphs=True, kernels="triton")
-    try:
-        got = execute(art, PythonRuntime(art, device="cuda", dtype=torch.float32, kernels="triton"), reqs)
-        assert execute(art, cpp, reqs) == got, "the two runtimes launch the same kernels: equal results"
-    finally:
-        cpp.shutdown()
+    got = run_both_runtimes(art, reqs)
     worst = 0.0
     for req, res in zip(reqs, got):
         if isinstance(req, ScoreRequest):

@@ -53,6 +53,7 @@ from ..observe.tracing import RequestTracer, TracingConfig
 from .interceptor import TracingInterceptor, deadline_passed, end_rpc, ended_status, request_id
 from .model_info import model_info
 from .reflection import enable_reflection
+from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
 from .tls import check_tls_settings, server_credentials
 from .status import NotServing, server_options, status_of
 from .wire import invalid_utf8_field
@@ -103,14 +104,20 @@ class ServerConfig:
     # front processes on the public port (SO_REUSEPORT) that refuse what admission would refuse and
     # forward the rest to this process over a Unix socket (fronts.py); 0: this process listens itself
     fronts: int = 0
+    # a call waiting on its client longer than this is cancelled (stalls.py): for its whole request
+    # message (from its headers), and for its answer to be written (a zero flow-control window, a
+    # client that does not read)
+    receive_timeout_s: float = 5.0
+    send_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port", "trace_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is outside [0, 65535]")
-        if not self.grace_s > 0:
-            raise ValueError(f"grace_s: must be > 0, got {self.grace_s}")
+        for name in ("grace_s", "receive_timeout_s", "send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
@@ -342,6 +349,7 @@ class RankerServer:
     trace_server: MetricsServer | None = None  # with config.trace_port (and a Chrome writer); likewise
     health_port: int | None = None  # the bound health-only port, with config.health_port
     fronts: FrontSupervisor | None = None  # with config.fronts
+    stalls: StallWatch | None = None  # set by start(): the calls waiting on their clients (both listeners)
     _server: grpc.aio.Server | None = None
     _health_server: grpc.aio.Server | None = None
     _loading: asyncio.Task | None = None
@@ -355,9 +363,13 @@ class RankerServer:
         self.servicer.admission = self.config.admission or AdmissionConfig()
         self.interceptor.max_inflight = self.servicer.admission.max_inflight_rpcs
         self.interceptor.busy_hint_s = self.servicer.busy_hint_s
-        # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
+        self.stalls = StallWatch(self.config.receive_timeout_s, self.config.send_timeout_s)
+        self.stalls.start()
+        # StallInterceptor outermost (a call's waits on its client take in the other interceptors'
+        # work), then TracingInterceptor: it reads the code StatusInterceptor aborted with
         access_log = logging.getLogger("slmrank.access") if self.config.access_log else None
-        interceptors = [TracingInterceptor(self.tracer, self.metrics, access_log=access_log), self.interceptor]
+        interceptors = [StallInterceptor(self.stalls), TracingInterceptor(self.tracer, self.metrics,
+                                                                          access_log=access_log), self.interceptor]
         self._server = grpc.aio.server(interceptors=interceptors, options=server_options(
             self.servicer.admission.max_inflight_rpcs, self.config.max_receive_message_bytes,
             self.config.max_send_message_bytes))
@@ -390,7 +402,8 @@ class RankerServer:
         else:
             self.port = _bind(self._server, cfg.host, cfg.port, credentials)
         if self.config.health_port is not None:
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(interceptors=[StallInterceptor(self.stalls)],
+                                                  options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             self.health_port = _bind(self._health_server, self.config.health_host, self.config.health_port, None)
             await self._health_server.start()
@@ -415,6 +428,8 @@ class RankerServer:
         for server in (self._server, self._health_server):
             if server is not None:
                 await server.stop(None)
+        if self.stalls is not None:
+            self.stalls.stop()
         for http_server in (self.metrics_server, self.trace_server):
             if http_server is not None:
                 http_server.close()
@@ -427,8 +442,9 @@ class RankerServer:
                               max_batch_s=BATCH_GRACE_SHARE * self.config.grace_s)
         await scheduler.start()
         if self.metrics is not None:
-            self.metrics.stats_source = scheduler.stats if self.fronts is None else (
+            stats = scheduler.stats if self.fronts is None else (
                 lambda: _with_front_counts(scheduler.stats(), self.fronts))
+            self.metrics.stats_source = lambda: {**stats(), "stalled": self.stalled()}
         self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime)
         if self.metrics is not None:
             self.metrics.set_model(self.servicer.info)
@@ -483,6 +499,8 @@ class RankerServer:
                 await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))
             if self._health_server is not None:
                 await self._health_server.stop(0)
+            if self.stalls is not None:
+                self.stalls.stop()
             if self.servicer.scheduler is not None:
                 await self.servicer.scheduler.close()
             if self.model is not None and hasattr(self.model.runtime, "shutdown"):
@@ -515,9 +533,14 @@ class RankerServer:
         last = self.interceptor.last_arrival_s
         return last if self.fronts is None else max(last, self.fronts.last_arrival_s())
 
+    def stalled(self) -> dict[str, int]:
+        """Calls cancelled while they waited on their clients, by reason (stalls.REASONS)."""
+        return dict(self.stalls.cancelled) if self.stalls is not None else {r: 0 for r in STALL_REASONS}
+
     def stats(self) -> dict[str, Any]:
         codec, scheduler, tracer = self.servicer.codec, self.servicer.scheduler, self.tracer
         return {
+            "stalled": self.stalled(),
             **({"fronts": {**self.fronts.counts(), "restarts": self.fronts.restarts}} if self.fronts else {}),
             "statuses": {f"{m}.{c}": n for (m, c), n in sorted(self.interceptor.counts.items())},
             "tokenize": codec.tokenize_stats.as_dict() if codec else {},

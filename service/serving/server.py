@@ -55,7 +55,7 @@ from .model_info import model_info
 from .reflection import enable_reflection
 from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
 from .tls import check_tls_settings, server_credentials
-from .status import NotServing, server_options, status_of
+from .status import NotServing, connection_options, server_options, status_of
 from .wire import invalid_utf8_field
 from .fronts.state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
 from .fronts.supervisor import FrontOptions, FrontSupervisor
@@ -109,21 +109,32 @@ class ServerConfig:
     # client that does not read)
     receive_timeout_s: float = 5.0
     send_timeout_s: float = 5.0
+    # what one connection may hold (status.connection_options), on every listener: its HTTP/2 set-up
+    # finished within this (else it is closed), streams open at once, and connections at once
+    handshake_timeout_s: float = 10.0
+    max_streams_per_connection: int = 2048
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port", "trace_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is outside [0, 65535]")
-        for name in ("grace_s", "receive_timeout_s", "send_timeout_s"):
+        for name in ("grace_s", "receive_timeout_s", "send_timeout_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_streams_per_connection", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
         if not 0 <= self.fronts <= MAX_FRONTS:
             raise ValueError(f"fronts: must be in [0, {MAX_FRONTS}], got {self.fronts}")
         check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def connection_options(self) -> list[tuple[str, Any]]:
+        return connection_options(self.handshake_timeout_s, self.max_streams_per_connection, self.max_connections)
 
     def tracing(self) -> TracingConfig:
         """The environment's tracing settings, these options over them (raises ValueError)."""
@@ -372,7 +383,7 @@ class RankerServer:
                                                                           access_log=access_log), self.interceptor]
         self._server = grpc.aio.server(interceptors=interceptors, options=server_options(
             self.servicer.admission.max_inflight_rpcs, self.config.max_receive_message_bytes,
-            self.config.max_send_message_bytes))
+            self.config.max_send_message_bytes, connections=self.config.connection_options()))
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection([RANKER, HEALTH], self._server)
@@ -403,7 +414,8 @@ class RankerServer:
             self.port = _bind(self._server, cfg.host, cfg.port, credentials)
         if self.config.health_port is not None:
             self._health_server = grpc.aio.server(interceptors=[StallInterceptor(self.stalls)],
-                                                  options=[("grpc.so_reuseport", 0)])
+                                                  options=[("grpc.so_reuseport", 0),
+                                                           *self.config.connection_options()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             self.health_port = _bind(self._health_server, self.config.health_host, self.config.health_port, None)
             await self._health_server.start()

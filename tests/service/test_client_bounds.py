@@ -4,7 +4,11 @@
 - answers whose client gives them no flow-control window are cancelled at `send_timeout_s`, while
   another client is answered at once;
 - a stream that ends without a request message, or never sends it whole, is cancelled at
-  `receive_timeout_s` (gRPC alone keeps it until its deadline, for ever without one).
+  `receive_timeout_s` (gRPC alone keeps it until its deadline, for ever without one);
+- a connection holds at most `max_streams_per_connection` streams (the rest are refused), so at most
+  that many answers waiting for it; the server at most `max_connections` connections;
+- a connection that never finishes its HTTP/2 set-up (nothing sent, half a preface, the server's
+  SETTINGS never acknowledged) is closed within `handshake_timeout_s`.
 """
 
 from __future__ import annotations
@@ -125,6 +129,21 @@ def _wait(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _closed_within(sock: socket.socket, timeout_s: float) -> float | None:
+    """Seconds until the server closed `sock` (reading and dropping what it sends), None if it did not."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if not sock.recv(1 << 16):
+                return time.monotonic() - t0
+        except socket.timeout:
+            continue
+        except OSError:
+            return time.monotonic() - t0
+    return None
+
+
 @pytest.fixture(scope="module")
 def small_model(qwen2_tiny):
     """The tiny random Qwen2 (vocabulary 512): a 400-beam BeamSearch takes a fraction of a second."""
@@ -205,4 +224,69 @@ def test_streams_without_a_whole_request_message_are_cancelled(small_model):
         assert cancelled["no_message"] == 2 and cancelled["receive"] == 2, cancelled
     finally:
         raw.close()
+        srv.stop()
+
+
+# ---- what one connection holds -------------------------------------------------------------------------
+
+def test_a_connection_holds_at_most_its_streams_and_their_answers(small_model):
+    """Past max_streams_per_connection a connection's new streams are reset (gRPC's refusal), so a
+    client that takes no answers holds at most that many of them; another connection is unaffected."""
+    srv = _serve(small_model, max_streams_per_connection=8, send_timeout_s=1.0)
+    raw, raw2 = RawClient(srv.port, window=0), RawClient(srv.port, window=0)
+    try:
+        time.sleep(0.2)  # the server's SETTINGS (its limit) acknowledged
+        for i in range(12):
+            raw.open(1 + 2 * i, "/slmrank.v1.Ranker/BeamSearch", BEAM.SerializeToString())
+        _wait(lambda: len(raw.resets()) >= 4, SLACK_S, f"{raw.resets()}")
+        refused = raw.resets()
+        assert sorted(refused) == [17, 19, 21, 23] and set(refused.values()) <= {0x7, 0xB}, refused  # REFUSED_STREAM
+        _wait(lambda: _statuses(srv).get("BeamSearch.OK", 0) == 8, 60, f"{_statuses(srv)}")
+        raw2.open(1, "/slmrank.v1.Ranker/Score", SCORE.SerializeToString())  # another connection: its own streams
+        _wait(lambda: _statuses(srv).get("Score.OK", 0) == 1, 30, f"{_statuses(srv)}")
+        time.sleep(0.5)
+        assert _statuses(srv) == {"BeamSearch.OK": 8, "Score.OK": 1}  # no more answers were made for it
+    finally:
+        raw.close()
+        raw2.close()
+        srv.stop()
+
+
+def test_connections_beyond_the_bound_are_closed_at_once(small_model):
+    srv = _serve(small_model, max_connections=3, health_port=0, health_host="127.0.0.1")
+    clients = [RawClient(srv.port, read=False) for _ in range(5)]
+    try:
+        closed = [_closed_within(c.sock, 1.0) for c in clients]
+        # (the count includes a connection gRPC has not noticed closed yet: that of wait_serving's check)
+        assert 2 <= sum(t is not None for t in closed) <= 3 and closed[0] is None, closed
+        with grpc.insecure_channel(f"127.0.0.1:{srv.server.health_port}") as ch:  # its own listener: its own bound
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for c in clients:
+            c.close()
+        srv.stop()
+
+
+def test_connections_that_never_finish_their_http2_set_up_are_closed(small_model):
+    """A connection that sends nothing, half a preface, or never acknowledges the server's SETTINGS
+    is closed within handshake_timeout_s (gRPC's defaults: 120 s, and never)."""
+    srv = _serve(small_model, handshake_timeout_s=1.0)
+    nothing = socket.create_connection(("127.0.0.1", srv.port))
+    half = socket.create_connection(("127.0.0.1", srv.port))
+    half.sendall(PREFACE[:11])
+    unacknowledged = RawClient(srv.port, ack=False, read=False)
+    try:
+        socks = {"nothing": nothing, "half a preface": half, "SETTINGS never acknowledged": unacknowledged.sock}
+        closed = {}
+        for what, sock in socks.items():
+            threading.Thread(target=lambda w=what, s=sock: closed.__setitem__(w, _closed_within(s, 1.0 + 4.0)),
+                             daemon=True).start()
+        _wait(lambda: len(closed) == 3, 1.0 + SLACK_S, f"{closed}")
+        assert all(t is not None for t in closed.values()), closed
+        with grpc.insecure_channel(srv.target) as ch:  # a client that does its part is served
+            assert pb2_grpc.RankerStub(ch).Score(SCORE, timeout=30).samples
+    finally:
+        for sock in (nothing, half, unacknowledged.sock):
+            sock.close()
         srv.stop()

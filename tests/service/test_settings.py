@@ -126,7 +126,8 @@ INTERNAL += [(BatcherConfig, "batcher_", name) for name in (
     "heavy_batch_s", "load_wait_share", "load_wait_max_s", "load_wait_outside_s", "validate_requests")]
 INTERNAL += [(TracingConfig, "trace_", name) for name in ("max_kept_per_s", "chrome_max_events")]
 INTERNAL += [(ServerConfig, "", name) for name in ("max_receive_message_bytes", "max_send_message_bytes",
-                                                    "receive_timeout_s")]
+                                                    "receive_timeout_s", "handshake_timeout_s",
+                                                    "max_streams_per_connection", "max_connections")]
 
 
 def test_there_are_at_most_36_public_settings() -> None:

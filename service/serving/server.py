@@ -408,7 +408,9 @@ class RankerServer:
             admission = self.servicer.admission
             self.fronts = FrontSupervisor(cfg.fronts, FrontOptions(
                 cfg.host, cfg.port, admission.client_id_metadata, cfg.max_receive_message_bytes,
-                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, admission.max_inflight_rpcs))
+                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, admission.max_inflight_rpcs,
+                cfg.receive_timeout_s, cfg.send_timeout_s, cfg.handshake_timeout_s, cfg.max_streams_per_connection,
+                cfg.max_connections))
             _bind(self._server, "unix", 0, None, address=self.fronts.engine_target)
         else:
             self.port = _bind(self._server, cfg.host, cfg.port, credentials)
@@ -546,8 +548,13 @@ class RankerServer:
         return last if self.fronts is None else max(last, self.fronts.last_arrival_s())
 
     def stalled(self) -> dict[str, int]:
-        """Calls cancelled while they waited on their clients, by reason (stalls.REASONS)."""
-        return dict(self.stalls.cancelled) if self.stalls is not None else {r: 0 for r in STALL_REASONS}
+        """Calls cancelled while they waited on their clients, by reason (stalls.REASONS), the fronts' included."""
+        counts = dict(self.stalls.cancelled) if self.stalls is not None else {r: 0 for r in STALL_REASONS}
+        if self.fronts is not None:
+            front_counts = self.fronts.counts()
+            for reason in counts:
+                counts[reason] += front_counts[f"stalled_{reason}"]
+        return counts
 
     def stats(self) -> dict[str, Any]:
         codec, scheduler, tracer = self.servicer.codec, self.servicer.scheduler, self.tracer

@@ -8,13 +8,18 @@
 - a connection holds at most `max_streams_per_connection` streams (the rest are refused), so at most
   that many answers waiting for it; the server at most `max_connections` connections;
 - a connection that never finishes its HTTP/2 set-up (nothing sent, half a preface, the server's
-  SETTINGS never acknowledged) is closed within `handshake_timeout_s` (at a front too).
+  SETTINGS never acknowledged) is closed within `handshake_timeout_s` (at a front too);
+- health answers throughout all of that and a flood of connections.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -297,3 +302,74 @@ def test_connections_that_never_finish_their_http2_set_up_are_closed(small_model
         for sock in (nothing, half, unacknowledged.sock):
             sock.close()
         srv.stop()
+
+
+# ---- health, through all of it ---------------------------------------------------------------------------
+
+# a process of its own (its own file descriptors) that opens connections to a port, sends each half an
+# HTTP/2 preface, says "ready" and holds them until it is killed
+_FLOOD = """
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+socks = []
+for _ in range(int(sys.argv[2])):
+    try:
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+        s.sendall(b"PRI * HTTP")
+        socks.append(s)
+    except OSError:
+        pass
+print("ready", len(socks), flush=True)
+time.sleep(120)
+"""
+
+
+def test_health_answers_while_clients_hold_all_they_may(small_model):
+    """Through answers nobody takes, streams without messages, and 300 connections that never finish
+    their set-up (more than this process may open: gRPC alone takes them all, and then accepts no
+    connection on any port), the health port answers every check, and the API port again once the
+    handshake bound has closed the flood."""
+    srv = _serve(small_model, health_port=0, health_host="127.0.0.1", send_timeout_s=1.0, receive_timeout_s=1.0,
+                 handshake_timeout_s=1.5, max_streams_per_connection=16, max_connections=32)
+    zero, silent = RawClient(srv.port, window=0), RawClient(srv.port)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+    flood = subprocess.Popen([sys.executable, "-c", _FLOOD, str(srv.port), "300"], stdout=subprocess.PIPE, text=True)
+    try:
+        for i in range(16):  # answers it will not take, on every stream it may open
+            zero.open(1 + 2 * i, "/slmrank.v1.Ranker/BeamSearch", BEAM.SerializeToString())
+        for i in range(16):  # streams without their message, half of them to the health service
+            silent.open(1 + 2 * i, "/grpc.health.v1.Health/Check" if i % 2 else "/slmrank.v1.Ranker/Score",
+                        end=i % 3 == 0)
+        assert flood.stdout.readline().startswith("ready 300")
+
+        def check(port: int) -> float:
+            t0 = time.monotonic()
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            return time.monotonic() - t0
+
+        took = []
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:  # the stalls, their cancelling, the flood and its closing
+            took.append(check(srv.server.health_port))
+            time.sleep(0.1)
+        assert max(took) < 2.0, sorted(took)[-5:]
+        _wait(lambda: _checks(srv.port), SLACK_S, "the API port never answered again")
+    finally:
+        flood.kill()
+        flood.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        zero.close()
+        silent.close()
+        srv.stop()
+
+
+def _checks(port: int) -> bool:
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False

@@ -25,10 +25,11 @@ Cancelling: grpc.aio has no call that cancels a server RPC. gRPC's core cancels 
 reference goes before the call ended (its client gets status CANCELLED, then RST_STREAM): so both
 tasks are cancelled, and the call goes with its state, by reference counting or at the garbage
 collection the sweep runs after cancelling. grpc.aio keeps the state of the latest call it
-received until the next one arrives, and that of its first call ever: a stalled call that is one of
-those two ends in the core later (at the next call; for the first, at its deadline or the
-connection's end). Who made the handler task is noted by a task factory on the serving loop
-(`install_task_creators`). Imports no torch (the fronts use it).
+received until the next one arrives, and that of a first call (of its generic handlers, and of one
+registered method) for its whole life: a stalled call that is one of those ends in the core later
+(at the next call; for a first call, at its deadline or its connection's end). Who made the handler
+task is noted by a task factory on the serving loop (`install_task_creators`). Imports no torch
+(the fronts use it).
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ class StallWatch:
         # garbage collection (its state can be in a reference cycle) once its tasks have unwound (a
         # sweep after the cancel), and again while its call task is still there (grpc.aio holds its
         # latest call's until the next one arrives); at most once a second
-        self._freeing = [(ref, since) for ref, since in self._freeing if ref() is not None and now - since < FREE_WAIT_S]
+        self._freeing = [(ref, since) for ref, since in self._freeing
+                         if ref() is not None and now - since < FREE_WAIT_S]
         if (self._uncollected or self._freeing) and now - self._last_collect >= MIN_COLLECT_INTERVAL_S:
             self._last_collect, self._uncollected = now, False
             gc.collect()
@@ -258,8 +260,10 @@ class StallInterceptor(grpc.aio.ServerInterceptor):
             wrapped = call
         else:  # a sync handler (gRPC's thread pool), a response stream written with context.write: receive only
             wrapped = behavior
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}
         return make[handler.request_streaming, handler.response_streaming](
             wrapped, request_deserializer=receive, response_serializer=serialize)
 

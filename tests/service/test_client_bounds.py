@@ -55,6 +55,7 @@ class RawClient:
     def __init__(self, port: int, window: int = 65535, ack: bool = True, read: bool = True,
                  preface: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.settimeout(None)  # (a reader that gave up after 10 s of silence would miss what comes later)
         self.enc, self.dec = hpack.Encoder(), hpack.Decoder()
         self.ack = ack
         self.frames: list[tuple[int, int, int, bytes]] = []
@@ -151,7 +152,7 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> float | None:
 
 @pytest.fixture(scope="module")
 def small_model(qwen2_tiny):
-    """The tiny random Qwen2 (vocabulary 512): a 400-beam BeamSearch takes a fraction of a second."""
+    """The tiny random Qwen2 (vocabulary 512): requests take milliseconds."""
     from service.model.tokenizer import load_tokenizer
 
     art = qwen2_tiny.artifact
@@ -165,7 +166,9 @@ def _serve(model: Model, **config: Any) -> ServerThread:
     return srv
 
 
-BEAM = pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[5, 6, 7, 8]), beam_width=400, new_tokens=3)
+# light requests (a 400-beam batch runs at nice 19 on a CPU and crawls beside a busy core); what is held is
+# the same: an answer's DATA, which a zero window stops whatever its size
+BEAM = pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[5, 6, 7, 8]), beam_width=8, new_tokens=3)
 SCORE = pb2.ScoreRequest(prefix=pb2.Segment(ids=[1, 2, 3]), samples=[pb2.Segment(ids=[4, 5])], label_ids=[6, 7])
 
 
@@ -177,8 +180,8 @@ def _statuses(srv: ServerThread) -> dict[str, int]:
 
 @pytest.mark.parametrize("fronts", [0, 1])  # with a front, the front holds the answers: the same bound there
 def test_answers_behind_a_zero_window_are_cancelled_and_others_are_answered(small_model, fronts):
-    """400-beam answers whose client grants no window (and sent no deadline: only the server can end
-    them) are cancelled at the send bound; another client is answered meanwhile."""
+    """Answers whose client grants no window (and sent no deadline: only the server can end them) are
+    cancelled at the send bound; another client is answered meanwhile."""
     srv = _serve(small_model, send_timeout_s=0.5, fronts=fronts)
     raw = RawClient(srv.port, window=0)
     try:
@@ -196,7 +199,7 @@ def test_answers_behind_a_zero_window_are_cancelled_and_others_are_answered(smal
         with grpc.insecure_channel(srv.target) as ch:  # another client, meanwhile: answered
             stub = pb2_grpc.RankerStub(ch)
             t0 = time.monotonic()
-            assert len(stub.BeamSearch(BEAM, timeout=30).beams) == 400
+            assert len(stub.BeamSearch(BEAM, timeout=30).beams) == 8
             assert stub.Score(SCORE, timeout=30).samples
             took = time.monotonic() - t0
         _wait(lambda: all(raw.ended(sid) for sid in streams), 0.5 + SLACK_S,

@@ -176,6 +176,7 @@ def _server_config(values: dict):
     # has refused an SLMRANK_TRACE_* variable that is no setting, so TracingConfig.from_env reads none)
     config = ServerConfig(
         host=values["host"], port=values["port"], grace_s=values["grace_s"], fronts=values["fronts"],
+        send_timeout_s=values["send_timeout_s"],
         health_port=values["health_port"],
         tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_client_ca=values["tls_client_ca"],
         admission=AdmissionConfig(**section(values, "admission_")),

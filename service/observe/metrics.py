@@ -298,6 +298,9 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
         CounterMetricFamily("slmrank_answered_late", "Admitted requests that ran and were answered after their "
                             "deadline: admission promised them in time (0 when its predictions hold).",
                             value=stats["answered_late"]),
+        counter("slmrank_stalled_calls", "Calls cancelled while they waited on their client past a bound, by "
+                "reason: receive (the request message was not whole in time), no_message (the stream ended without "
+                "one), send (the answer was not taken in time).", "reason", stats.get("stalled", {}).items()),
         counter("slmrank_batches", "Batches run, by outcome.", "outcome",
                 [("ok", stats["batches"] - stats["batches_failed"]), ("failed", stats["batches_failed"])]),
     ]

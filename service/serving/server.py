@@ -54,8 +54,9 @@ from ..observe.tracing import RequestTracer, TracingConfig
 from .interceptor import TracingInterceptor, deadline_passed, end_rpc, ended_status, request_id
 from .model_info import model_info
 from .reflection import enable_reflection
+from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
 from .tls import check_tls_settings, server_credentials
-from .status import NotServing, server_options, status_of
+from .status import NotServing, connection_options, server_options, status_of
 from .wire import invalid_utf8_field
 from .fronts.state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
 from .fronts.supervisor import FrontOptions, FrontSupervisor
@@ -104,20 +105,37 @@ class ServerConfig:
     # front processes on the public port (SO_REUSEPORT) that refuse what admission would refuse and
     # forward the rest to this process over a Unix socket (fronts.py); 0: this process listens itself
     fronts: int = 0
+    # a call waiting on its client longer than this is cancelled (stalls.py): for its whole request
+    # message (from its headers), and for its answer to be written (a zero flow-control window, a
+    # client that does not read)
+    receive_timeout_s: float = 5.0
+    send_timeout_s: float = 5.0
+    # what one connection may hold (status.connection_options), on every listener: its HTTP/2 set-up
+    # finished within this (else it is closed), streams open at once, and connections at once
+    handshake_timeout_s: float = 10.0
+    max_streams_per_connection: int = 2048
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port", "trace_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name}: {value} is outside [0, 65535]")
-        if not self.grace_s > 0:
-            raise ValueError(f"grace_s: must be > 0, got {self.grace_s}")
+        for name in ("grace_s", "receive_timeout_s", "send_timeout_s", "handshake_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_streams_per_connection", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
         if not 0 <= self.fronts <= MAX_FRONTS:
             raise ValueError(f"fronts: must be in [0, {MAX_FRONTS}], got {self.fronts}")
         check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def connection_options(self) -> list[tuple[str, Any]]:
+        return connection_options(self.handshake_timeout_s, self.max_streams_per_connection, self.max_connections)
 
     def tracing(self) -> TracingConfig:
         """The environment's tracing settings, these options over them (raises ValueError)."""
@@ -355,6 +373,7 @@ class RankerServer:
     trace_server: MetricsServer | None = None  # with config.trace_port (and a Chrome writer); likewise
     health_port: int | None = None  # the bound health-only port, with config.health_port
     fronts: FrontSupervisor | None = None  # with config.fronts
+    stalls: StallWatch | None = None  # set by start(): the calls waiting on their clients (both listeners)
     _server: grpc.aio.Server | None = None
     _health_server: grpc.aio.Server | None = None
     _loading: asyncio.Task | None = None
@@ -368,12 +387,16 @@ class RankerServer:
         self.servicer.admission = self.config.admission or AdmissionConfig()
         self.interceptor.max_inflight = self.servicer.admission.max_inflight_rpcs
         self.interceptor.busy_hint_s = self.servicer.busy_hint_s
-        # TracingInterceptor first (outermost): it reads the code StatusInterceptor aborted with
+        self.stalls = StallWatch(self.config.receive_timeout_s, self.config.send_timeout_s)
+        self.stalls.start()
+        # StallInterceptor outermost (a call's waits on its client take in the other interceptors'
+        # work), then TracingInterceptor: it reads the code StatusInterceptor aborted with
         access_log = logging.getLogger("slmrank.access") if self.config.access_log else None
-        interceptors = [TracingInterceptor(self.tracer, self.metrics, access_log=access_log), self.interceptor]
+        interceptors = [StallInterceptor(self.stalls), TracingInterceptor(self.tracer, self.metrics,
+                                                                          access_log=access_log), self.interceptor]
         self._server = grpc.aio.server(interceptors=interceptors, options=server_options(
             self.servicer.admission.max_inflight_rpcs, self.config.max_receive_message_bytes,
-            self.config.max_send_message_bytes))
+            self.config.max_send_message_bytes, connections=self.config.connection_options()))
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection([RANKER, HEALTH], self._server)
@@ -398,12 +421,16 @@ class RankerServer:
             admission = self.servicer.admission
             self.fronts = FrontSupervisor(cfg.fronts, FrontOptions(
                 cfg.host, cfg.port, admission.client_id_metadata, cfg.max_receive_message_bytes,
-                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, admission.max_inflight_rpcs))
+                cfg.max_send_message_bytes, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, admission.max_inflight_rpcs,
+                cfg.receive_timeout_s, cfg.send_timeout_s, cfg.handshake_timeout_s, cfg.max_streams_per_connection,
+                cfg.max_connections))
             _bind(self._server, "unix", 0, None, address=self.fronts.engine_target)
         else:
             self.port = _bind(self._server, cfg.host, cfg.port, credentials)
         if self.config.health_port is not None:
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(interceptors=[StallInterceptor(self.stalls)],
+                                                  options=[("grpc.so_reuseport", 0),
+                                                           *self.config.connection_options()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             self.health_port = _bind(self._health_server, self.config.health_host, self.config.health_port, None)
             await self._health_server.start()
@@ -428,6 +455,8 @@ class RankerServer:
         for server in (self._server, self._health_server):
             if server is not None:
                 await server.stop(None)
+        if self.stalls is not None:
+            self.stalls.stop()
         for http_server in (self.metrics_server, self.trace_server):
             if http_server is not None:
                 http_server.close()
@@ -441,8 +470,9 @@ class RankerServer:
                               max_batch_bytes=batch_memory_bytes(self.model.runtime, self.config.batcher))
         await scheduler.start()
         if self.metrics is not None:
-            self.metrics.stats_source = scheduler.stats if self.fronts is None else (
+            stats = scheduler.stats if self.fronts is None else (
                 lambda: _with_front_counts(scheduler.stats(), self.fronts))
+            self.metrics.stats_source = lambda: {**stats(), "stalled": self.stalled()}
         self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime)
         if self.metrics is not None:
             self.metrics.set_model(self.servicer.info)
@@ -497,6 +527,8 @@ class RankerServer:
                 await self._server.stop(max(end - margin_s / 2 - time.monotonic(), 0.0))
             if self._health_server is not None:
                 await self._health_server.stop(0)
+            if self.stalls is not None:
+                self.stalls.stop()
             if self.servicer.scheduler is not None:
                 await self.servicer.scheduler.close()
             if self.model is not None and hasattr(self.model.runtime, "shutdown"):
@@ -529,9 +561,19 @@ class RankerServer:
         last = self.interceptor.last_arrival_s
         return last if self.fronts is None else max(last, self.fronts.last_arrival_s())
 
+    def stalled(self) -> dict[str, int]:
+        """Calls cancelled while they waited on their clients, by reason (stalls.REASONS), the fronts' included."""
+        counts = dict(self.stalls.cancelled) if self.stalls is not None else {r: 0 for r in STALL_REASONS}
+        if self.fronts is not None:
+            front_counts = self.fronts.counts()
+            for reason in counts:
+                counts[reason] += front_counts[f"stalled_{reason}"]
+        return counts
+
     def stats(self) -> dict[str, Any]:
         codec, scheduler, tracer = self.servicer.codec, self.servicer.scheduler, self.tracer
         return {
+            "stalled": self.stalled(),
             **({"fronts": {**self.fronts.counts(), "restarts": self.fronts.restarts}} if self.fronts else {}),
             "statuses": {f"{m}.{c}": n for (m, c), n in sorted(self.interceptor.counts.items())},
             "tokenize": codec.tokenize_stats.as_dict() if codec else {},

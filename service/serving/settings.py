@@ -163,6 +163,9 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
                   "over a Unix socket (0: none, the engine listens itself; 4 to 8 under heavy overload)"),
     field_setting(ServerConfig, "grace_s", "", "server", "SIGTERM/SIGINT: finish in-flight requests for at most "
                   "this long (seconds), then exit"),
+    field_setting(ServerConfig, "send_timeout_s", "", "server", "an answer its client has not taken this long "
+                  "(seconds) after it was ready is cancelled (no HTTP/2 flow-control window, a client that does not "
+                  "read): one client cannot keep answers in the server"),
     field_setting(ServerConfig, "tls_cert", "", "tls", "PEM certificate chain of the server: TLS on the API port",
                   parse=_optional(_str)),
     field_setting(ServerConfig, "tls_key", "", "tls", "PEM private key of --tls-cert", parse=_optional(_str)),

@@ -59,10 +59,32 @@ def status_of(e: Exception) -> Status:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", ()
 
 
-def server_options(max_inflight_rpcs: int, max_receive_message_bytes: int, max_send_message_bytes: int,
-                   reuse_port: bool = False) -> list[tuple[str, Any]]:
-    """A Ranker listener's gRPC options (the engine's and each front's)."""
+def connection_options(handshake_timeout_s: float, max_streams_per_connection: int,
+                       max_connections: int) -> list[tuple[str, Any]]:
+    """What one client connection may hold, as gRPC options (every listener: the API port, the
+    health port, each front). gRPC's defaults bound little of it: a connection that never finishes
+    its HTTP/2 set-up (nothing sent, half a preface, the server's SETTINGS never acknowledged) stays
+    a minute (measured with grpcio 1.85), a connection may open any number of streams, and a server
+    may hold any number of connections. tests/service/test_client_bounds.py checks that each takes effect."""
+    timeout_ms = max(1, round(handshake_timeout_s * 1000))
     return [
+        # the connection's set-up (TLS, then the client's HTTP/2 preface and SETTINGS), and any
+        # SETTINGS of the server's left unacknowledged: past this, the connection is closed
+        ("grpc.server_handshake_timeout_ms", timeout_ms),
+        ("grpc.http2.settings_timeout", timeout_ms),
+        # streams open at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): one more is
+        # reset (REFUSED_STREAM; gRPC's clients wait for a free stream instead). Each answer waiting
+        # for its client holds its stream: this also bounds the answers a connection holds
+        ("grpc.max_concurrent_streams", max_streams_per_connection),
+        # connections at once; one more is closed as soon as it is accepted
+        ("grpc.max_allowed_incoming_connections", max_connections)]
+
+
+def server_options(max_inflight_rpcs: int, max_receive_message_bytes: int, max_send_message_bytes: int,
+                   reuse_port: bool = False, connections: list[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
+    """A Ranker listener's gRPC options (the engine's and each front's); `connections`: its
+    connection_options."""
+    return list(connections or ()) + [
         ("grpc.max_receive_message_length", max_receive_message_bytes),
         ("grpc.max_send_message_length", max_send_message_bytes),
         # a taken port is an error, not a port silently shared with another process (gRPC's
@@ -75,4 +97,4 @@ def server_options(max_inflight_rpcs: int, max_receive_message_bytes: int, max_s
         ("grpc.server.max_pending_requests_hard_limit", 32 * max_inflight_rpcs)]
 
 
-__all__ = ["PUSHBACK_KEY", "RETRY_KEY", "NotServing", "Status", "server_options", "status_of"]
+__all__ = ["PUSHBACK_KEY", "RETRY_KEY", "NotServing", "Status", "connection_options", "server_options", "status_of"]

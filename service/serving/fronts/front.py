@@ -32,7 +32,8 @@ from google.protobuf.message import DecodeError
 
 from ...sched.verdict import Overloaded
 from ..proto_gen import load as load_stubs
-from ..status import server_options, status_of
+from ..stalls import StallInterceptor, StallWatch
+from ..status import connection_options, server_options, status_of
 from .gate import FrontGate, refusal_reason
 from .state import SENT_KEY, SharedState, client_id
 
@@ -153,9 +154,14 @@ class Front:
             ("grpc.max_receive_message_length", a.max_send_message_bytes),
             ("grpc.max_send_message_length", a.max_receive_message_bytes)])
         self._unary = {m: self.channel.unary_unary(f"/{RANKER}/{m}") for m in ("Score", "BeamSearch")}
+        # the engine's bounds on what one client holds, here where the clients are
+        stalls = StallWatch(a.receive_timeout_s, a.send_timeout_s,
+                            on_cancel=lambda reason: self.shared.slot_add(self.slot, f"stalled_{reason}"))
+        stalls.start()
         # as the engine's listener: a burst reaches the bound above (UNAVAILABLE with a hint)
-        self.server = grpc.aio.server(options=server_options(a.max_inflight, a.max_receive_message_bytes,
-                                                             a.max_send_message_bytes, reuse_port=True))
+        self.server = grpc.aio.server(interceptors=[StallInterceptor(stalls)], options=server_options(
+            a.max_inflight, a.max_receive_message_bytes, a.max_send_message_bytes, reuse_port=True,
+            connections=connection_options(a.handshake_timeout_s, a.max_streams_per_connection, a.max_connections)))
         self.server.add_generic_rpc_handlers((self.handler(),))
         address = f"{a.host}:{a.port}"
         try:
@@ -184,6 +190,7 @@ class Front:
                     break
         self.shared.slot_set(self.slot, "ready", 0)
         await self.server.stop(a.grace_s)
+        stalls.stop()
         await self.channel.close()
         self.shared.close()
         return 0
@@ -205,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-client-ca")
     p.add_argument("--grace-s", type=float, default=2.0)
     p.add_argument("--max-inflight", type=int, default=1024, help="Score/BeamSearch RPCs handled here at once")
+    p.add_argument("--receive-timeout-s", type=float, default=5.0)
+    p.add_argument("--send-timeout-s", type=float, default=5.0)
+    p.add_argument("--handshake-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-streams-per-connection", type=int, default=2048)
+    p.add_argument("--max-connections", type=int, default=1024)
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     args = p.parse_args(argv)

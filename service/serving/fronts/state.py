@@ -163,7 +163,7 @@ _SHAPES = Layout(("num_shapes", "q"), ("keys", "q", NUM_SHAPES), ("own_s", "d", 
                  ("share_s", "d", NUM_SHAPES), ("idle_s", "d", NUM_SHAPES))
 # a front's slot: written by its front only (counters), read by the engine
 SLOT_FIELDS = ("pid", "ready", "forwarded", "refused_deadline", "refused_queue_full", "refused_unavailable",
-               "refused_impossible", "refused_backlog")
+               "refused_impossible", "refused_backlog", "stalled_receive", "stalled_no_message", "stalled_send")
 _SLOT = Layout(*((name, "q") for name in SLOT_FIELDS), ("last_arrival_s", "d"))
 
 _SEQ = struct.Struct("<Q")  # the sequence lock: odd while the engine writes

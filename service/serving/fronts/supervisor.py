@@ -170,6 +170,12 @@ class FrontOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     max_inflight: int = 1024  # Score/BeamSearch RPCs each front handles at once (admission.max_inflight_rpcs)
+    # the bounds on what one client holds (ServerConfig's; stalls.py, status.connection_options)
+    receive_timeout_s: float = 5.0
+    send_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    max_streams_per_connection: int = 2048
+    max_connections: int = 1024  # each front's: N fronts take N times as many
 
 
 class FrontSupervisor:
@@ -206,7 +212,11 @@ class FrontSupervisor:
                "--state", self.shared.path, "--slot", str(index), "--fronts", str(self.num_fronts),
                "--host", o.host, "--port", str(self.port), "--client-id-metadata", o.client_id_metadata,
                "--max-receive-message-bytes", str(o.max_receive_message_bytes),
-               "--max-send-message-bytes", str(o.max_send_message_bytes), "--max-inflight", str(o.max_inflight)]
+               "--max-send-message-bytes", str(o.max_send_message_bytes), "--max-inflight", str(o.max_inflight),
+               "--receive-timeout-s", str(o.receive_timeout_s), "--send-timeout-s", str(o.send_timeout_s),
+               "--handshake-timeout-s", str(o.handshake_timeout_s),
+               "--max-streams-per-connection", str(o.max_streams_per_connection),
+               "--max-connections", str(o.max_connections)]
         from ...observe.logs import current_settings
         level, fmt = current_settings()
         cmd += ["--log-level", level, "--log-format", fmt]

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from service.artifact.artifact import build_artifact, load_artifact
+from service.artifact.catalog import parse_catalog
 from service.loadgen.catalogs import write_catalog
 from service.runtime.engine import execute
 from service.runtime.factory import make_runtime
@@ -34,12 +35,10 @@ CATALOGS = {"l2": (3_000, 2, 64), "l3": (200_000, 3, 256), "l3few": (40, 3, 256)
 CHUNK = 256  # requests handed to the engine at a time
 
 
-def _items(path: Path) -> dict[tuple[int, ...], str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        item, toks = line.split("\t")
-        out[tuple(int(t) for t in toks.split())] = item
-    return out
+def _items(path: Path, vocab_size: int) -> dict[tuple[int, ...], str]:
+    """code -> item id, read by the build's own parser."""
+    ids, codes = parse_catalog(path, vocab_size)
+    return {tuple(code): item.decode() for item, code in zip(ids, codes.tolist())}
 
 
 def check(req: BeamRequest, res: object, items: dict[tuple[int, ...], str] | None) -> str | None:
@@ -74,11 +73,11 @@ def main() -> None:
     args = p.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        files, items = {}, {}
+        files = {}
         for i, (name, (n, levels, codes)) in enumerate(CATALOGS.items()):
             files[name] = write_catalog(Path(tmp) / f"{name}.tsv", n, args.seed + i, levels, codes)
-            items[name] = _items(files[name])
         art = load_artifact(build_artifact(args.model, Path(tmp) / "art", quiet=True, catalogs=files))
+        items = {name: _items(path, art.config.vocab_size) for name, path in files.items()}
         runtime = make_runtime(args.runtime, art, args.device, None)
         names = [*CATALOGS, ""]
         invalid: list[str] = []

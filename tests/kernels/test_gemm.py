@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kernels.gemm import GemmConfig, linear, sum_parts
 from kernels.norm_act import rms_norm_parts
 from service.model.layers import rms_norm as rms_norm_ref
+from tests.kernels.test_norm_act import _ulps
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -25,12 +26,6 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int):
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
     bias = torch.randn(n, generator=g).to(device, dtype)
     return a, w, bias
-
-
-def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest difference in units of the dtype's spacing at the reference's magnitude."""
-    spacing = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
-    return float(((got.float() - want.float()).abs() / spacing).max())
 
 
 # the accumulation order is not torch's: float32 agrees to its rounding, bf16 to one output rounding

@@ -43,7 +43,10 @@ class Executor:
         use_graphs: bool = True,
         verify: bool = True,
         num_lanes: int = 0,
+        catalog_capacity: tuple[int, int, int] = (0, 0, 0),
     ) -> Executor: ...
+    def update_weights(self, values: dict[str, torch.Tensor]) -> None: ...
+    def weight(self, name: str) -> torch.Tensor: ...
     def prepare(
         self, kind: str, inputs: dict[str, torch.Tensor], num_requests: int = 0, beam_width: int = 0,
         new_tokens: int = 1,

@@ -489,7 +489,7 @@ std::pair<at::Tensor, at::Tensor> rope_table(int64_t head_dim, const at::Scalar&
 }
 
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
-                             bool verify) {
+                             bool verify, ForestCapacity catalog_capacity) {
   const Manifest m = read_manifest(dir);
   LoadedArtifact a;
   a.dir = dir;
@@ -555,7 +555,7 @@ LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::opt
       throw std::invalid_argument(e.what());
     }
   }
-  a.catalogs = catalog_forest(tries, device);
+  a.catalogs = catalog_forest(tries, device, catalog_capacity);
   if (verify && m.root().find("acceptance")) {  // the record itself is read by the Python side only
     verify_file(dir + "/" + kAcceptance, m.str("acceptance.sha256"));
   }

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "catalog_forest.h"
 #include "dag.h"
 
 namespace slmrank {
@@ -39,8 +40,9 @@ struct LoadedArtifact {
 // mismatched artifact (a manifest whose sha256 does not match, unsupported format_version, a field
 // of the wrong type or out of range, a file that is not a regular file, weights that do not match
 // the config). verify: also check the weights' and the catalog tries' sha256 against the manifest.
+// catalog_capacity: the room of the catalogs' forest (catalog_forest.h; default: exactly theirs).
 LoadedArtifact load_artifact(const std::string& dir, at::Device device, std::optional<at::ScalarType> dtype,
-                             bool verify);
+                             bool verify, ForestCapacity catalog_capacity = {});
 
 // service/model/layers.py::rope_table, op for op: cos, sin [num_positions, head_dim] float32.
 std::pair<at::Tensor, at::Tensor> rope_table(int64_t head_dim, const at::Scalar& theta, int64_t num_positions,

@@ -192,10 +192,12 @@ struct ExecutorDeleter {
 using ExecutorPtr = std::unique_ptr<slmrank::Executor, ExecutorDeleter>;
 
 ExecutorPtr executor_from_artifact(const std::string& path, const std::string& device,
-                                                          const std::optional<std::string>& dtype, bool use_graphs,
-                                                          bool verify, int num_lanes) {
+                                   const std::optional<std::string>& dtype, bool use_graphs, bool verify,
+                                   int num_lanes, std::tuple<int64_t, int64_t, int64_t> catalog_capacity) {
   py::gil_scoped_release nogil;
-  slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify);
+  const auto [nodes, edges, window] = catalog_capacity;
+  slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify,
+                                                     slmrank::ForestCapacity{nodes, edges, window});
   a.weights.merge(a.catalogs);  // the beam_allowed node's constants, beside the weights (catalog.* names)
   return ExecutorPtr(new slmrank::Executor(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
                                            a.beam_dag, use_graphs, num_lanes));
@@ -230,9 +232,16 @@ PYBIND11_MODULE(_core, m) {
                                  "Runs the artifact's Score/BeamSearch DAGs with a timing per node.")
       .def_static("from_artifact", &executor_from_artifact, py::arg("path"), py::arg("device") = "cpu",
                   py::arg("dtype") = py::none(), py::arg("use_graphs") = true, py::arg("verify") = true,
-                  py::arg("num_lanes") = 0,
+                  py::arg("num_lanes") = 0, py::arg("catalog_capacity") = std::make_tuple(0, 0, 0),
                   "Loads the artifact directory in C++ (manifest, weights, RoPE tables; GIL released).\n"
-                  "dtype: float32 | bfloat16 | float16 (default: the weights'); verify: check the weights' sha256.")
+                  "dtype: float32 | bfloat16 | float16 (default: the weights'); verify: check the weights' sha256;\n"
+                  "catalog_capacity: (trie nodes, edges, children at a node) the catalogs' forest holds room for\n"
+                  "(0: exactly the artifact's; service/artifact/catalog.py::ForestCapacity).")
+      .def("update_weights", &slmrank::Executor::update_weights, py::arg("values"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Overwrites weights in place ({name: host tensor of the weight's shape and dtype}); on a GPU it\n"
+           "waits for the lanes' runs in progress. The caller keeps runs that read them away meanwhile.")
+      .def("weight", &slmrank::Executor::weight, py::arg("name"), "A weight as the nodes read it (tests).")
       .def(
           "prepare",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

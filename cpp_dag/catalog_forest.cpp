@@ -9,10 +9,12 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 namespace slmrank {
 
-WeightMap catalog_forest(const std::vector<CatalogTrie>& tries, at::Device device) {
+WeightMap catalog_forest(const std::vector<CatalogTrie>& tries, at::Device device, ForestCapacity capacity) {
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   std::vector<at::Tensor> offsets = {at::zeros({1}, i64)}, tokens, child;
   std::vector<int64_t> roots;
@@ -28,14 +30,24 @@ WeightMap catalog_forest(const std::vector<CatalogTrie>& tries, at::Device devic
     node_base += nodes;
     edge_base += edges;
   }
-  tokens.push_back(at::zeros({1}, i64));
-  child.push_back(at::full({1}, -1, i64));
+  const int64_t nodes = capacity.nodes > 0 ? capacity.nodes : node_base;
+  const int64_t edges = capacity.edges > 0 ? capacity.edges : edge_base;
+  const int64_t window = capacity.window > 0 ? capacity.window : widest;
+  if (nodes < node_base || edges < edge_base || window < widest) {
+    throw std::invalid_argument("the catalogs need " + std::to_string(node_base) + " trie nodes, " +
+                                std::to_string(edge_base) + " edges, " + std::to_string(widest) +
+                                " children at a node; the forest holds room for " + std::to_string(nodes) + ", " +
+                                std::to_string(edges) + ", " + std::to_string(window));
+  }
+  offsets.push_back(at::full({nodes - node_base}, edge_base, i64));
+  tokens.push_back(at::zeros({edges - edge_base + 1}, i64));
+  child.push_back(at::full({edges - edge_base + 1}, -1, i64));
   roots.push_back(-1);
   return {{"catalog.offsets", at::cat(offsets).to(device)},
           {"catalog.tokens", at::cat(tokens).to(device)},
           {"catalog.child", at::cat(child).to(device)},
           {"catalog.roots", at::tensor(roots, i64).to(device)},
-          {"catalog.window", at::arange(widest, i64.device(device))}};
+          {"catalog.window", at::arange(window, i64.device(device))}};
 }
 
 }  // namespace slmrank

@@ -310,6 +310,29 @@ void Executor::submit(BatchSpec batch, Callback callback) {
   cv_.notify_one();
 }
 
+void Executor::update_weights(const WeightMap& values) {
+  for (const auto& [name, value] : values) {  // every value checked before any is written
+    const at::Tensor& w = ctx_.weight(name);
+    if (!value.sizes().equals(w.sizes()) || value.scalar_type() != w.scalar_type()) {
+      throw std::invalid_argument("update_weights: " + name + " is " + std::string(c10::toString(w.scalar_type())) +
+                                  " " + c10::str(w.sizes()) + ", the new value " +
+                                  std::string(c10::toString(value.scalar_type())) + " " + c10::str(value.sizes()));
+    }
+  }
+  // On a GPU, no lane runs meanwhile (a lane's run holds `busy` until its outputs are on the host);
+  // a CPU run reading the forest while it is written reads only rows that are not constrained
+  // (the caller's guarantee), whose masks do not depend on it.
+  std::vector<std::unique_lock<std::mutex>> held;
+  if (device_.is_cuda()) {
+    for (auto& lane : lanes_) held.emplace_back(lane->busy);
+  }
+  c10::InferenceMode guard;
+  for (const auto& [name, value] : values) {
+    at::Tensor w = ctx_.weight(name);
+    w.copy_(value);  // from the host: returns once the copy is done
+  }
+}
+
 size_t Executor::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();

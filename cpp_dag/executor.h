@@ -113,6 +113,13 @@ class Executor {
   int num_lanes() const { return static_cast<int>(lanes_.size()); }
 
   const ModelConfig& config() const { return ctx_.cfg; }
+  // Overwrites weights in place, each value of its weight's shape and dtype (std::invalid_argument
+  // otherwise, before anything is written): graphs captured over them see the new values. The
+  // caller guarantees that no run reads them meanwhile (Scheduler.replace_catalog: no batch with a
+  // constrained request is in flight); returns once the copies are done on the device.
+  void update_weights(const WeightMap& values);
+  // A weight as the nodes read it (tests).
+  at::Tensor weight(const std::string& name) const { return ctx_.weight(name); }
   std::vector<std::string> node_names(Kind kind) const;
 
  private:

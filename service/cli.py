@@ -155,7 +155,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def loader():
         return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
                           kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all",
-                          num_lanes=values["lanes"])
+                          num_lanes=values["lanes"],
+                          catalog_headroom=config.catalog_headroom if config.catalog_dir else 1.0)
 
     return serve(config, loader, announce, on_ready)
 
@@ -176,7 +177,8 @@ def _server_config(values: dict):
     # has refused an SLMRANK_TRACE_* variable that is no setting, so TracingConfig.from_env reads none)
     config = ServerConfig(
         host=values["host"], port=values["port"], grace_s=values["grace_s"], fronts=values["fronts"],
-        send_timeout_s=values["send_timeout_s"],
+        send_timeout_s=values["send_timeout_s"], catalog_dir=values["catalog_dir"],
+        catalog_headroom=values["catalog_headroom"],
         health_port=values["health_port"],
         tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_client_ca=values["tls_client_ca"],
         admission=AdmissionConfig(**section(values, "admission_")),
@@ -222,9 +224,11 @@ def _cmd_client(args: argparse.Namespace) -> int:
                 samples = args.samples or [parse_ids(s) for s in args.sample_ids]
                 prefix = parse_ids(args.prefix_ids) if args.prefix_ids is not None else args.prefix
                 response = client.score(samples, args.labels, prefix, args.priority, label_texts=args.label_texts)
+            elif args.kind == "replace-catalog":
+                response = client.replace_catalog(args.name, args.file)
             else:
                 prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-                response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority)
+                response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority, catalog=args.catalog)
         except grpc.RpcError as e:
             print(f"slmrank client: {describe_error(e)}", file=sys.stderr)
             return 1
@@ -280,6 +284,12 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS")
     bm.add_argument("--beam-width", type=int, required=True)
     bm.add_argument("--new-tokens", type=int, required=True)
+    bm.add_argument("--catalog", default="", metavar="NAME", help="only items of this catalog (ModelInfo lists them)")
+    rc = kinds.add_parser("replace-catalog", parents=[common],
+                          help="Admin.ReplaceCatalog: swap a catalog of the server's for a file under its "
+                               "--catalog-dir, while it serves")
+    rc.add_argument("--name", required=True, help="the catalog (ModelInfo lists them)")
+    rc.add_argument("--file", required=True, help="a catalog file, as a path relative to the server's --catalog-dir")
     tk = kinds.add_parser("tokenize", parents=[common], help="Tokenize: text -> ids, or ids -> text, with the "
                                                              "server's tokenizer")
     what = tk.add_mutually_exclusive_group(required=True)

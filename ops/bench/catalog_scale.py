@@ -1,7 +1,7 @@
 """Catalog scale (issue 28, point 1: "10 million items must fit in <= 2 GB of GPU memory and load in
 <= 30 s"): build and load times, device bytes and peak RSS of seeded random semantic-ID catalogs.
 
-  python -m ops.bench.catalog_scale [--items 1000000,10000000] [--seed 28] [--cpp] [--dir DIR] [--out FILE]
+  python -m ops.bench.catalog_scale [--items 1000000,10000000] [--seed 28] [--cpp] [--replace] [--dir DIR] [--out FILE]
 
 Per size, a catalog of 3-token items over 3 x 256 code tokens (service/loadgen/catalogs.py:
 write_catalog, token ids from 1000, distinct per level, inside Qwen's 151,936) is written under
@@ -13,6 +13,8 @@ peak RSS (ru_maxrss) is its own:
          constants, to --device, cpu by default) + the first Catalog.item_of of 400 codes; the
          bytes are the forest tensors' (what the device holds) and layout_bytes' CSR sum (what the
          files hold);
+  replace (--replace): phase_replace, a replacement while serving (Admin.ReplaceCatalog) by a
+         catalog of the same size (the next seed): read, forest built, written in place;
   cpp (--cpp): an embedded:tiny artifact (vocabulary 4,096: the tokens fit) built with the catalog,
          then load_artifact (sha256 of every file, load_catalog) and CppRuntime construction on the
          CPU (artifact_loader.cpp reads the trie files itself, catalog_forest.cpp builds the forest),
@@ -101,6 +103,36 @@ def phase_load(out: Path, device: str) -> dict[str, Any]:
             "window_k": int(forest["catalog.window"].numel())}
 
 
+def phase_replace(file: Path, out: Path, device: str) -> dict[str, Any]:
+    """What a replacement while serving costs (Admin.ReplaceCatalog): the built catalog's forest with
+    the server's default room (headroom 1.25) on the device, then another catalog of the same size
+    read (read_catalog: parse, trie, version), its forest built on the host (while batches run) and
+    written over the first in place (write_s: what constrained batches wait for)."""
+    import torch
+
+    from service.artifact.catalog import forest_capacity, load_catalog, read_catalog, trie_forest
+
+    cat = load_catalog(out, json.loads((out / "entry.json").read_text()))
+    capacity = forest_capacity([cat], 1.25)
+    forest = trie_forest([cat], torch.device(device), capacity)
+    exact_bytes = sum(v.numel() * v.element_size() for v in trie_forest([cat], torch.device("cpu")).values())
+    t = time.perf_counter()
+    new = read_catalog("sid", file, QWEN_VOCAB)
+    t_read = time.perf_counter() - t
+    t = time.perf_counter()
+    host = trie_forest([new], torch.device("cpu"), capacity)
+    t_build = time.perf_counter() - t
+    t = time.perf_counter()
+    for name, value in host.items():
+        forest[name].copy_(value)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t_write = time.perf_counter() - t
+    return {"read_s": t_read, "forest_build_s": t_build, "write_s": t_write, "version": new.version,
+            "roomy_device_bytes": sum(v.numel() * v.element_size() for v in forest.values()),
+            "exact_device_bytes": exact_bytes}
+
+
 def phase_cpp(file: Path, out: Path) -> dict[str, Any]:
     from service.artifact.artifact import build_artifact, load_artifact
     from service.runtime.cpp_runtime import CppRuntime
@@ -127,6 +159,7 @@ def child(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cpu0 = cpu_s()
     row = {"build": lambda: phase_build(file, out), "load": lambda: phase_load(out, args.device),
+           "replace": lambda: phase_replace(file.with_name(file.stem + "-next.tsv"), out, args.device),
            "cpp": lambda: phase_cpp(file, out)}[args.child]()
     row["cpu_s"] = cpu_s() - cpu0  # the phase's CPU seconds, the imports before it left out
     row["peak_rss_mib"] = peak_rss_mib()
@@ -152,6 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--seed", type=int, default=28)
     p.add_argument("--device", default="cpu", help="where trie_forest puts the forest (cpu, cuda)")
     p.add_argument("--cpp", action="store_true", help="also CppRuntime construction on an artifact with the catalog")
+    p.add_argument("--replace", action="store_true", help="also a replacement while serving: another catalog of the "
+                                                          "size read and written over the first's forest")
     p.add_argument("--dir", default=None, help="where the catalogs and tries go (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="write the rows here as JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -174,7 +209,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                    "loadavg": os.getloadavg()[0]}
             print(f"{items:,} items: generated {file.stat().st_size / 2**20:.0f} MiB in {row['generate_s']:.1f} s",
                   flush=True)
-            for phase in ("build", "load") + (("cpp",) if args.cpp else ()):
+            if args.replace:  # the catalog it is replaced with: the same size, the next seed
+                write_catalog(file.with_name(file.stem + "-next.tsv"), items, args.seed + 1)
+            for phase in ("build", "load") + (("replace",) if args.replace else ()) + (("cpp",) if args.cpp else ()):
                 art = base / f"art-{items}"
                 r = run_phase(phase, file, art, args.device)
                 row[phase] = r
@@ -183,6 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows.append(row)
             shutil.rmtree(base / f"art-{items}", ignore_errors=True)
             file.unlink()
+            file.with_name(file.stem + "-next.tsv").unlink(missing_ok=True)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)

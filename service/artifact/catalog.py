@@ -23,6 +23,7 @@ Parsing and building are numpy (no Python loop per item): 1M items in 1.5 s, 10M
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from ..model.progress import note
 
@@ -51,6 +52,7 @@ class Catalog:
     tokens: np.ndarray  # int32 [num_edges]
     item_ids: list[str]  # leaf order (items sorted by code)
     code_length: int
+    version: str = ""  # the first 12 hex digits of sha256(trie file's sha256 + items file's sha256)
 
     @property
     def num_items(self) -> int:
@@ -250,9 +252,28 @@ def layout_bytes(cat: Catalog, vocab_size: int) -> list[dict[str, int]]:
 
 def build_catalog(name: str, path: str | Path, vocab_size: int, out_dir: Path, quiet: bool = False) -> dict:
     """Parses FILE, writes the trie and the item ids under out_dir/catalogs/; returns its manifest entry."""
+    cat, (trie_bytes, items_bytes) = _read(name, path, vocab_size, quiet, "--catalog ")
+    (out_dir / SUBDIR).mkdir(parents=True, exist_ok=True)
+    trie_file, items_file = f"{SUBDIR}/{name}.trie.safetensors", f"{SUBDIR}/{name}.items"
+    (out_dir / trie_file).write_bytes(trie_bytes)
+    (out_dir / items_file).write_bytes(items_bytes)
+    trie_sha, items_sha = hashlib.sha256(trie_bytes).hexdigest(), hashlib.sha256(items_bytes).hexdigest()
+    return {"name": name, "file": trie_file, "sha256": trie_sha, "items_file": items_file, "items_sha256": items_sha,
+            "num_items": cat.num_items, "code_length": cat.code_length, "version": cat.version,
+            "layout": "csr", "layout_bytes": layout_bytes(cat, vocab_size)}
+
+
+def read_catalog(name: str, path: str | Path, vocab_size: int, quiet: bool = True) -> Catalog:
+    """FILE parsed and built as `slmrank build --catalog NAME=FILE` would, in memory, with the
+    version the artifact would record for it (what a server replacing a catalog loads)."""
+    return _read(name, path, vocab_size, quiet, "catalog ")[0]
+
+
+def _read(name: str, path: str | Path, vocab_size: int, quiet: bool, what: str) -> tuple[Catalog, tuple[bytes, bytes]]:
+    """(the catalog with its version, the bytes of its two files); CatalogError naming file:line."""
     path = Path(path)
     if not NAME_RE.fullmatch(name):
-        raise CatalogError(f"--catalog {name}: a name is 1-64 letters, digits, '_', '.', '-'")
+        raise CatalogError(f"{what}{name}: a name is 1-64 letters, digits, '_', '.', '-'")
     if not path.is_file():
         raise CatalogError(f"{path}: no such catalog file")
     big = path.stat().st_size > 8 << 20
@@ -262,36 +283,77 @@ def build_catalog(name: str, path: str | Path, vocab_size: int, out_dir: Path, q
     if big and not quiet:
         note(f"catalog {name}: {len(ids):,} items of {codes.shape[1]} tokens parsed; building the trie")
     cat = build_trie(name, ids, codes, path)
-    (out_dir / SUBDIR).mkdir(parents=True, exist_ok=True)
-    trie_file, items_file = f"{SUBDIR}/{name}.trie.safetensors", f"{SUBDIR}/{name}.items"
-    save_file({"offsets": torch.from_numpy(cat.offsets), "tokens": torch.from_numpy(cat.tokens)},
-              str(out_dir / trie_file))
-    (out_dir / items_file).write_bytes("\n".join(cat.item_ids).encode() + b"\n")
-    trie_sha, items_sha = (hashlib.sha256((out_dir / f).read_bytes()).hexdigest() for f in (trie_file, items_file))
+    del ids, codes
+    files = catalog_files(cat)
+    version = hashlib.sha256((hashlib.sha256(files[0]).hexdigest() + hashlib.sha256(files[1]).hexdigest()).encode())
+    cat = Catalog(cat.name, cat.offsets, cat.tokens, cat.item_ids, cat.code_length, version.hexdigest()[:12])
+    cat.edge_keys  # noqa: B018  (here, not on the first request's beams)
     if big and not quiet:
-        note(f"catalog {name}: {cat.num_items:,} items, {cat.num_nodes:,} trie nodes written")
-    return {"name": name, "file": trie_file, "sha256": trie_sha, "items_file": items_file, "items_sha256": items_sha,
-            "num_items": cat.num_items, "code_length": cat.code_length,
-            "version": hashlib.sha256((trie_sha + items_sha).encode()).hexdigest()[:12],
-            "layout": "csr", "layout_bytes": layout_bytes(cat, vocab_size)}
+        note(f"catalog {name}: {cat.num_items:,} items, {cat.num_nodes:,} trie nodes")
+    return cat, files
+
+
+def catalog_files(cat: Catalog) -> tuple[bytes, bytes]:
+    """The bytes of the catalog's two files: the trie (safetensors) and the item ids, a line each."""
+    trie = save({"offsets": torch.from_numpy(cat.offsets), "tokens": torch.from_numpy(cat.tokens)})
+    return trie, "\n".join(cat.item_ids).encode() + b"\n"
 
 
 def load_catalog(art_dir: Path, entry: dict) -> Catalog:
     trie = load_file(str(art_dir / entry["file"]))
     items = (art_dir / entry["items_file"]).read_bytes().decode().split("\n")[:-1]
-    cat = Catalog(entry["name"], trie["offsets"].numpy(), trie["tokens"].numpy(), items, int(entry["code_length"]))
+    cat = Catalog(entry["name"], trie["offsets"].numpy(), trie["tokens"].numpy(), items, int(entry["code_length"]),
+                  str(entry["version"]))
     cat.edge_keys  # noqa: B018  (at load, not on the first request's beams)
     return cat
 
 
-def trie_forest(catalogs: list[Catalog], device: torch.device) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ForestCapacity:
+    """What the beam_allowed node's trie forest holds room for (its tensors' sizes): trie nodes and
+    edges over all catalogs, and the widest node's children (the window every row reads)."""
+    nodes: int
+    edges: int
+    window: int
+
+    def holds(self, other: ForestCapacity) -> bool:
+        return other.nodes <= self.nodes and other.edges <= self.edges and other.window <= self.window
+
+    def __str__(self) -> str:
+        return f"{self.nodes:,} trie nodes, {self.edges:,} edges, {self.window:,} children at a node"
+
+
+def forest_size(catalogs: list[Catalog] | tuple[Catalog, ...]) -> ForestCapacity:
+    """What these catalogs' forest needs."""
+    return ForestCapacity(sum(c.num_nodes for c in catalogs), sum(len(c.tokens) for c in catalogs),
+                          max((int(np.diff(c.offsets).max(initial=1)) for c in catalogs), default=1))
+
+
+def forest_capacity(catalogs: list[Catalog] | tuple[Catalog, ...], headroom: float = 1.0) -> ForestCapacity:
+    """Room for these catalogs, each dimension `headroom` times what they need (rounded up): the
+    room replacements (Scheduler.replace_catalog) have. 1.0: exactly theirs."""
+    if not headroom >= 1.0:
+        raise ValueError(f"catalog headroom {headroom}: must be at least 1.0")
+    size = forest_size(catalogs)
+    return ForestCapacity(*(math.ceil(headroom * v) for v in (size.nodes, size.edges, size.window)))
+
+
+def trie_forest(catalogs: list[Catalog] | tuple[Catalog, ...], device: torch.device,
+                capacity: ForestCapacity | None = None) -> dict[str, torch.Tensor]:
     """Every catalog's trie in one CSR over global node ids (catalog c's nodes after those of the
     catalogs before it), the constants of the beam_allowed node (cpp_dag/catalog_forest.cpp builds
-    the same):
-      catalog.offsets [nodes + 1] int64; catalog.tokens, catalog.child [edges + 1] int64 (one
-      padding edge, token 0 and child -1, that a window past a node's children reads);
+    the same), sized to `capacity` (default: exactly these catalogs; CatalogError when they need more):
+      catalog.offsets [capacity.nodes + 1] int64 (the nodes past the last real one: no children);
+      catalog.tokens, catalog.child [capacity.edges + 1] int64 (past the real edges, padding edges:
+      token 0 and child -1, that a window past a node's children reads; the last one always);
       catalog.roots [C + 1] int64 (each catalog's root, then -1: unconstrained);
-      catalog.window [K] int64 = arange(K), K the most children any node has."""
+      catalog.window [capacity.window] int64 = arange.
+    The answers do not depend on the room (a row reads its node's children only), so a forest
+    with room can be overwritten in place with other catalogs' (CUDA graphs keep its addresses)."""
+    size = forest_size(catalogs)
+    cap = capacity or size
+    if not cap.holds(size):
+        raise CatalogError(f"the catalogs need {size}; the server holds room for {cap}")
     offsets, tokens, child, roots = [np.zeros(1, np.int64)], [], [], []
     node_base = edge_base = 0
     for cat in catalogs:
@@ -300,10 +362,10 @@ def trie_forest(catalogs: list[Catalog], device: torch.device) -> dict[str, torc
         child.append(np.arange(1, len(cat.tokens) + 1, dtype=np.int64) + node_base)
         roots.append(node_base)
         node_base, edge_base = node_base + cat.num_nodes, edge_base + len(cat.tokens)
-    widest = max((int(np.diff(c.offsets).max(initial=1)) for c in catalogs), default=1)
-    arrays = {"catalog.offsets": np.concatenate(offsets),
-              "catalog.tokens": np.concatenate(tokens + [np.zeros(1, np.int64)]),
-              "catalog.child": np.concatenate(child + [np.full(1, -1, np.int64)]),
+    pad_edges = cap.edges - edge_base + 1
+    arrays = {"catalog.offsets": np.concatenate(offsets + [np.full(cap.nodes - node_base, edge_base, np.int64)]),
+              "catalog.tokens": np.concatenate(tokens + [np.zeros(pad_edges, np.int64)]),
+              "catalog.child": np.concatenate(child + [np.full(pad_edges, -1, np.int64)]),
               "catalog.roots": np.array(roots + [-1], dtype=np.int64),
-              "catalog.window": np.arange(max(widest, 1), dtype=np.int64)}
+              "catalog.window": np.arange(cap.window, dtype=np.int64)}
     return {k: torch.from_numpy(v).to(device) for k, v in arrays.items()}

@@ -97,6 +97,7 @@ class ServerMetrics:
         ProcessCollector(namespace="", registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.loop_thread_id: int | None = None  # the event loop's OS thread (Linux: its CPU time is exported)
         self._model_labels: dict[str, str] | None = None
+        self._catalogs: tuple[tuple[str, str, int], ...] = ()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # (metric, label values) -> its child
         self._last_stats: dict[str, Any] | None = None
         r.register(_Callback(self._scheduler_families))
@@ -107,6 +108,8 @@ class ServerMetrics:
         self._model_labels = {"model": info.model, "artifact_sha256": info.artifact_sha256, "arch": info.arch,
                               "runtime": info.runtime, "device": info.device, "dtype": info.compute_dtype,
                               "kernels": info.kernels}
+        # (name, version, items) of each catalog served now (set again when one is replaced)
+        self._catalogs = tuple((c.name, c.version, c.num_items) for c in info.catalogs)
 
     def observe(self, trace: RequestTrace) -> None:
         kind = trace.kind
@@ -183,6 +186,12 @@ class ServerMetrics:
                                      labels=list(self._model_labels))
             info.add_metric(list(self._model_labels.values()), 1)
             out.append(info)
+        if catalogs := self._catalogs:
+            items = GaugeMetricFamily("slmrank_catalog_items", "Items of each catalog served now, by its version "
+                                      "(Admin.ReplaceCatalog changes it).", labels=["catalog", "version"])
+            for name, version, num_items in catalogs:
+                items.add_metric([name, version], num_items)
+            out.append(items)
         return out + self._loop_families() + gpu_memory_families()
 
     def _loop_families(self) -> list[Metric]:

@@ -278,10 +278,11 @@ def _unpack_constrained(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tens
         if req.catalog:  # scores are best first: the -inf beams (no valid item left) are the last
             width = int(torch.isfinite(scores[r, :width]).sum())
         rows = (seqs[r, :width].clone(), scores[r, :width].clone())
-        items = None
+        items = version = None
         if req.catalog:
-            items = batch.catalogs[catalog_index(batch.catalogs, req.catalog)].item_of(rows[0].numpy())
+            cat = batch.catalogs[catalog_index(batch.catalogs, req.catalog)]
+            items, version = cat.item_of(rows[0].numpy()), cat.version
             if None in items:
                 raise RuntimeError(f"request {req.id}: a beam is not an item of catalog {req.catalog!r}")
-        out.append(BeamResult(rows=rows, item_ids=items))  # type: ignore[arg-type]
+        out.append(BeamResult(rows=rows, item_ids=items, catalog_version=version))  # type: ignore[arg-type]
     return out

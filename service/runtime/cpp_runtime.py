@@ -9,11 +9,13 @@ run), plus asynchronous submission, whose future resolves to (outputs, BatchTimi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..artifact.artifact import Artifact
+from ..artifact.catalog import Catalog, forest_capacity, trie_forest
 from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
@@ -36,8 +38,9 @@ class CppRuntime:
     name = "cpp"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten") -> None:
-        """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/runtime/fused.py)."""
+                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten", catalog_headroom: float = 1.0) -> None:
+        """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/runtime/fused.py).
+        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need."""
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -52,11 +55,25 @@ class CppRuntime:
             raise ValueError("kernels='triton': the C++ runtime launches the Triton kernels on CUDA only")
         self.kernels = kernels
         self._core = core
+        self.catalog_capacity = forest_capacity(artifact.catalogs, catalog_headroom)
+        cap = self.catalog_capacity
         self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
-                                                     verify=False, num_lanes=num_lanes)
+                                                     verify=False, num_lanes=num_lanes,
+                                                     catalog_capacity=(cap.nodes, cap.edges, cap.window))
         if kernels == "triton":
             self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
         self.last_timings: BatchTimings | None = None
+
+    def load_catalogs(self, catalogs: Sequence[Catalog]) -> None:
+        """Overwrites the catalogs' forest in place with these (the artifact's names, in its order;
+        CatalogError when they need more room than catalog_capacity). The caller keeps batches with
+        constrained requests away meanwhile (Scheduler.replace_catalog); on a GPU this waits for the
+        lanes' runs in progress."""
+        self.write_catalog_forest(trie_forest(catalogs, torch.device("cpu"), self.catalog_capacity))
+
+    def write_catalog_forest(self, forest: dict[str, torch.Tensor]) -> None:
+        """load_catalogs' write: trie_forest(..., capacity=catalog_capacity) on the host, copied in place."""
+        self._executor.update_weights(forest)
 
     @property
     def num_lanes(self) -> int:

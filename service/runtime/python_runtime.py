@@ -7,12 +7,13 @@ with runs on several threads, the one that ended last).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
 
 from ..artifact.artifact import Artifact
-from ..artifact.catalog import trie_forest
+from ..artifact.catalog import Catalog, forest_capacity, trie_forest
 from .batch import BeamBatch, ScoreBatch
 from ..artifact.dag import Node
 from .fused import python_kernels
@@ -28,14 +29,17 @@ class PythonRuntime:
     name = "python"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 kernels: str = "aten") -> None:
-        """kernels: "aten" (plain torch) or "triton" (the fused kernels; service/runtime/fused.py)."""
+                 kernels: str = "aten", catalog_headroom: float = 1.0) -> None:
+        """kernels: "aten" (plain torch) or "triton" (the fused kernels; service/runtime/fused.py).
+        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need."""
         self.artifact = artifact
         self.cfg = artifact.config
         self.device = torch.device(device)
         self.dtype = dtype or artifact.weight_dtype
         weights = artifact.load_weights(self.device, self.dtype)
-        weights.update(trie_forest(list(artifact.catalogs), self.device))  # the beam_allowed node's constants
+        self.catalog_capacity = forest_capacity(artifact.catalogs, catalog_headroom)
+        # the beam_allowed node's constants
+        weights.update(trie_forest(artifact.catalogs, self.device, self.catalog_capacity))
         limits = artifact.limits
         num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
         cos, sin = rope_table(self.cfg, num_positions, self.device)
@@ -44,6 +48,18 @@ class PythonRuntime:
                                cos.to(self.dtype), sin.to(self.dtype),
                                python_kernels(kernels, artifact, self.device, self.dtype))
         self.last_timings: BatchTimings | None = None
+
+    def load_catalogs(self, catalogs: Sequence[Catalog]) -> None:
+        """Overwrites the catalogs' forest in place with these (the artifact's names, in its order;
+        CatalogError when they need more room than catalog_capacity). The caller keeps batches with
+        constrained requests away meanwhile (Scheduler.replace_catalog)."""
+        self.write_catalog_forest(trie_forest(catalogs, torch.device("cpu"), self.catalog_capacity))
+
+    @torch.no_grad()
+    def write_catalog_forest(self, forest: dict[str, torch.Tensor]) -> None:
+        """load_catalogs' write: trie_forest(..., capacity=catalog_capacity) on the host, copied in place."""
+        for name, value in forest.items():
+            self.ctx.weights[name].copy_(value)
 
     def _inputs(self, inputs: dict[str, torch.Tensor]) -> Env:
         return {k: v.to(self.device) for k, v in inputs.items()}

@@ -70,15 +70,17 @@ class BeamResult:
     write the response straight from them (the gRPC codec's BeamWire), and `beams` becomes Python
     objects only when first asked for (a W5 request has 400 beams, unpacked on the event loop).
     Equal when the beams are; the rows are no part of the value. item_ids: each row's catalog item
-    (a request with a catalog), else None."""
+    (a request with a catalog), else None; catalog_version: the version of the catalog they are
+    items of (Catalog.version: a server may have replaced the artifact's), else None."""
 
-    __slots__ = ("_beams", "rows", "item_ids")
+    __slots__ = ("_beams", "rows", "item_ids", "catalog_version")
 
     def __init__(self, beams: list[Beam] | None = None, rows: tuple[Any, Any] | None = None,
-                 item_ids: list[str] | None = None) -> None:
+                 item_ids: list[str] | None = None, catalog_version: str | None = None) -> None:
         if beams is None and rows is None:
             raise ValueError("BeamResult: needs its beams or its output rows")
         self._beams, self.rows, self.item_ids = beams, rows, item_ids
+        self.catalog_version = catalog_version
 
     @property
     def beams(self) -> list[Beam]:

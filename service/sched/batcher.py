@@ -49,10 +49,20 @@ from .cost import CostTable, RequestCost, request_kind
 from ..artifact.artifact import Artifact
 from ..runtime.batch import BeamBatch, ScoreBatch, dims, pack_beam, pack_score, pick_bucket, unpack_beam, unpack_score
 from ..artifact.buckets import Fill, activation_bytes
+from ..artifact.catalog import Catalog, forest_size, trie_forest
 from ..runtime.engine import validate
 from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestError, ScoreRequest, ScoreResult
 from ..runtime.timings import BatchTimings, NodeTimer
 from ..observe.records import Completed, RequestTimings
+
+class CatalogReplaceError(ValueError):
+    """A catalog replacement refused before anything changed. reason: "name", "file" (the new
+    catalog does not fit the old one's place), "room", "busy" or "runtime"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 # forming a batch, the requests of its kind that did not join it (no bucket holds them beside it, or
 # the larger bucket would be slower per request or late) looked at before it is closed: one further
@@ -394,6 +404,14 @@ class Scheduler:
         self._flights: dict[int, _Flight] = {}  # id(ticket) -> its batch, while handed to the executor
         self._dropped_in_flight: Counter[str] = Counter()  # "expired", "cancelled": members of running batches
         self._num_cancelled_batches = 0  # stopped between nodes: none of their requests was left
+        # the catalogs constrained beams run with now (replace_catalog swaps one): a batch packs and
+        # unpacks with those of its start; while a replacement writes the forest, no batch with a
+        # constrained request starts, and it writes only once none is in flight
+        self.catalogs: tuple[Catalog, ...] = artifact.catalogs
+        self._constrained_inflight = 0
+        self._catalogs_paused = False
+        self._replacing: str | None = None  # the catalog being replaced: one replacement at a time
+        self.catalog_replacements = 0
 
     async def start(self) -> None:
         """Starts the batching loop on the running event loop."""
@@ -512,6 +530,62 @@ class Scheduler:
             "inflight": self._inflight,
         }
 
+    # -- catalogs --
+
+    async def replace_catalog(self, catalog: Catalog) -> Catalog:
+        """Swaps the artifact's catalog of the same name for this one (read_catalog) while serving;
+        returns the one it replaced. Batches that started before the swap finish with the old one,
+        every batch after it runs with the new one: no request sees a mix. The forest on the device
+        is overwritten in place (no second copy of it, and CUDA graphs keep its addresses): the
+        new forest is built first, off the event loop; then batches with constrained requests stop
+        starting (others go on), those in flight finish, the forest is written (a copy to the
+        device), and they start again. One replacement at a time.
+
+        CatalogReplaceError: no catalog of that name, another code length (queued requests were
+        validated against the old one), no room in the forest (the runtime's catalog_headroom), a
+        replacement already in progress, or a runtime that cannot replace catalogs."""
+        index = next((i for i, c in enumerate(self.catalogs) if c.name == catalog.name), None)
+        if index is None:
+            raise CatalogReplaceError("name", f"no catalog {catalog.name!r} here (the artifact has "
+                                      f"{', '.join(repr(c.name) for c in self.catalogs) or 'none'})")
+        old = self.catalogs[index]
+        if catalog.code_length != old.code_length:
+            raise CatalogReplaceError("file", f"its items have {catalog.code_length} tokens, catalog {old.name!r} "
+                                      f"{old.code_length}: a replacement keeps the code length (requests name it "
+                                      "in new_tokens)")
+        write = getattr(self.runtime, "write_catalog_forest", None)
+        capacity = getattr(self.runtime, "catalog_capacity", None)
+        if write is None or capacity is None:
+            raise CatalogReplaceError("runtime", f"the {getattr(self.runtime, 'name', 'runtime')} runtime cannot "
+                                      "replace catalogs")
+        if self._replacing is not None:
+            raise CatalogReplaceError("busy", f"catalog {self._replacing!r} is being replaced; one at a time")
+        catalogs = self.catalogs[:index] + (catalog,) + self.catalogs[index + 1:]
+        if not capacity.holds(size := forest_size(catalogs)):
+            raise CatalogReplaceError("room", f"catalog {catalog.name!r} of {catalog.num_items:,} items makes the "
+                                      f"catalogs need {size}; the server holds room for {capacity} (serve "
+                                      "--catalog-headroom sets it)")
+        self._replacing = catalog.name
+        try:
+            host = torch.device("cpu")  # the new forest built while constrained batches still run
+            forest = await asyncio.to_thread(trie_forest, catalogs, host, capacity)
+            self._catalogs_paused = True
+            while self._constrained_inflight:
+                self._progress.clear()
+                await self._progress.wait()
+            try:
+                await asyncio.to_thread(write, forest)
+            except BaseException:  # not one constrained batch may run on a forest half written
+                await asyncio.to_thread(write, trie_forest(self.catalogs, host, capacity))
+                raise
+            self.catalogs = catalogs
+            self.catalog_replacements += 1
+        finally:
+            self._catalogs_paused = False
+            self._replacing = None
+            self._wake.set()
+        return old
+
     # -- the batching loop --
 
     async def _run(self) -> None:
@@ -551,9 +625,11 @@ class Scheduler:
         if head is None:
             return None
         can_go_heavy = self._heavy_inflight < max(self.config.max_inflight - 1, 1)
-        if not can_go_heavy and self._is_heavy(head, now):
+        if (not can_go_heavy and self._is_heavy(head, now)) or self._held_for_catalogs(head):
             # the last free slot is kept for lighter work: the first queued request light on its own
-            head = next((t for t in self.admission.waiting() if not self._is_heavy(t, now)), None)
+            # (and, while a catalog is replaced, not constrained)
+            head = next((t for t in self.admission.waiting()
+                         if (can_go_heavy or not self._is_heavy(t, now)) and not self._held_for_catalogs(t)), None)
             if head is None:
                 return None
         fill = _Fill(self.artifact.buckets.of_kind(head.kind))
@@ -575,6 +651,9 @@ class Scheduler:
                 break
             if misses >= MAX_MISSES:  # planning stays O(batch), not O(queue), under overload
                 break
+            if self._held_for_catalogs(t):
+                misses += 1
+                continue
             bucket = fill.fit_request(t.payload)
             if bucket is None:
                 is_full = True  # first fit: a smaller one further back may still join
@@ -650,6 +729,10 @@ class Scheduler:
     def _bucket_s(self, bucket: Any, now: float) -> float:
         return self.model.bucket_s(self.costs.info(bucket), now)
 
+    def _held_for_catalogs(self, ticket: Ticket) -> bool:
+        """Whether the request waits for a catalog replacement to finish writing the forest."""
+        return self._catalogs_paused and bool(getattr(ticket.payload, "catalog", ""))
+
     def _ends_by_drain(self, plan: _Plan, now: float) -> bool:
         """Whether the batch is expected to end before the drain's timeout: by its estimate, as its
         requests were admitted (max_batch_s bounded its growth; a bound extrapolated far from what was
@@ -703,18 +786,20 @@ class Scheduler:
         is_heavy = plan.bucket is not None and self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s
         self._heavy_inflight += is_heavy
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
+        constrained = any(getattr(t.payload, "catalog", "") for t in plan.tickets)
+        self._constrained_inflight += constrained
         if plan.bucket is not None:
             self.model.batch_started(batch_id, self.costs.info(plan.bucket), now)
         flight = _Flight(plan.tickets, self._executor.make_control(is_heavy), now, plan.bucket)
         for t in plan.tickets:
             self._flights[id(t)] = flight
         task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket,
-                                                                    flight))
+                                                                    flight, constrained))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool,
-                       bucket: Any = None, flight: _Flight | None = None) -> None:
+                       bucket: Any = None, flight: _Flight | None = None, constrained: bool = False) -> None:
         control = None if flight is None else flight.control
         reqs = [t.payload for t in tickets]
         levels = dict(Counter(int(t.priority) for t in tickets))
@@ -764,6 +849,7 @@ class Scheduler:
             for t in tickets:
                 self._flights.pop(id(t), None)
             self._heavy_inflight -= is_heavy
+            self._constrained_inflight -= constrained
             self._inflight_by_kind[tickets[0].kind] -= len(tickets)
             if self._inflight == self.config.max_inflight:
                 self._slot_freed_s = self.clock()
@@ -782,7 +868,7 @@ class Scheduler:
             raise ExecutionError(f"{len(reqs)} {request_kind(reqs[0])} request(s) fit no bucket")
         if isinstance(reqs[0], ScoreRequest):
             return pack_score(reqs, bucket, self._label_columns)
-        return pack_beam(reqs, bucket, self.artifact.catalogs)
+        return pack_beam(reqs, bucket, self.catalogs)
 
     @staticmethod
     def _unpack(batch: Batch, outputs: list[torch.Tensor]) -> Sequence[ScoreResult | BeamResult]:

@@ -33,6 +33,7 @@ class RankerClient:
         self.timeout_s = timeout_s
         self.channel = channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
         self.stub = stubs.pb2_grpc.RankerStub(self.channel)
+        self.admin = stubs.pb2_grpc.AdminStub(self.channel)
 
     def score(self, samples: Sequence[SegmentValue], label_ids: Sequence[int] = (), prefix: SegmentValue | None = None,
               priority: str = "unspecified", timeout_s: float | None = None, label_texts: Sequence[str] = ()) -> Any:
@@ -45,10 +46,15 @@ class RankerClient:
         return self.stub.Score(msg, timeout=timeout_s or self.timeout_s)
 
     def beam(self, prompt: SegmentValue, beam_width: int, new_tokens: int, priority: str = "unspecified",
-             timeout_s: float | None = None) -> Any:
+             timeout_s: float | None = None, catalog: str = "") -> Any:
         msg = self.pb2.BeamSearchRequest(prompt=segment(self.pb2, prompt), beam_width=beam_width,
-                                         new_tokens=new_tokens, priority=PRIORITIES.index(priority))
+                                         new_tokens=new_tokens, priority=PRIORITIES.index(priority), catalog=catalog)
         return self.stub.BeamSearch(msg, timeout=timeout_s or self.timeout_s)
+
+    def replace_catalog(self, name: str, file: str, timeout_s: float | None = None) -> Any:
+        """Admin.ReplaceCatalog: the server's catalog `name` becomes `file` (under its --catalog-dir)."""
+        msg = self.pb2.ReplaceCatalogRequest(name=name, file=file)
+        return self.admin.ReplaceCatalog(msg, timeout=timeout_s or self.timeout_s)
 
     def model_info(self, timeout_s: float | None = None) -> Any:
         return self.stub.ModelInfo(self.pb2.ModelInfoRequest(), timeout=timeout_s or self.timeout_s)
@@ -107,8 +113,13 @@ def to_json(response: Any) -> dict[str, Any]:
         return MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if response.DESCRIPTOR.name == "TokenizeResponse":
         return {"ids": list(response.ids), "text": response.text}
+    if response.DESCRIPTOR.name == "ReplaceCatalogResponse":
+        return MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if hasattr(response, "beams"):
-        return {"beams": [{"ids": list(b.ids), "logprob": _f32(b.logprob), "text": b.text} for b in response.beams]}
+        beams = [{"ids": list(b.ids), "logprob": _f32(b.logprob), "text": b.text, **({"item_id": b.item_id}
+                                                                                     if b.item_id else {})}
+                 for b in response.beams]
+        return {"beams": beams, **({"catalog_version": response.catalog_version} if response.catalog_version else {})}
     return {"samples": [{"logprobs": [_f32(x) for x in s.logprobs]} for s in response.samples]}
 
 

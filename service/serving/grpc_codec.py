@@ -200,7 +200,8 @@ class Codec:
         (hundreds of beams a response: half the event-loop time of building the message and
         serializing it), byte for byte what BeamSearchResponse(...).SerializeToString() gives:
         each Beam is field 1 of the response, length-delimited; in it ids (field 1, packed varints),
-        logprob (field 2, float32; left out when +0.0, as proto3 does) and text (field 3, UTF-8).
+        logprob (field 2, float32; left out when +0.0, as proto3 does), text (field 3, UTF-8) and
+        item_id (field 4, with a catalog); then the catalog's version (field 2 of the response).
         From the result's output rows through the C++ BeamWire when it can (~1 us a beam instead of
         ~4), else here."""
         if self._wire is not None and result.rows is not None and result.item_ids is None:
@@ -232,6 +233,9 @@ class Codec:
                 body += b"\x22" + _varint(len(item)) + item
             n_body = len(body)
             parts += (b"\x0a", vt[n_body] if n_body < n_vt else _varint(n_body), body)
+        if result.catalog_version:  # field 2 of the response
+            version = result.catalog_version.encode()
+            parts += (b"\x12", _varint(len(version)), version)
         return join(parts)
 
     def _text_bytes(self, seqs: list[list[int]]) -> list[bytes]:

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -52,6 +53,7 @@ from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..observe.records import current_trace
 from ..observe.tracing import RequestTracer, TracingConfig
 from .interceptor import TracingInterceptor, deadline_passed, end_rpc, ended_status, request_id
+from .admin import ADMIN, AdminServicer
 from .model_info import model_info
 from .reflection import enable_reflection
 from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
@@ -115,6 +117,10 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0
     max_streams_per_connection: int = 2048
     max_connections: int = 1024
+    # Admin.ReplaceCatalog reads catalog files under this directory (admin.py); None: the RPC is off.
+    # The runtime then holds room for catalogs catalog_headroom x the artifact's (load_model).
+    catalog_dir: str | None = None
+    catalog_headroom: float = 1.25
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port", "trace_port"):
@@ -130,6 +136,10 @@ class ServerConfig:
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name}: must be >= 1024, got {getattr(self, name)}")
+        if self.catalog_dir is not None and not Path(self.catalog_dir).is_dir():
+            raise ValueError(f"catalog_dir: {self.catalog_dir} is not a directory")
+        if not self.catalog_headroom >= 1.0:
+            raise ValueError(f"catalog_headroom: must be >= 1.0, got {self.catalog_headroom}")
         if not 0 <= self.fronts <= MAX_FRONTS:
             raise ValueError(f"fronts: must be in [0, {MAX_FRONTS}], got {self.fronts}")
         check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
@@ -153,11 +163,14 @@ class Model:
 
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
-               quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten", num_lanes: int = 0) -> Model:
+               quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten", num_lanes: int = 0,
+               catalog_headroom: float = 1.0) -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
-    capture_graphs=False each bucket's graph is captured by its first batch), tokenizer."""
+    capture_graphs=False each bucket's graph is captured by its first batch), tokenizer.
+    catalog_headroom: the room the runtime holds for replaced catalogs (ServerConfig.catalog_dir)."""
     artifact = resolve_artifact(spec, quiet=quiet)
-    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes=num_lanes)
+    rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes=num_lanes,
+                              catalog_headroom=catalog_headroom)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)
@@ -398,8 +411,9 @@ class RankerServer:
             self.servicer.admission.max_inflight_rpcs, self.config.max_receive_message_bytes,
             self.config.max_send_message_bytes, connections=self.config.connection_options()))
         stubs.pb2_grpc.add_RankerServicer_to_server(self.servicer, self._server)
+        stubs.pb2_grpc.add_AdminServicer_to_server(AdminServicer(self, stubs.pb2), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        enable_reflection([RANKER, HEALTH], self._server)
+        enable_reflection([RANKER, ADMIN, HEALTH], self._server)
         await self._set_health(NOT_SERVING)
         try:
             await self._listen()

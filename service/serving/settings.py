@@ -166,6 +166,11 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     field_setting(ServerConfig, "send_timeout_s", "", "server", "an answer its client has not taken this long "
                   "(seconds) after it was ready is cancelled (no HTTP/2 flow-control window, a client that does not "
                   "read): one client cannot keep answers in the server"),
+    field_setting(ServerConfig, "catalog_dir", "", "server", "a directory of catalog files: Admin.ReplaceCatalog "
+                  "(`slmrank catalog replace`) swaps one of the artifact's catalogs for a file under it while "
+                  "serving; off: no replacement", parse=_optional(_str)),
+    field_setting(ServerConfig, "catalog_headroom", "", "server", "with --catalog-dir: room on the device for "
+                  "replaced catalogs, x what the artifact's need (trie nodes, edges, children at a node)"),
     field_setting(ServerConfig, "tls_cert", "", "tls", "PEM certificate chain of the server: TLS on the API port",
                   parse=_optional(_str)),
     field_setting(ServerConfig, "tls_key", "", "tls", "PEM private key of --tls-cert", parse=_optional(_str)),

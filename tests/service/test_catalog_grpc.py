@@ -38,8 +38,9 @@ def test_beam_response_carries_item_ids(shop):
     assert sorted(b.item_id for b in resp.beams) == ["sku-1", "sku-2", "sku-3"]
     want = codec.pb2.BeamSearchResponse(beams=[codec.pb2.Beam(ids=b.ids, logprob=b.logprob, item_id=b.item_id,
                                                               text=codec.tokenizer.decode(b.ids))
-                                               for b in res.beams])
-    assert codec.beam_response(res) == want.SerializeToString()
+                                               for b in res.beams],
+                                        catalog_version=art.manifest["catalogs"][0]["version"])
+    assert codec.beam_response(res) == want.SerializeToString() and resp.catalog_version
 
 
 @pytest.mark.parametrize("catalog,new_tokens,field", [("nope", 3, "catalog"), ("shop", 2, "new_tokens")])

@@ -347,6 +347,10 @@ def test_answers_through_fronts_equal_the_engine_alone(servers):
         assert sa.ModelInfo(pb2.ModelInfoRequest(), timeout=10) == sb.ModelInfo(pb2.ModelInfoRequest(), timeout=10)
         tokenize = pb2.TokenizeRequest(text=" yes")  # relayed as every RPC that is not Score or BeamSearch
         assert sa.Tokenize(tokenize, timeout=10) == sb.Tokenize(tokenize, timeout=10) and sa.Tokenize(tokenize).ids
+        for channel in (a, b):  # the Admin service is relayed too (these servers have no --catalog-dir)
+            with pytest.raises(grpc.RpcError) as e:
+                pb2_grpc.AdminStub(channel).ReplaceCatalog(pb2.ReplaceCatalogRequest(name="x", file="y"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--catalog-dir" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             sa.BeamSearch(pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[1]), beam_width=4000, new_tokens=3), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beam_width" in e.value.details()

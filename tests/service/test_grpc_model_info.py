@@ -76,14 +76,14 @@ def _reflect(target: str, package: str, request: reflection_pb2.ServerReflection
 def test_reflection(server: ServerThread, package: str) -> None:
     listed = _reflect(server.target, package, reflection_pb2.ServerReflectionRequest(list_services=""))
     names = {s.name for s in listed.list_services_response.service}
-    assert {"slmrank.v1.Ranker", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+    assert {"slmrank.v1.Ranker", "slmrank.v1.Admin", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
     described = _reflect(server.target, package,
                          reflection_pb2.ServerReflectionRequest(file_containing_symbol="slmrank.v1.Ranker"))
     (raw,) = described.file_descriptor_response.file_descriptor_proto
     proto = descriptor_pb2.FileDescriptorProto.FromString(raw)
-    (service,) = proto.service
-    assert [m.name for m in service.method] == ["Score", "BeamSearch", "ModelInfo", "Tokenize"]
+    methods = {service.name: [m.name for m in service.method] for service in proto.service}
+    assert methods == {"Ranker": ["Score", "BeamSearch", "ModelInfo", "Tokenize"], "Admin": ["ReplaceCatalog"]}
     assert proto.options.go_package and proto.options.java_package
 
 

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 art = base / f"art-{items}"
                 r = run_phase(phase, file, art, args.device)
                 row[phase] = r
-                print(f"  {phase}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v:,}"
+                print(f"  {phase}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
                                                 for k, v in r.items()), flush=True)
             rows.append(row)
             shutil.rmtree(base / f"art-{items}", ignore_errors=True)

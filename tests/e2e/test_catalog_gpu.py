@@ -108,3 +108,34 @@ def test_bf16_constrained_batch_is_valid_and_runtimes_agree(model) -> None:
             catalog = items[req.catalog]
             assert len(res.beams) == min(req.beam_width, len(catalog))
             assert all(catalog[b.item_id] == tuple(b.ids) for b in res.beams), req.id
+
+
+def test_a_catalog_replaced_under_captured_graphs_answers_as_a_fresh_build(model, tmp_path) -> None:
+    """Admin.ReplaceCatalog on the GPU: the forest is written in place under graphs already
+    captured (their addresses kept); the next batches answer byte for byte as a runtime built from an
+    artifact with the new catalog (the same embedded spec: the same weights; with no room: the room
+    changes no answer), on both runtimes."""
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.runtime.cpp_runtime import CppRuntime
+    from service.runtime.engine import execute
+    from service.runtime.python_runtime import PythonRuntime
+
+    art, _, items = model
+    rng = random.Random(2805)
+    levels = [sorted({code[level] for code in items["big"].values()}) for level in range(CODE_LEN)]
+    new_big = _catalog(rng, levels, 21_000)
+    files = {"big": tmp_path / "big2.tsv", "few": tmp_path / "few.tsv"}
+    files["big"].write_text("".join(f"new-{k}\t{' '.join(map(str, v))}\n" for k, v in new_big.items()))
+    files["few"].write_text("".join(f"{k}\t{' '.join(map(str, v))}\n" for k, v in items["few"].items()))
+    art2 = load_artifact(build_artifact(art.manifest["source"], tmp_path / "art2", quiet=True, catalogs=files))
+    reqs = [BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(128)), 100, CODE_LEN, id="big", catalog="big"),
+            BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(40)), 50, CODE_LEN, id="few", catalog="few"),
+            BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(60)), 20, CODE_LEN, id="free")]
+    fresh = execute(art2, CppRuntime(art2, device="cuda", use_graphs=True, kernels="triton"), reqs)
+    assert all(b.item_id.startswith("new-") for b in fresh[0].beams)
+    for runtime in (CppRuntime(art, device="cuda", use_graphs=True, kernels="triton", catalog_headroom=1.5),
+                    PythonRuntime(art, device="cuda", kernels="triton", catalog_headroom=1.5)):
+        before = execute(art, runtime, reqs)  # the graphs are captured over the old forest
+        runtime.load_catalogs(art2.catalogs)
+        assert execute(art2, runtime, reqs) == fresh, runtime.name
+        assert before[0] != fresh[0] and before[2] == fresh[2]

@@ -16,6 +16,7 @@
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
+#include <ATen/ops/empty_like.h>
 
 #include <limits>
 
@@ -215,6 +216,34 @@ at::Tensor two_part_attention(const at::Tensor& q, const at::Tensor& k_a, const 
   auto [out_b, lse_b] = mask_b.defined() ? masked_attention(q, k_b, v_b, mask_b, scale)
                                          : rowwise_attention(q, k_b, v_b, scale);
   return merge_attention_states(out_a, lse_a, out_b, lse_b, nullptr);
+}
+
+std::vector<std::pair<int64_t, int64_t>> attention_blocks(const at::Tensor& mask, const at::Tensor& mask_ctx) {
+  const at::Tensor vis = mask_ctx.defined() ? mask.logical_or(mask_ctx) : mask;
+  const int64_t n = vis.size(0);
+  const at::Tensor rows = at::arange(n, vis.options().dtype(at::kLong));
+  const at::Tensor first = at::where(vis.any(1), vis.to(at::kByte).argmax(1), rows);  // the first key each row sees
+  const at::Tensor reach = std::get<0>(first.flip({0}).cummin(0)).flip({0});  // ... any row from i on sees
+  const at::Tensor starts = rows.masked_select(reach.eq(rows)).contiguous();
+  const int64_t* p = starts.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t j = 0; j < starts.numel(); ++j) out.emplace_back(p[j], j + 1 < starts.numel() ? p[j + 1] : n);
+  return out;
+}
+
+at::Tensor blockwise_self_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& mask, const at::Tensor& mask_ctx, double scale) {
+  at::Tensor out = at::empty_like(q);
+  for (const auto& [s, e] : attention_blocks(mask, mask_ctx)) {
+    const at::Tensor qb = q.slice(0, s, e), kb = k.slice(0, s, e), vb = v.slice(0, s, e);
+    const at::Tensor mb = mask.slice(0, s, e).slice(1, s, e);
+    if (!mask_ctx.defined()) {
+      out.slice(0, s, e).copy_(std::get<0>(masked_attention(qb, kb, vb, mb, scale)));
+    } else {
+      out.slice(0, s, e).copy_(two_part_attention(qb, kb, vb, mask_ctx.slice(0, s, e).slice(1, s, e), kb, vb, mb, scale));
+    }
+  }
+  return out;
 }
 
 }  // namespace slmrank

@@ -6,6 +6,7 @@
 
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "dag.h"
 
@@ -88,5 +89,16 @@ std::tuple<at::Tensor, at::Tensor> rowwise_attention(const at::Tensor& q, const 
 at::Tensor two_part_attention(const at::Tensor& q, const at::Tensor& k_a, const at::Tensor& v_a,
                               const at::Tensor& mask_a, const at::Tensor& k_b, const at::Tensor& v_b,
                               const at::Tensor& mask_b, double scale);
+
+// model/layers.py::attention_blocks: the row ranges [s, e) of a packed batch's self-attention (mask,
+// OR-ed with mask_ctx when defined; [T, T] bool) whose rows see only keys inside their own range.
+// On the host (CPU only: a CUDA graph cannot hold sizes it reads back).
+std::vector<std::pair<int64_t, int64_t>> attention_blocks(const at::Tensor& mask, const at::Tensor& mask_ctx);
+
+// model/layers.py::blockwise_self_attention: masked_attention under mask (two_part_attention with the
+// shared-prefix part under mask_ctx when defined), a block of attention_blocks at a time: a request's
+// rows compute with the same shapes packed as alone (the same bytes on a CPU).
+at::Tensor blockwise_self_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& mask, const at::Tensor& mask_ctx, double scale);
 
 }  // namespace slmrank

@@ -60,6 +60,9 @@ class DecoderLayer final : public Node {
         attn = fused->segment_attention(q, k, v, read(env, "key_ranges"), ctx.scale);
       } else if (has(env, "cu_self")) {  // on CUDA in 16 bits: varlen flash attention over the packed segments
         attn = varlen_layer_attention(q, k, v, env, ctx.scale);
+      } else if (q.device().is_cpu()) {  // a block (request) at a time: the same bytes packed as alone
+        attn = blockwise_self_attention(q, k, v, read(env, "mask_self"),
+                                        mode_ == Mode::kScore ? read(env, "mask_ctx") : at::Tensor(), ctx.scale);
       } else if (mode_ == Mode::kScore) {
         attn = two_part_attention(q, k, v, read(env, "mask_ctx"), k, v, read(env, "mask_self"), ctx.scale);
       } else {

@@ -153,3 +153,38 @@ def two_part_attention(q: torch.Tensor, k_a: torch.Tensor, v_a: torch.Tensor, ma
         out_b, lse_b = masked_attention_ref(q, k_b, v_b, mask_b, scale)
     out, _ = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
     return out
+
+
+def attention_blocks(*masks: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges [s, e) of a packed batch's self-attention (masks [T, T], OR-ed) whose rows see
+    only keys inside their own range: each request's (each sample's, without a prefix) and the
+    padding's. Every key a row sees is at or before it (causal segments, a sample's prefix before
+    it), so a range starts at i where no row from i on sees a key before i. On the host (the ranges
+    are sizes: CPU only, a CUDA graph cannot hold them)."""
+    vis = masks[0]
+    for m in masks[1:]:
+        vis = vis | m
+    n = vis.shape[0]
+    rows = torch.arange(n)
+    first = torch.where(vis.any(1), vis.to(torch.uint8).argmax(1), rows)  # the first key each row sees
+    reach = first.flip(0).cummin(0).values.flip(0)  # the first key any row from i on sees
+    starts = rows[reach == rows].tolist() + [n]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def blockwise_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             mask_ctx: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A packed batch's self-attention (under mask, and two_part_attention's shared-prefix part under
+    mask_ctx when given), a block of attention_blocks at a time, each block's keys from its first
+    row: a request's rows compute with the same shapes and offsets packed as alone (the same bytes
+    on a CPU, where the dense [T, T] form rounds with the request's place in the batch), and a
+    batch costs the sum of its blocks' squares, not T squared."""
+    out = torch.empty_like(q)
+    for s, e in attention_blocks(mask, *(() if mask_ctx is None else (mask_ctx,))):
+        qb, kb, vb, mb = q[s:e], k[s:e], v[s:e], mask[s:e, s:e]
+        if mask_ctx is None:
+            out[s:e] = masked_attention_ref(qb, kb, vb, mb, scale)[0]
+        else:
+            out[s:e] = two_part_attention(qb, kb, vb, mask_ctx[s:e, s:e], kb, vb, mb, scale)
+    return out
+

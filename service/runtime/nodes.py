@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
-from ..model.layers import (LayerWeights, attention_output_and_mlp, linear, qkv_projection, residual_rms_norm,
-                            two_part_attention)
+from ..model.layers import (LayerWeights, attention_output_and_mlp, blockwise_self_attention, linear, qkv_projection,
+                            residual_rms_norm, two_part_attention)
 from ..siblings import sibling
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -101,6 +101,9 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
             attn = ctx.fused.segment_attention(q, k, v, env["key_ranges"], ctx.scale)
         elif "cu_self" in env:  # on CUDA: varlen flash attention over the packed segments
             attn = varlen_layer_attention(q, k, v, env, mode, ctx.scale, node.attrs.get("max_rows", 0))
+        elif q.device.type == "cpu":  # a block (request) at a time: the same bytes packed as alone
+            attn = blockwise_self_attention(q, k, v, env["mask_self"], env["mask_ctx"] if mode == "score" else None,
+                                            ctx.scale)
         elif mode == "score":
             attn = two_part_attention(q, k, v, env["mask_ctx"], k, v, env["mask_self"], ctx.scale)
         else:

@@ -17,6 +17,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/constant_pad_nd.h>
 
 #include <limits>
 
@@ -76,9 +77,14 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tens
   return y.to(x.scalar_type());
 }
 
+// model/layers.py::linear: on the CPU, a call of fewer than 12 rows that are no multiple of 4 gets zero
+// rows up to the next multiple of 4 (MKL rounds the rows past the last 4 of such a call differently).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& scale) {
-  if (!scale.defined()) return at::linear(x, w, opt(bias));
-  return fp8_linear(x, w, scale, bias);
+  const int64_t m = x.size(0);
+  const int64_t pad = (x.dim() == 2 && x.device().is_cpu() && m < 12) ? (4 - m % 4) % 4 : 0;
+  const at::Tensor in = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}) : x;
+  at::Tensor y = scale.defined() ? fp8_linear(in, w, scale, bias) : at::linear(in, w, opt(bias));
+  return pad ? y.slice(0, 0, m) : y;
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -244,6 +250,40 @@ at::Tensor blockwise_self_attention(const at::Tensor& q, const at::Tensor& k, co
     }
   }
   return out;
+}
+
+std::vector<std::array<int64_t, 4>> attention_runs(const at::Tensor& mask) {
+  const at::Tensor count = mask.sum(1);
+  const at::Tensor first = at::where(count.gt(0), mask.to(at::kByte).argmax(1), 0).contiguous();
+  const at::Tensor cnt = count.contiguous();
+  const int64_t n = mask.size(0);
+  const int64_t *f = first.data_ptr<int64_t>(), *c = cnt.data_ptr<int64_t>();
+  std::vector<std::array<int64_t, 4>> out;
+  for (int64_t r = 0; r < n; ++r) {
+    if (r == 0 || f[r] != f[r - 1] || c[r] != c[r - 1]) {
+      out.push_back({r, r + 1, f[r], f[r] + c[r]});
+    } else {
+      out.back()[1] = r + 1;
+    }
+  }
+  return out;
+}
+
+at::Tensor two_part_attention_by_runs(const at::Tensor& q, const at::Tensor& k_a, const at::Tensor& v_a,
+                                      const at::Tensor& mask_a, const at::Tensor& k_b, const at::Tensor& v_b,
+                                      double scale) {
+  at::Tensor out_a = at::zeros_like(q);
+  at::Tensor lse_a = at::full({q.size(0), q.size(1)}, -std::numeric_limits<double>::infinity(),
+                              q.options().dtype(at::kFloat));
+  for (const auto& [r0, r1, k0, k1] : attention_runs(mask_a)) {
+    if (k1 <= k0) continue;
+    auto [o, l] = masked_attention(q.slice(0, r0, r1), k_a.slice(0, k0, k1), v_a.slice(0, k0, k1),
+                                   mask_a.slice(0, r0, r1).slice(1, k0, k1), scale);
+    out_a.slice(0, r0, r1).copy_(o);
+    lse_a.slice(0, r0, r1).copy_(l);
+  }
+  auto [out_b, lse_b] = rowwise_attention(q, k_b, v_b, scale);
+  return merge_attention_states(out_a, lse_a, out_b, lse_b, nullptr);
 }
 
 }  // namespace slmrank

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -100,5 +101,15 @@ std::vector<std::pair<int64_t, int64_t>> attention_blocks(const at::Tensor& mask
 // rows compute with the same shapes packed as alone (the same bytes on a CPU).
 at::Tensor blockwise_self_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& mask, const at::Tensor& mask_ctx, double scale);
+
+// model/layers.py::attention_runs: mask [N, M] (each row one contiguous range of keys) -> runs
+// (r0, r1, k0, k1) of consecutive rows that see the same range [k0, k1). On the host: CPU only.
+std::vector<std::array<int64_t, 4>> attention_runs(const at::Tensor& mask);
+
+// model/layers.py::two_part_attention_by_runs: two_part_attention with part B per row and part A a
+// run of attention_runs(mask_a) at a time, each over its own keys only.
+at::Tensor two_part_attention_by_runs(const at::Tensor& q, const at::Tensor& k_a, const at::Tensor& v_a,
+                                      const at::Tensor& mask_a, const at::Tensor& k_b, const at::Tensor& v_b,
+                                      double scale);
 
 }  // namespace slmrank

@@ -83,6 +83,9 @@ class DecoderLayer final : public Node {
       if (fused) {  // one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
         attn = fused->decode_attention(q, prompt_k, prompt_v, read(env, "kv_start"), read(env, "kv_len"), suffix_k,
                                        suffix_v, t, ctx.scale);
+      } else if (q.device().is_cpu()) {  // the prompt part a request's rows at a time: the same bytes as alone
+        attn = two_part_attention_by_runs(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
+                                          suffix_v.slice(1, 0, t), ctx.scale);
       } else {
         attn = two_part_attention(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
                                   suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);

@@ -27,13 +27,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# On the CPU, MKL gives a row of a GEMM the same bytes wherever it sits, except in a call of fewer
+# than 12 rows that are no multiple of 4 (its kernel for the rows past the last 4: measured, M = 5 to
+# 7 and 9 to 11 differ from the same rows among 96). Such a call gets zero rows up to the next
+# multiple of 4, so a request's rows round alike in a small bucket and a large one.
+_CPU_ROW_BLOCK, _CPU_FEW_ROWS = 4, 12
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """Every GEMM of the model: F.linear, or with `scale` (the weight's per-output-channel float32
-    scale: an e4m3 weight, `slmrank build --fp8`) kernels/fp8_linear.py's fp8_linear."""
-    if scale is None:
-        return F.linear(x, w, bias)
-    return fp8_linear(x, w, scale, bias)
+    scale: an e4m3 weight, `slmrank build --fp8`) kernels/fp8_linear.py's fp8_linear. On the CPU
+    a call of few rows is padded to a multiple of 4 rows (above)."""
+    m = x.shape[0]
+    pad = -m % _CPU_ROW_BLOCK if x.dim() == 2 and x.device.type == "cpu" and m < _CPU_FEW_ROWS else 0
+    if pad:
+        x = torch.constant_pad_nd(x, [0, 0, 0, pad])
+    y = F.linear(x, w, bias) if scale is None else fp8_linear(x, w, scale, bias)
+    return y[:m] if pad else y
 
 
 def rope_table(cfg: ModelConfig, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,5 +197,35 @@ def blockwise_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             out[s:e] = masked_attention_ref(qb, kb, vb, mb, scale)[0]
         else:
             out[s:e] = two_part_attention(qb, kb, vb, mask_ctx[s:e, s:e], kb, vb, mb, scale)
+    return out
+
+
+def attention_runs(mask: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """mask [N, M] bool whose rows each see one contiguous range of keys (a decode step's beam rows
+    and their request's prompt) -> the runs (r0, r1, k0, k1) of consecutive rows that see the same
+    range [k0, k1) (k0 == k1: none). On the host: CPU only."""
+    count = mask.sum(1)
+    first = torch.where(count > 0, mask.to(torch.uint8).argmax(1), 0)
+    n = mask.shape[0]
+    change = torch.ones(n, dtype=torch.bool)
+    change[1:] = first[1:].ne(first[:-1]) | count[1:].ne(count[:-1])
+    starts = change.nonzero().flatten().tolist() + [n]
+    f, c = first.tolist(), count.tolist()
+    return [(s, e, f[s], f[s] + c[s]) for s, e in zip(starts[:-1], starts[1:])]
+
+
+def two_part_attention_by_runs(q: torch.Tensor, k_a: torch.Tensor, v_a: torch.Tensor, mask_a: torch.Tensor,
+                               k_b: torch.Tensor, v_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """two_part_attention with part B per row and part A (mask_a: each row one contiguous range of
+    k_a) a run of attention_runs at a time, each over its own keys only: a request's beam rows
+    compute with the same shapes packed as alone (the same bytes on a CPU)."""
+    out_a = torch.zeros_like(q)
+    lse_a = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for r0, r1, k0, k1 in attention_runs(mask_a):
+        if k1 > k0:
+            out_a[r0:r1], lse_a[r0:r1] = masked_attention_ref(q[r0:r1], k_a[k0:k1], v_a[k0:k1], mask_a[r0:r1, k0:k1],
+                                                              scale)
+    out_b, lse_b = rowwise_attention_ref(q, k_b, v_b, scale)
+    out, _ = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
     return out
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
 from ..model.layers import (LayerWeights, attention_output_and_mlp, blockwise_self_attention, linear, qkv_projection,
-                            residual_rms_norm, two_part_attention)
+                            residual_rms_norm, two_part_attention, two_part_attention_by_runs)
 from ..siblings import sibling
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -118,6 +118,9 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
         if ctx.fused is not None:  # one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
             attn = ctx.fused.decode_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
                                               env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
+        elif q.device.type == "cpu":  # the prompt part a request's rows at a time: the same bytes packed as alone
+            attn = two_part_attention_by_runs(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
+                                              suffix_k[:, :t], suffix_v[:, :t], ctx.scale)
         else:
             attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
                                       suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)

@@ -73,6 +73,8 @@ class Node {
   at::Tensor& update(Env& env, const std::string& name) const;  // declared input and output, changed in place
   void write(Env& env, const std::string& name, at::Tensor value) const;  // declared output
   bool has(const Env& env, const std::string& name) const;  // declared input: is it set on this device?
+  // An input the node may declare and a batch may leave out (beam_codes): the buffer, else undefined.
+  at::Tensor optional_input(const Env& env, const std::string& name) const;
   // std::invalid_argument naming the node and the buffer unless the spec declares at least
   // min_inputs inputs and min_outputs outputs, every name of `reads` as an input and every name
   // of `writes` as an output.

@@ -14,6 +14,7 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/where.h>
@@ -114,6 +115,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor
   return {scores, parents, flat.sub(parents.mul(vocab))};
 }
 
+// nodes.py::code_columns_of: beam_codes [C] (a catalog's code tokens, then -1) -> [V]: each token's
+// column among them (C for a token that is none).
+at::Tensor code_columns_of(const at::Tensor& codes, int64_t vocab) {
+  const int64_t c = codes.size(0);
+  at::Tensor cols = at::arange(c, codes.options());
+  at::Tensor table = at::full({vocab + 1}, c, codes.options());
+  return table.scatter_(0, at::where(codes.ge(0), codes, vocab), cols).slice(0, 0, vocab);
+}
+
+// nodes.py::to_code_tokens: the tokens of a batch's chosen columns, through codes (beam_codes, when the
+// batch is normalised over a catalog's codes; undefined: the columns are the tokens). A padding column,
+// only ever a dead beam's, becomes token 0.
+at::Tensor to_code_tokens(const at::Tensor& codes, const at::Tensor& columns) {
+  if (!codes.defined()) return columns;
+  return codes.index_select(0, columns.reshape({-1})).clamp_min(0).view_as(columns);
+}
+
 // nodes.py::trie_children: trie [X] nodes (-1: none) -> tokens, children, valid [X, K].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> trie_children(const Context& ctx, const at::Tensor& trie) {
   const at::Tensor &offsets = ctx.weight("catalog.offsets"), &window = ctx.weight("catalog.window");
@@ -157,7 +175,13 @@ class BeamAllowed final : public Node {
     }
     auto [tokens, children, valid] = trie_children(ctx, trie);
     at::Tensor free = trie.lt(0).unsqueeze(1);
-    const int64_t vocab = ctx.cfg.vocab_size, rows = trie.size(0);
+    int64_t vocab = ctx.cfg.vocab_size;
+    const int64_t rows = trie.size(0);
+    if (const at::Tensor codes = optional_input(env, "beam_codes"); codes.defined()) {
+      // normalised over a catalog's codes: the columns are its code tokens
+      tokens = code_columns_of(codes, vocab).index_select(0, tokens.reshape({-1})).view_as(tokens);
+      vocab = codes.size(0);
+    }
     if (!ctx.fused) {
       at::Tensor cols = at::where(valid, tokens, vocab);
       at::Tensor allowed = at::zeros({rows, vocab + 1}, trie.options().dtype(at::kBool)).scatter_(1, cols, true);
@@ -192,6 +216,7 @@ class BeamInit final : public Node {
     } else {
       std::tie(scores, tokens) = mask_logp(logits.log_softmax(-1), allowed).topk(b, -1);
     }
+    tokens = to_code_tokens(optional_input(env, "beam_codes"), tokens);
     if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").expand_as(tokens), tokens));
     seqs.select(2, 0).copy_(tokens);
     write(env, "beam_seqs", seqs);
@@ -231,6 +256,7 @@ class BeamStep final : public SuffixOwner {
       parents = top_idx.div(vocab, "floor");
       tokens = top_idx.sub(parents.mul(vocab));
     }
+    tokens = to_code_tokens(optional_input(env, "beam_codes"), tokens);
     at::Tensor ranks = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
     at::Tensor rows = to_rows(src.index_select(0, ranks), slot, 0);  // [N]: each packed row's parent row
     at::Tensor new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();

@@ -65,6 +65,10 @@ void Node::write(Env& env, const std::string& name, at::Tensor value) const {
   env[name] = std::move(value);
 }
 
+at::Tensor Node::optional_input(const Env& env, const std::string& name) const {
+  return declares_input(name) && env.count(name) > 0 ? env.at(name) : at::Tensor();
+}
+
 bool Node::has(const Env& env, const std::string& name) const {
   if (!declares_input(name)) {
     throw std::logic_error("node " + spec_.name + " (" + spec_.type + ") looks for buffer '" + name +
@@ -93,7 +97,7 @@ const std::vector<std::string>& batch_inputs(bool beam) {
   static const std::vector<std::string> score = {"tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels"};
   static const std::vector<std::string> beams = {"tokens",   "positions", "seg",       "last",     "beam_width",
                                                  "beam_req", "beam_pos",  "beam_slot", "beam_src", "beam_seqs",
-                                                 "beam_catalog"};
+                                                 "beam_catalog", "beam_codes"};
   return beam ? beams : score;
 }
 

@@ -228,7 +228,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
                 response = client.replace_catalog(args.name, args.file)
             else:
                 prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-                response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority, catalog=args.catalog)
+                response = client.beam(prompt, args.beam_width, args.new_tokens, args.priority, catalog=args.catalog,
+                                       normalization=args.normalization)
         except grpc.RpcError as e:
             print(f"slmrank client: {describe_error(e)}", file=sys.stderr)
             return 1
@@ -285,6 +286,9 @@ def _add_serve_parsers(sub: argparse._SubParsersAction, command: str) -> None:
     bm.add_argument("--beam-width", type=int, required=True)
     bm.add_argument("--new-tokens", type=int, required=True)
     bm.add_argument("--catalog", default="", metavar="NAME", help="only items of this catalog (ModelInfo lists them)")
+    bm.add_argument("--normalization", default="vocab", choices=["vocab", "codes"],
+                    help="with --catalog: log-probs over the whole vocabulary (default), or over the catalog's code "
+                         "tokens only")
     rc = kinds.add_parser("replace-catalog", parents=[common],
                           help="Admin.ReplaceCatalog: swap a catalog of the server's for a file under its "
                                "--catalog-dir, while it serves")

@@ -15,6 +15,8 @@ or one whose files are not regular files (a link to /dev/zero, a FIFO: a load th
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import time
@@ -40,12 +42,13 @@ from ..siblings import sibling
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
 quantize_rows = sibling("kernels.fp8_linear").quantize_rows
 
-FORMAT_VERSION = 10  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 11  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
 # 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
 # 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema;
-# 9: catalogs (tries), beam_catalog input, beam_allowed nodes; 10: weights.fp8 (e4m3 linear layers + NAME.scale)
+# 9: catalogs (tries), beam_catalog input, beam_allowed nodes; 10: weights.fp8 (e4m3 linear layers + NAME.scale);
+# 11: beam_codes (batches normalised over a catalog's code tokens: the constrained beam nodes' input)
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
@@ -242,6 +245,8 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
             _verify_file(path / entry["file"], entry["sha256"])
             _verify_file(path / entry["items_file"], entry["items_sha256"])
     catalogs = tuple(load_catalog(path, entry) for entry in m["catalogs"])
+    if catalogs:  # each catalog's requests normalised over its codes run in buckets of their own kind
+        buckets = dataclasses.replace(buckets, codes=tuple((c.name, c.code_length) for c in catalogs))
     record = None
     if (entry := m.get("acceptance")) is not None:
         if verify:

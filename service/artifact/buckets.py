@@ -93,13 +93,34 @@ class BeamBucket:
                 f".p{self.max_prompt_tokens}.b{self.beam_width}")
 
 
+@dataclass(frozen=True, order=True)
+class CodesBucket(BeamBucket):
+    """A beam bucket's shape for requests of one catalog normalised over its code tokens
+    (BeamRequest.normalization "codes"): the LM head and the beam step over those tokens only. Not
+    in the manifest: BucketTable derives one from each beam bucket of the catalog's code length."""
+
+    catalog: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{super().key}.codes-{self.catalog}"
+
+
 Bucket = ScoreBucket | BeamBucket
 
 
+def codes_kind(new_tokens: int, catalog: str) -> str:
+    return f"beam.n{new_tokens}.codes-{catalog}"
+
+
 def kind_of(bucket: Bucket) -> str:
-    """The kind of request a bucket runs: "score", or "beam.n<new_tokens>" (only requests of one
-    kind share a batch)."""
-    return "score" if isinstance(bucket, ScoreBucket) else f"beam.n{bucket.new_tokens}"
+    """The kind of request a bucket runs: "score", "beam.n<new_tokens>", or
+    "beam.n<new_tokens>.codes-<catalog>" (CodesBucket); only requests of one kind share a batch."""
+    if isinstance(bucket, ScoreBucket):
+        return "score"
+    if isinstance(bucket, CodesBucket):
+        return codes_kind(bucket.new_tokens, bucket.catalog)
+    return f"beam.n{bucket.new_tokens}"
 
 
 def pick_order(bucket: Bucket) -> tuple[int, ...]:
@@ -156,6 +177,9 @@ class Fill:
 class BucketTable:
     score: tuple[ScoreBucket, ...]
     beam: tuple[BeamBucket, ...]
+    # (catalog, code length): each has a CodesBucket kind, the beam buckets of its code length again
+    # (derived at load: not in the manifest, nor in `beam`)
+    codes: tuple[tuple[str, int], ...] = ()
     _kinds: dict[str, tuple[Bucket, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
 
@@ -165,6 +189,9 @@ class BucketTable:
         kinds: dict[str, list[Bucket]] = {}
         for b in (*self.score, *self.beam):
             kinds.setdefault(kind_of(b), []).append(b)
+        for catalog, length in self.codes:
+            kinds[codes_kind(length, catalog)] = [CodesBucket(**dataclasses.asdict(b), catalog=catalog)
+                                                  for b in self.beam if b.new_tokens == length]
         self._kinds.update({k: tuple(sorted(bs, key=pick_order)) for k, bs in kinds.items()})
 
     def of_kind(self, kind: str) -> tuple[Bucket, ...]:

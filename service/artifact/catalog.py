@@ -63,6 +63,12 @@ class Catalog:
         return len(self.offsets) - 1
 
     @cached_property
+    def code_tokens(self) -> np.ndarray:
+        """The distinct tokens of its items, at any level, ascending (int64): what a request
+        normalised over the codes (BeamRequest.normalization "codes") is normalised over."""
+        return np.unique(self.tokens).astype(np.int64)
+
+    @cached_property
     def edge_keys(self) -> tuple[np.ndarray, int]:
         """(keys [edges] int64, span): edge e of node n has key n * span + its token, sorted (BFS
         order, tokens sorted within a node). Computed once (load_catalog: at load), not per lookup:

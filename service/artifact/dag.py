@@ -28,7 +28,7 @@ NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_l
               "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step", "beam_allowed")
 SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels")
 BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_slot", "beam_src",
-               "beam_seqs", "beam_catalog")
+               "beam_seqs", "beam_catalog", "beam_codes")  # beam_codes: a batch normalised over a catalog's codes only
 
 
 class DagError(ValueError):
@@ -109,7 +109,10 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: i
     return nodes
 
 
-def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0, fp8: tuple[str, ...] = ()) -> list[Node]:
+def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0, fp8: tuple[str, ...] = (),
+          codes: bool = False) -> list[Node]:
+    """codes: the LM head also takes beam_codes (a batch normalised over a catalog's code tokens:
+    the head's rows for those tokens only)."""
     attrs = {"step": step} if step else {}
     precision = _precision(("head",) if "head" in fp8 else ())
     nodes = [Node(f"{prefix}final_norm", "rms_norm", ("x", "mlp_out"), ("x",), {**attrs, "weight": "final_norm"})]
@@ -119,7 +122,8 @@ def _head(cfg: ModelConfig, prefix: str, rows: str, step: int = 0, fp8: tuple[st
     if cfg.has_cls_head:
         nodes.append(Node(f"{prefix}cls_head", "cls_head", (src,), ("logits",), {**attrs, "precision": precision}))
     else:
-        nodes.append(Node(f"{prefix}lm_head", "lm_head", (src,), ("logits",), {**attrs, "precision": precision}))
+        nodes.append(Node(f"{prefix}lm_head", "lm_head", (src,) + (("beam_codes",) if codes else ()), ("logits",),
+                          {**attrs, "precision": precision}))
     return nodes
 
 
@@ -148,6 +152,7 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, f
     if cfg.has_cls_head:
         return []
     trie = ("allowed", "beam_trie") if constrained else ()
+    codes = ("beam_codes",) if constrained else ()  # present in a batch normalised over a catalog's codes
     # per-beam suffix K/V, one slot per decode step: one buffer (suffix_kv) on the fused path, with
     # every layer's suffix_k/v.i a view of it; separate buffers on the ATen path
     suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
@@ -156,20 +161,22 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, f
              Node("beam_state", "beam_state", ("beam_seqs", "beam_slot"), suffix),
              Node("embed", "embedding", ("tokens",), ("x",))]
     nodes += _layers(cfg, "", "prefill", fp8=fp8)
-    nodes += _head(cfg, "", "last", fp8=fp8)
+    nodes += _head(cfg, "", "last", fp8=fp8, codes=constrained)
     if constrained:
-        nodes.append(Node("beam_allowed", "beam_allowed", ("beam_catalog",), trie))
-    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot") + trie,
+        nodes.append(Node("beam_allowed", "beam_allowed", ("beam_catalog",) + codes, trie))
+    nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot") + trie + codes,
                       ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + trie[1:]))
     for t in range(1, max_new_tokens):
         p = f"step{t}."
         nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
         nodes += _layers(cfg, p, "decode", t, fp8=fp8)
-        nodes += _head(cfg, p, "", t, fp8=fp8)
+        nodes += _head(cfg, p, "", t, fp8=fp8, codes=constrained)
         if constrained:
-            nodes.append(Node(f"{p}beam_allowed", "beam_allowed", ("beam_trie", "beam_slot"), ("allowed",), {"step": t}))
+            nodes.append(Node(f"{p}beam_allowed", "beam_allowed", ("beam_trie", "beam_slot") + codes, ("allowed",),
+                              {"step": t}))
         nodes.append(Node(f"{p}beam_step", "beam_step",
-                          ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src") + suffix + trie,
+                          ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src") + suffix + trie
+                          + codes,
                           ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix + trie[1:],
                           {"step": t}))
     return nodes

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..artifact.buckets import BeamBucket, Bucket, BucketTable, Fill, ScoreBucket
+from ..artifact.buckets import BeamBucket, Bucket, BucketTable, CodesBucket, Fill, ScoreBucket, codes_kind
 from ..artifact.catalog import Catalog
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
@@ -52,8 +52,13 @@ def dims(req: ScoreRequest | BeamRequest) -> tuple[int, int]:
 
 
 def kind(req: ScoreRequest | BeamRequest) -> str:
-    """Requests of one kind may share a batch: "score", or "beam.n<new_tokens>" (buckets.kind_of)."""
-    return "score" if isinstance(req, ScoreRequest) else f"beam.n{req.new_tokens}"
+    """Requests of one kind may share a batch: "score", "beam.n<new_tokens>", or for a request
+    normalised over a catalog's codes "beam.n<new_tokens>.codes-<catalog>" (buckets.kind_of)."""
+    if isinstance(req, ScoreRequest):
+        return "score"
+    if req.normalization == "codes":
+        return codes_kind(req.new_tokens, req.catalog)
+    return f"beam.n{req.new_tokens}"
 
 
 def pick_bucket(table: BucketTable, requests: Sequence[ScoreRequest | BeamRequest]) -> Bucket | None:
@@ -233,7 +238,23 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
         "beam_catalog": _i64([catalog_index(catalogs, req.catalog) for req in requests] + [-1] * pad_r),
     }
+    if isinstance(bucket, CodesBucket):
+        if any(req.normalization != "codes" or req.catalog != bucket.catalog for req in requests):
+            raise ValueError(f"{bucket.key} holds requests of catalog {bucket.catalog!r} normalised over its codes only")
+        inputs["beam_codes"] = code_columns(catalogs[catalog_index(catalogs, bucket.catalog)])
     return BeamBatch(requests, bucket, inputs, catalogs)
+
+
+CODE_COLUMNS_ALIGN = 128  # a catalog's code columns are padded to a multiple (a replaced catalog's few
+# more or fewer codes keep the batch's shapes, and with them its CUDA graphs)
+
+
+def code_columns(catalog: Catalog) -> torch.Tensor:
+    """beam_codes [C]: the catalog's code tokens ascending (the LM head's rows, the beam step's
+    columns of a batch normalised over them), then -1 up to a multiple of CODE_COLUMNS_ALIGN."""
+    codes = catalog.code_tokens
+    pad = -len(codes) % CODE_COLUMNS_ALIGN
+    return torch.from_numpy(np.concatenate([codes, np.full(pad, -1, dtype=np.int64)]))
 
 
 def catalog_index(catalogs: Sequence[Catalog], name: str) -> int:

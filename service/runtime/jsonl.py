@@ -4,7 +4,8 @@
        ("label_texts": [" yes", " no"] instead of "label_ids": texts of one token each)
   out: {"id": "a", "scores": [[logprob per label id], ..]}
   in:  {"id": "b", "kind": "beam", "prompt_ids": [..], "beam_width": B, "new_tokens": T}
-       ("catalog": "NAME": only that catalog's items; new_tokens = its code length)
+       ("catalog": "NAME": only that catalog's items; new_tokens = its code length; "normalization":
+       "vocab" (default) or "codes": log-probs over the catalog's code tokens only)
   out: {"id": "b", "beams": [{"ids": [T ids], "logprob": cumulative}, ..]}   (best first;
        with a catalog each beam also has "item_id", and fewer beams come back if fewer items exist)
   a bad line: {"id": .., "error": "<field>: <what is wrong, with the limit>"}
@@ -79,9 +80,13 @@ def parse_request(line: str, labels_of: Callable[[Sequence[str]], tuple[int, ...
             catalog = obj.get("catalog", "")
             if not isinstance(catalog, str):
                 raise RequestError("catalog", "must be a catalog's name (a string)")
+            normalization = obj.get("normalization", "vocab")
+            if not isinstance(normalization, str):
+                raise RequestError("normalization", "must be \"vocab\" or \"codes\" (a string)")
             return BeamRequest(prompt_ids=_id_list(obj["prompt_ids"], "prompt_ids"),
                                beam_width=obj.get("beam_width"), new_tokens=obj.get("new_tokens"),
-                               id=rid, catalog=catalog)  # type: ignore[arg-type]  (validate_beam checks both)
+                               id=rid, catalog=catalog, normalization=normalization)  # type: ignore[arg-type]
+            # (validate_beam checks them all)
         raise RequestError("kind", f"{kind!r} is not one of {KINDS}")
     except RequestError as e:
         e.request_id = rid  # type: ignore[attr-defined]

@@ -48,6 +48,12 @@ class BeamRequest:
     new_tokens: int
     id: str | None = None
     catalog: str = ""  # a catalog's name: only its items come back (each beam with its item_id); "": any tokens
+    # with a catalog: "vocab", the log-probs normalised over the whole vocabulary (Hugging Face's), or
+    # "codes", over the catalog's code tokens only (a code-vocabulary LM head: NORMALIZATIONS)
+    normalization: str = "vocab"
+
+
+NORMALIZATIONS = ("vocab", "codes")
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,11 @@ def validate_beam(req: BeamRequest, model: ModelConfig, limits: ServingLimits, i
         if req.new_tokens != catalogs[req.catalog]:  # type: ignore[index]
             raise RequestError("new_tokens", f"{req.new_tokens} does not match catalog {req.catalog!r}, whose "
                                              f"items are {catalogs[req.catalog]} tokens long")  # type: ignore[index]
+    if req.normalization not in NORMALIZATIONS:
+        raise RequestError("normalization", f"{req.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+    if req.normalization == "codes" and not req.catalog:
+        raise RequestError("normalization", "'codes' normalises over a catalog's code tokens: the request names "
+                                            "no catalog")
 
 
 class BindError(OSError):

@@ -46,9 +46,11 @@ class RankerClient:
         return self.stub.Score(msg, timeout=timeout_s or self.timeout_s)
 
     def beam(self, prompt: SegmentValue, beam_width: int, new_tokens: int, priority: str = "unspecified",
-             timeout_s: float | None = None, catalog: str = "") -> Any:
+             timeout_s: float | None = None, catalog: str = "", normalization: str = "vocab") -> Any:
+        """normalization (with a catalog): "vocab" or "codes" (BeamSearchRequest.normalization)."""
         msg = self.pb2.BeamSearchRequest(prompt=segment(self.pb2, prompt), beam_width=beam_width,
-                                         new_tokens=new_tokens, priority=PRIORITIES.index(priority), catalog=catalog)
+                                         new_tokens=new_tokens, priority=PRIORITIES.index(priority), catalog=catalog,
+                                         normalization=("vocab", "codes").index(normalization))
         return self.stub.BeamSearch(msg, timeout=timeout_s or self.timeout_s)
 
     def replace_catalog(self, name: str, file: str, timeout_s: float | None = None) -> Any:

@@ -40,6 +40,10 @@ _ENGINE_TO_PROTO = [
 ]
 
 
+# BeamSearchRequest.normalization (proto enum Normalization) -> BeamRequest.normalization
+NORMALIZATION_NAMES = {0: "vocab", 1: "codes"}
+
+
 @dataclass
 class TokenizeStats:
     """Per text segment (sample, prefix or prompt): how long tokenizing it took."""
@@ -143,8 +147,11 @@ class Codec:
             raise RequestError("prompt", "is required")
         self._check_segment("prompt", msg.prompt)
         self._check_text_length([("prompt", msg.prompt)], self.limits.max_prompt_tokens)
+        if msg.normalization not in NORMALIZATION_NAMES:
+            raise RequestError("normalization", f"{msg.normalization} is not a Normalization (0: VOCABULARY, 1: CODES)")
         req = BeamRequest(prompt_ids=self._segment_ids("prompt", msg.prompt), beam_width=msg.beam_width,
-                          new_tokens=msg.new_tokens, catalog=msg.catalog)
+                          new_tokens=msg.new_tokens, catalog=msg.catalog,
+                          normalization=NORMALIZATION_NAMES[msg.normalization])
         _engine_check(functools.partial(validate_beam, catalogs=self.catalog_lengths), req, self)
         return req, priority
 

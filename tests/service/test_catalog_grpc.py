@@ -51,6 +51,23 @@ def test_bad_catalog_requests_name_the_field(shop, catalog, new_tokens, field):
     assert e.value.field == field
 
 
+def test_normalization_reaches_the_request_and_a_bad_one_is_named(shop):
+    art, runtime, codec = shop
+    req, _ = codec.beam_request(_msg(codec, beam_width=8, new_tokens=3, catalog="shop",
+                                     normalization=codec.pb2.NORMALIZATION_CODES))
+    assert req.normalization == "codes"
+    (res,) = execute(art, runtime, [req])
+    (vocab,) = execute(art, runtime, [codec.beam_request(_msg(codec, beam_width=8, new_tokens=3, catalog="shop"))[0]])
+    assert sorted(b.item_id for b in res.beams) == sorted(b.item_id for b in vocab.beams)  # all 3 items both ways
+    assert all(b.logprob > next(v.logprob for v in vocab.beams if v.item_id == b.item_id) for b in res.beams)
+    for msg, field in ((_msg(codec, beam_width=2, new_tokens=3, normalization=codec.pb2.NORMALIZATION_CODES),
+                        "normalization"),  # no catalog
+                       (_msg(codec, beam_width=2, new_tokens=3, catalog="shop", normalization=7), "normalization")):
+        with pytest.raises(RequestError) as e:
+            codec.beam_request(msg)
+        assert e.value.field == field, str(e.value)
+
+
 def test_model_info_lists_catalogs(shop):
     art, runtime, codec = shop
     (cat,) = model_info(codec.pb2, "x", art, runtime).catalogs
@@ -67,3 +84,10 @@ def test_run_lines_take_catalog_and_answer_item_ids(shop):
     assert len(beams) == 2 and all(b["item_id"].startswith("sku-") for b in beams)
     with pytest.raises(RequestError, match="catalog"):
         parse_request('{"kind": "beam", "prompt_ids": [1], "beam_width": 1, "new_tokens": 3, "catalog": 7}')
+    codes = parse_request(json.dumps({"id": "c", "kind": "beam", "prompt_ids": [4, 5], "beam_width": 2,
+                                      "new_tokens": 3, "catalog": "shop", "normalization": "codes"}))
+    assert codes.normalization == "codes" and req.normalization == "vocab"
+    (res_codes,) = execute(art, runtime, [codes])
+    assert [b.item_id for b in res_codes.beams] and res_codes.beams[0].logprob > res.beams[0].logprob
+    with pytest.raises(RequestError, match="normalization"):
+        parse_request('{"kind": "beam", "prompt_ids": [1], "beam_width": 1, "new_tokens": 3, "normalization": 1}')

@@ -356,7 +356,7 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True,
-                   help="W1..W8 (W7u, W8u), score-mix, beam-mix, mixed, or 'score,prefix=0,samples=3,len=8,labels=2' / "
+                   help="W1..W8 (W7u, W8u, W7c, W8c), score-mix, beam-mix, mixed, or 'score,prefix=0,samples=3,len=8,labels=2' / "
                         "'beam,prompt=16,beam=4,new=3'")
     p.add_argument("--levels", default=None, help="requests in flight, comma list (default 1,2,...,64; W6: 1)")
     p.add_argument("--warmup-s", type=float, default=2.0)

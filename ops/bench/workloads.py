@@ -32,7 +32,8 @@ def parse_workload(text: str, mixes: bool = False) -> dict[str, Any]:
 
 # requests per batch where the executor is driven directly (bench_executor): W6 is one request at
 # a time (latency); a mix's batch: at most MIX_BATCH consecutive requests that one bucket holds
-EXECUTOR_BATCH = {"W1": 8, "W2": 8, "W3": 4, "W4": 8, "W5": 2, "W6": 1, "W7": 8, "W7u": 8, "W8": 2, "W8u": 2}
+EXECUTOR_BATCH = {"W1": 8, "W2": 8, "W3": 4, "W4": 8, "W5": 2, "W6": 1, "W7": 8, "W7u": 8, "W7c": 8, "W8": 2, "W8u": 2,
+                  "W8c": 2}
 MIX_BATCH = 8
 MIX_MODEL = "embedded:qwen3-0.6b"  # the mixes run on `slmrank serve`'s default model
 
@@ -53,7 +54,7 @@ def runtime_request(w: dict[str, Any], g: Any) -> Any:
         labels = tuple(1000 * (i + 1) for i in range(w["labels"]))
         return ScoreRequest(samples=samples, label_ids=labels, prefix_ids=ids(w["prefix"]) if w["prefix"] else ())
     return BeamRequest(prompt_ids=ids(w["prompt"]), beam_width=w["beam"], new_tokens=w["new"],
-                       catalog=w.get("catalog", ""))
+                       catalog=w.get("catalog", ""), normalization=w.get("normalization", "vocab"))
 
 
 def request_flops(cfg: Any, req: Any) -> int:
@@ -87,7 +88,7 @@ def runtime_of(msg: Any) -> Any:
         return ScoreRequest(samples=tuple(tuple(s.ids) for s in msg.samples), label_ids=tuple(msg.label_ids),
                             prefix_ids=tuple(msg.prefix.ids))
     return BeamRequest(prompt_ids=tuple(msg.prompt.ids), beam_width=msg.beam_width, new_tokens=msg.new_tokens,
-                       catalog=msg.catalog)
+                       catalog=msg.catalog, normalization="codes" if msg.normalization == 1 else "vocab")
 
 
 def catalog_artifact(model: str, catalog: str, out: str | Path | None = None, quiet: bool = True) -> Path:

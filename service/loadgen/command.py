@@ -35,7 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target", required=True, help="HOST:PORT of the server's gRPC API")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None,
-                     help="W1..W8 (W7u, W8u), score-mix, beam-mix, mixed, or a custom shape 'score,prefix=0,samples=3,len=8,"
+                     help="W1..W8 (W7u, W8u, W7c, W8c), score-mix, beam-mix, mixed, or a custom shape 'score,prefix=0,samples=3,len=8,"
                           "labels=2' / 'beam,prompt=16,beam=4,new=3' (default W1; docs/benchmarks.md)")
     src.add_argument("--requests", default=None, metavar="FILE",
                      help="a `slmrank run` JSONL request file (label_ids or label_texts), sent in order and cycled")

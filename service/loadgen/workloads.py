@@ -1,5 +1,5 @@
 """The workloads, one definition for every load generator and benchmark (docs/benchmarks.md's
-tables): W1..W8's fixed shapes (W7u, W8u: W7, W8 unconstrained), a custom shape from its text, the seeded variable-shape mixes, a
+tables): W1..W8's fixed shapes (W7u, W8u: W7, W8 unconstrained; W7c, W8c: over the codes), a custom shape from its text, the seeded variable-shape mixes, a
 `slmrank run` request file; their requests as slmrank.v1 messages; a request's logical FLOPs
 (service/model/flops.py, the numerator of effective MFU).
 
@@ -12,6 +12,8 @@ tables): W1..W8's fixed shapes (W7u, W8u: W7, W8 unconstrained), a custom shape 
   W7  BeamSearch  prompt 128, beam 100, 3 new tokens, catalog sid-1m    qwen2.5-0.5b
   W8  BeamSearch  prompt 128, beam 400, 3 new tokens, catalog sid-1m    qwen3-0.6b
   W7u, W8u        W7, W8 without the catalog (any tokens): the unconstrained run of the same shape
+  W7c, W8c        W7, W8 normalised over the catalog's code tokens (normalization "codes": the
+                  code-vocabulary LM head); their logical FLOPs still count the whole vocabulary's head
 
   sid-1m: 1M random 3-token semantic-ID items over 3 x 256 code tokens (service/loadgen/catalogs.py,
   seeded); a catalog workload runs against an artifact built with it (the benches build it).
@@ -52,6 +54,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W7u": dict(kind="beam", prompt=128, beam=100, new=3, model="embedded:qwen2.5-0.5b"),
     "W8": dict(kind="beam", prompt=128, beam=400, new=3, model="embedded:qwen3-0.6b", catalog="sid-1m"),
     "W8u": dict(kind="beam", prompt=128, beam=400, new=3, model="embedded:qwen3-0.6b"),
+    "W7c": dict(kind="beam", prompt=128, beam=100, new=3, model="embedded:qwen2.5-0.5b", catalog="sid-1m",
+                normalization="codes"),
+    "W8c": dict(kind="beam", prompt=128, beam=400, new=3, model="embedded:qwen3-0.6b", catalog="sid-1m",
+                normalization="codes"),
 }
 
 # the variable shapes: (low, high) inclusive ranges; prefix_share: the share of Score requests with a prefix
@@ -77,7 +83,8 @@ def parse_workload(text: str) -> dict[str, Any]:
         return dict(kind="mix", weights=MIXES[text], name=text)
     kind, *parts = text.split(",")
     if kind not in ("score", "beam"):
-        raise WorkloadError(f"--workload: {text!r} is not W1..W8, W7u, W8u, {', '.join(MIXES)}, nor 'score,...' / 'beam,...'")
+        raise WorkloadError(f"--workload: {text!r} is not W1..W8, W7u, W8u, W7c, W8c, {', '.join(MIXES)}, nor "
+                            "'score,...' / 'beam,...'")
     w: dict[str, Any] = dict(kind="score", prefix=0, samples=15, len=64, labels=2) if kind == "score" \
         else dict(kind="beam", prompt=128, beam=100, new=5)
     for part in parts:
@@ -126,16 +133,18 @@ class Requests:
             msg.prefix.CopyFrom(pb2.Segment(ids=self.ids(prefix)))
         return msg
 
-    def beam(self, prompt: int, beam: int, new: int, catalog: str = "") -> Any:
+    def beam(self, prompt: int, beam: int, new: int, catalog: str = "", normalization: str = "vocab") -> Any:
         return self.pb2.BeamSearchRequest(prompt=self.pb2.Segment(ids=self.ids(prompt)), beam_width=beam,
-                                          new_tokens=new, catalog=catalog)
+                                          new_tokens=new, catalog=catalog,
+                                          normalization=self.pb2.NORMALIZATION_CODES if normalization == "codes"
+                                          else self.pb2.NORMALIZATION_VOCABULARY)
 
     def next(self) -> Any:
         w = self.w
         if w["kind"] == "score":
             return self.score(w["prefix"], [w["len"]] * w["samples"])
         if w["kind"] == "beam":
-            return self.beam(w["prompt"], w["beam"], w["new"], w.get("catalog", ""))
+            return self.beam(w["prompt"], w["beam"], w["new"], w.get("catalog", ""), w.get("normalization", "vocab"))
         kind = self.kinds[int(self.rng.choice(len(self.kinds), p=self.p))] if len(self.kinds) > 1 else self.kinds[0]
         for _ in range(MAX_REDRAWS):
             shape = self._draw_score() if kind == "score" else self._draw_beam()

@@ -139,3 +139,31 @@ def test_a_catalog_replaced_under_captured_graphs_answers_as_a_fresh_build(model
         runtime.load_catalogs(art2.catalogs)
         assert execute(art2, runtime, reqs) == fresh, runtime.name
         assert before[0] != fresh[0] and before[2] == fresh[2]
+
+
+def test_codes_normalization_equals_hf_float64_over_the_codes(model) -> None:
+    """normalization "codes" at real shapes on the float32 Triton path in a CUDA graph, both runtimes
+    (run_both_runtimes): Hugging Face in float64 with every logit outside the catalog's codes at -inf."""
+    art, hf, items = model
+    rng = random.Random(2806)
+    big_width = 400 if art.config.arch == "qwen3" else 100
+    reqs = [BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(128)), big_width, CODE_LEN, id="big",
+                        catalog="big", normalization="codes"),
+            BeamRequest(tuple(rng.randrange(VOCAB) for _ in range(40)), 50, CODE_LEN, id="few", catalog="few",
+                        normalization="codes")]
+    got = run_both_runtimes(art, reqs)
+    worst = 0.0
+    for req, res in zip(reqs, got):
+        assert isinstance(res, BeamResult), res
+        catalog = items[req.catalog]
+        keep = torch.zeros(VOCAB, dtype=torch.bool, device="cuda")
+        keep[sorted({t for code in catalog.values() for t in code})] = True
+        handle = hf.get_output_embeddings().register_forward_hook(
+            lambda mod, args, out: out.masked_fill(~keep, float("-inf")))
+        try:
+            want = _hf_constrained(hf, list(req.prompt_ids), req.beam_width, catalog)
+        finally:
+            handle.remove()
+        assert [b.ids for b in res.beams] == [s for s, _ in want], f"{req.id}: beams differ from HF float64"
+        worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
+    assert worst <= TOL, worst

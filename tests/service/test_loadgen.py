@@ -126,7 +126,7 @@ def test_the_beam_and_mixed_mixes() -> None:
 def test_parse_workload_names_the_mistake() -> None:
     assert parse_workload("W5")["beam"] == 400 and parse_workload("mixed")["kind"] == "mix"
     assert parse_workload("beam,prompt=16")["beam"] == 100
-    for bad, what in (("W9", "is not W1..W8, W7u, W8u"), ("score,foo=1", "unknown key 'foo'"), ("beam,beam=x", "not an integer"),
+    for bad, what in (("W9", "is not W1..W8, W7u, W8u, W7c, W8c"), ("score,foo=1", "unknown key 'foo'"), ("beam,beam=x", "not an integer"),
                       ("score,samples=0", "samples must be >= 1")):
         with pytest.raises(WorkloadError, match=what):
             parse_workload(bad)

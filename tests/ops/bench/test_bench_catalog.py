@@ -39,6 +39,19 @@ def test_catalog_workloads_name_the_catalog_with_new_tokens_its_code_length(name
     assert be.WORKLOAD_MODELS[twin][0] == w["model"].removeprefix("embedded:")
 
 
+@pytest.mark.parametrize("name,base", [("W7c", "W7"), ("W8c", "W8")])
+def test_code_workloads_are_their_catalog_twins_normalised_over_the_codes(name: str, base: str) -> None:
+    w, b = parse_workload(name), parse_workload(base)
+    assert w["normalization"] == "codes" and {k: v for k, v in w.items() if k not in ("normalization", "name")} == \
+        {k: v for k, v in b.items() if k != "name"}
+    msg = Requests(w, 150_000, seed=3).next()
+    assert msg.normalization == msg.DESCRIPTOR.fields_by_name["normalization"].enum_type.values_by_name[
+        "NORMALIZATION_CODES"].number and msg.catalog == "sid-1m"
+    assert runtime_of(msg).normalization == "codes" and runtime_request(w, torch.Generator()).normalization == "codes"
+    assert Requests(b, 150_000, seed=3).next().normalization == 0 and runtime_of(Requests(b, 150_000).next()).normalization == "vocab"
+    assert be.WORKLOAD_MODELS[name][0] == be.WORKLOAD_MODELS[base][0]  # the same artifact, built with the catalog
+
+
 def test_the_older_workloads_are_unchanged() -> None:
     assert all("catalog" not in WORKLOADS[n] for n in ("W1", "W2", "W3", "W4", "W5", "W6"))
     assert Requests(parse_workload("W2"), 150_000).next().catalog == ""

@@ -32,7 +32,8 @@ from typing import Any
 import grpc
 
 from ..artifact.catalog import CatalogError, read_catalog
-from ..sched.batcher import CatalogReplaceError
+from ..sched.batcher import CatalogReplaceError, Scheduler
+from .model_info import catalog_entries
 
 log = logging.getLogger("slmrank.admin")
 
@@ -87,8 +88,7 @@ class AdminServicer:
             info = self.pb2.ModelInfoResponse()
             info.CopyFrom(self.server.servicer.info)
             del info.catalogs[:]
-            info.catalogs.extend(self.pb2.Catalog(name=c.name, num_items=c.num_items, code_length=c.code_length,
-                                                  version=c.version) for c in scheduler.catalogs)
+            info.catalogs.extend(catalog_entries(self.pb2, scheduler.catalogs))
             self.server.servicer.info = info
             if self.server.metrics is not None:
                 self.server.metrics.set_model(info)
@@ -113,3 +113,31 @@ class AdminServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"file: no catalog file {file!r} in the server's "
                                 "--catalog-dir")
         return path
+
+
+class CatalogStartError(ValueError):
+    """A current catalog file under --catalog-dir that cannot replace the artifact's at start-up."""
+
+
+async def apply_current_catalogs(catalog_dir: str, scheduler: Scheduler, vocab_size: int) -> list[str]:
+    """At start-up, before SERVING: each of the artifact's catalogs NAME with a file DIR/NAME.tsv
+    under --catalog-dir is replaced by it (what a restarted server would otherwise lose: a
+    replacement lives in memory). Returns the names replaced. CatalogStartError naming the file
+    when one cannot be (it does not parse, another code length, no room): a server that would
+    serve a catalog other than the one its operator put there does not start."""
+    replaced = []
+    for name in [c.name for c in scheduler.catalogs]:
+        path = Path(catalog_dir) / f"{name}.tsv"
+        if not path.is_file():
+            continue
+        log.info("catalog %s: replacing the artifact's with %s (--catalog-dir)", name, path)
+        try:
+            catalog = await asyncio.to_thread(read_catalog, name, path, vocab_size)
+            old = await scheduler.replace_catalog(catalog)
+        except (CatalogError, CatalogReplaceError) as e:
+            raise CatalogStartError(f"--catalog-dir: {path}: {e}") from None
+        log.info("catalog %s: version %s (%d items) serves instead of the artifact's %s", name, catalog.version,
+                 catalog.num_items, old.version)
+        replaced.append(name)
+    return replaced
+

@@ -7,11 +7,13 @@ weights and of every tokenizer file: two servers with the same value serve the s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
 from ..artifact.acceptance import value_of
 from ..artifact.artifact import MANIFEST, Artifact, sha256_file
+from ..artifact.catalog import Catalog
 
 
 def server_version() -> str:
@@ -25,8 +27,9 @@ def artifact_identity(artifact: Artifact) -> str:
     return sha256_file(artifact.path / MANIFEST)
 
 
-def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
-    """A ModelInfoResponse; runtime: the PythonRuntime / CppRuntime serving the artifact."""
+def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any, catalogs: Sequence[Catalog] | None = None) -> Any:
+    """A ModelInfoResponse; runtime: the PythonRuntime / CppRuntime serving the artifact; catalogs:
+    those served (a server's may have replaced the artifact's: Scheduler.catalogs), default the artifact's."""
     cfg = artifact.config
     # a runtime stand-in (tests wrap one) may lack these: then the artifact's own dtype, "cpu"
     dtype = getattr(runtime, "dtype", artifact.weight_dtype)
@@ -42,9 +45,14 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any) -> Any:
         score_buckets=[pb2.ScoreBucket(**dataclasses.asdict(b)) for b in artifact.buckets.score],
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],
         server_version=server_version(), bucket_origin=bucket_origin(pb2, artifact.manifest),
-        catalogs=[pb2.Catalog(name=c["name"], num_items=c["num_items"], code_length=c["code_length"],
-                              version=c["version"]) for c in artifact.manifest.get("catalogs", [])],
+        catalogs=catalog_entries(pb2, artifact.catalogs if catalogs is None else catalogs),
         acceptance=acceptance(pb2, artifact))
+
+
+def catalog_entries(pb2: Any, catalogs: Sequence[Catalog]) -> list[Any]:
+    """ModelInfo's catalogs: name, items, code length, version."""
+    return [pb2.Catalog(name=c.name, num_items=c.num_items, code_length=c.code_length, version=c.version)
+            for c in catalogs]
 
 
 def acceptance(pb2: Any, artifact: Artifact) -> Any:

@@ -53,7 +53,7 @@ from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..observe.records import current_trace
 from ..observe.tracing import RequestTracer, TracingConfig
 from .interceptor import TracingInterceptor, deadline_passed, end_rpc, ended_status, request_id
-from .admin import ADMIN, AdminServicer
+from .admin import ADMIN, AdminServicer, apply_current_catalogs
 from .model_info import model_info
 from .reflection import enable_reflection
 from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
@@ -483,11 +483,14 @@ class RankerServer:
                               max_batch_s=BATCH_GRACE_SHARE * self.config.grace_s,
                               max_batch_bytes=batch_memory_bytes(self.model.runtime, self.config.batcher))
         await scheduler.start()
+        if self.config.catalog_dir is not None:  # DIR/NAME.tsv: the catalog NAME to serve (admin.py)
+            await apply_current_catalogs(self.config.catalog_dir, scheduler, self.model.artifact.config.vocab_size)
         if self.metrics is not None:
             stats = scheduler.stats if self.fronts is None else (
                 lambda: _with_front_counts(scheduler.stats(), self.fronts))
             self.metrics.stats_source = lambda: {**stats(), "stalled": self.stalled()}
-        self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime)
+        self.servicer.info = model_info(load_stubs().pb2, self.model.spec, self.model.artifact, self.model.runtime,
+                                        scheduler.catalogs)
         if self.metrics is not None:
             self.metrics.set_model(self.servicer.info)
         self.servicer.codec, self.servicer.scheduler = Codec(self.model.artifact, self.model.tokenizer), scheduler

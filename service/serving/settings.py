@@ -167,8 +167,9 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
                   "(seconds) after it was ready is cancelled (no HTTP/2 flow-control window, a client that does not "
                   "read): one client cannot keep answers in the server"),
     field_setting(ServerConfig, "catalog_dir", "", "server", "a directory of catalog files: Admin.ReplaceCatalog "
-                  "(`slmrank catalog replace`) swaps one of the artifact's catalogs for a file under it while "
-                  "serving; off: no replacement", parse=_optional(_str)),
+                  "(`slmrank client replace-catalog`) swaps one of the artifact's catalogs for a file under it "
+                  "while serving, and DIR/NAME.tsv, where it exists, is catalog NAME from the start; off: no "
+                  "replacement", parse=_optional(_str)),
     field_setting(ServerConfig, "catalog_headroom", "", "server", "with --catalog-dir: room on the device for "
                   "replaced catalogs, x what the artifact's need (trie nodes, edges, children at a node)"),
     field_setting(ServerConfig, "tls_cert", "", "tls", "PEM certificate chain of the server: TLS on the API port",

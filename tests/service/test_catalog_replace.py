@@ -10,6 +10,7 @@ replace-catalog`, Scheduler.replace_catalog, the runtimes' load_catalogs over a 
   items of the one version it names, both versions answer, and ModelInfo follows.
 - Refusals name the field and change nothing: unknown name, a file outside --catalog-dir or that
   does not parse, another code length, no room; the RPC is off without --catalog-dir.
+- At start-up a server serves --catalog-dir's NAME.tsv as catalog NAME; one that cannot be stops it.
 """
 
 from __future__ import annotations
@@ -188,8 +189,11 @@ def test_swaps_under_load_answer_every_request_from_one_version(served, shop):
                 rng = random.Random(i)
                 while not stop.is_set():
                     catalog = rng.choice(["shop", "shop", "other", ""])
+                    # half the catalog requests normalised over the codes: batches of their own (CodesBucket)
+                    codes = bool(catalog) and rng.random() < 0.5
                     msg = pb2.BeamSearchRequest(prompt=pb2.Segment(ids=[rng.randrange(1, 200) for _ in range(5)]),
-                                                beam_width=rng.choice([1, 4, 8, 16]), new_tokens=3, catalog=catalog)
+                                                beam_width=rng.choice([1, 4, 8, 16]), new_tokens=3, catalog=catalog,
+                                                normalization=pb2.NORMALIZATION_CODES if codes else 0)
                     try:
                         answers.append((catalog, await stub.BeamSearch(msg, timeout=30)))
                     except grpc.aio.AioRpcError as e:
@@ -232,6 +236,8 @@ def test_swaps_under_load_answer_every_request_from_one_version(served, shop):
         else:
             assert not resp.catalog_version and not any(b.item_id for b in resp.beams)
     assert all(by_version.values()), by_version  # both versions answered
+    buckets = served.on_loop(lambda: served.server.stats()["scheduler"]["buckets"])
+    assert any(key.endswith(".codes-shop") for key in buckets) and any("codes" not in key for key in buckets)
     with RankerClient(served.target, timeout_s=30) as c:
         info = {cat.name: cat for cat in c.model_info().catalogs}
         assert info["shop"].version == shop.versions["v1"] and info["shop"].num_items == len(shop.items["v1"])
@@ -274,3 +280,29 @@ def test_replacement_is_off_without_a_catalog_dir(shop):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--catalog-dir" in e.value.details()
     finally:
         srv.stop()
+
+
+def test_a_current_file_in_the_catalog_dir_is_served_from_the_start(shop, tmp_path):
+    """--catalog-dir DIR with DIR/NAME.tsv: the server starts with that file as catalog NAME (a
+    replacement made before a restart is not lost when the file is where the operator put it); one
+    that cannot replace it stops the start in one line."""
+    art = shop.arts["v1"]
+    (tmp_path / "shop.tsv").write_bytes((shop.dir / "v2.tsv").read_bytes())
+    config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=None, trace_sample_rate=0.0,
+                          catalog_dir=str(tmp_path))
+    runtime = PythonRuntime(load_artifact(art.path), catalog_headroom=2.0)
+    srv = ServerThread(RankerServer(config, lambda: Model(runtime.artifact, runtime,
+                                                          load_tokenizer(art.tokenizer_dir))), wait_ready=True)
+    try:
+        with RankerClient(srv.target, timeout_s=30) as c:
+            info = {cat.name: cat.version for cat in c.model_info().catalogs}
+            assert info == {"shop": shop.versions["v2"], "other": art.catalogs[1].version}
+            resp = c.beam([1, 2, 3], 8, 3, catalog="shop")
+            assert resp.catalog_version == shop.versions["v2"]
+            assert all(b.item_id in shop.items["v2"] for b in resp.beams)
+    finally:
+        srv.stop()
+    (tmp_path / "shop.tsv").write_bytes((shop.dir / "short.tsv").read_bytes())
+    with pytest.raises(RuntimeError, match="shop.tsv: its items have 2 tokens"):
+        ServerThread(RankerServer(config, lambda: Model(runtime.artifact, PythonRuntime(runtime.artifact),
+                                                        load_tokenizer(art.tokenizer_dir))), wait_ready=True)

@@ -4,12 +4,13 @@ min(beam width, catalog size) beams come back, best first, all finite; unconstra
 in come back whole and without item ids.
 
   python -m ops.bench.catalog_validity [--requests 100000] [--model embedded:tiny] [--runtime cpp]
-                                      [--device cpu] [--seed 28] [--out FILE.json]
+                                      [--device cpu] [--seed 28] [--codes-share 0.25] [--out FILE.json]
 
 Seeded random catalogs (service/loadgen/catalogs.py) of 2, 3 and 4 levels, from 40 items (fewer
 than many requests' beams) to 200,000; requests of 1-64 beams and 1-96 prompt tokens, a catalog
-drawn per request (one in eight unconstrained), run through the engine as it batches them (requests
-of several catalogs share batches). Progress on stderr; a summary line last; exit 1 on any invalid
+drawn per request (one in eight unconstrained), --codes-share of the constrained ones normalised over
+their catalog's code tokens (normalization "codes": batches of their own), run through the engine as
+it batches them (requests of several catalogs share batches). Progress on stderr; a summary line last; exit 1 on any invalid
 answer.
 """
 
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--runtime", default="cpp", choices=["cpp", "python"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=28)
+    p.add_argument("--codes-share", type=float, default=0.25,
+                   help="of the constrained requests, this share normalised over the codes")
     p.add_argument("--out")
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -81,26 +84,31 @@ def main() -> None:
         runtime = make_runtime(args.runtime, art, args.device, None)
         names = [*CATALOGS, ""]
         invalid: list[str] = []
-        done, beams, t0 = 0, 0, time.monotonic()
+        done, beams, num_codes, t0 = 0, 0, 0, time.monotonic()
         while done < args.requests:
             reqs = []
             for k in range(min(CHUNK, args.requests - done)):
                 cat = rng.choice(names) if rng.random() < 7 / 8 else ""
                 levels = CATALOGS[cat][1] if cat else rng.randint(1, 4)
                 prompt = tuple(rng.randrange(art.config.vocab_size) for _ in range(rng.randint(1, 96)))
-                reqs.append(BeamRequest(prompt, rng.randint(1, 64), levels, id=str(done + k), catalog=cat))
+                norm = "codes" if cat and rng.random() < args.codes_share else "vocab"
+                num_codes += norm == "codes"
+                reqs.append(BeamRequest(prompt, rng.randint(1, 64), levels, id=str(done + k), catalog=cat,
+                                        normalization=norm))
             for req, res in zip(reqs, execute(art, runtime, reqs)):
                 problem = check(req, res, items[req.catalog] if req.catalog else None)
                 beams += len(getattr(res, "beams", ()))
                 if problem:
-                    invalid.append(f"request {req.id} ({req.catalog or 'free'}, B={req.beam_width}): {problem}")
+                    invalid.append(f"request {req.id} ({req.catalog or 'free'}, {req.normalization}, "
+                                   f"B={req.beam_width}): {problem}")
             done += len(reqs)
             print(f"\r{done:,}/{args.requests:,} requests, {beams:,} beams, {len(invalid)} invalid, "
                   f"{time.monotonic() - t0:.0f} s", end="", file=sys.stderr, flush=True)
         if hasattr(runtime, "shutdown"):
             runtime.shutdown()
     print(file=sys.stderr)
-    summary = {"requests": done, "beams": beams, "invalid": len(invalid), "first_invalid": invalid[:20],
+    summary = {"requests": done, "codes_normalised": num_codes, "beams": beams, "invalid": len(invalid),
+               "first_invalid": invalid[:20],
                "catalogs": {k: v[0] for k, v in CATALOGS.items()}, "model": args.model, "runtime": args.runtime,
                "device": args.device, "seed": args.seed, "seconds": round(time.monotonic() - t0, 1)}
     if args.out:

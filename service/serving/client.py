@@ -145,6 +145,8 @@ def info_summary(info: Any) -> str:
              f"max_new_tokens {lim.max_new_tokens}"),
         ("buckets", f"{len(info.score_buckets)} score, {len(info.beam_buckets)} beam"),
         *bucket_origin_rows(info.bucket_origin),
+        *[("catalogs" if i == 0 else "", f"{c.name}: {c.num_items:,} items of {c.code_length} tokens over {c.num_codes:,} "
+           f"code tokens, version {c.version}") for i, c in enumerate(info.catalogs)],
         *acceptance_rows(info),
         ("server_version", info.server_version),
     ]

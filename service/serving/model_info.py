@@ -50,9 +50,9 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any, catalogs: 
 
 
 def catalog_entries(pb2: Any, catalogs: Sequence[Catalog]) -> list[Any]:
-    """ModelInfo's catalogs: name, items, code length, version."""
-    return [pb2.Catalog(name=c.name, num_items=c.num_items, code_length=c.code_length, version=c.version)
-            for c in catalogs]
+    """ModelInfo's catalogs: name, items, code length, version, code tokens."""
+    return [pb2.Catalog(name=c.name, num_items=c.num_items, code_length=c.code_length, version=c.version,
+                        num_codes=len(c.code_tokens)) for c in catalogs]
 
 
 def acceptance(pb2: Any, artifact: Artifact) -> Any:

@@ -73,6 +73,7 @@ def test_model_info_lists_catalogs(shop):
     (cat,) = model_info(codec.pb2, "x", art, runtime).catalogs
     entry = art.manifest["catalogs"][0]
     assert (cat.name, cat.num_items, cat.code_length, cat.version) == ("shop", 3, 3, entry["version"])
+    assert cat.num_codes == len({10, 20, 30, 31, 11, 5, 7}) == 7
 
 
 def test_run_lines_take_catalog_and_answer_item_ids(shop):

@@ -33,7 +33,7 @@ from service.runtime.cpp_runtime import CppRuntime
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest
 from service.sched.batcher import BatcherConfig, CatalogReplaceError, Scheduler
-from service.serving.client import RankerClient
+from service.serving.client import RankerClient, info_summary
 from service.serving.proto_gen import load as load_stubs
 from service.serving.server import Model, RankerServer, ServerConfig
 from service.serving.server_thread import ServerThread
@@ -239,6 +239,8 @@ def test_swaps_under_load_answer_every_request_from_one_version(served, shop):
     buckets = served.on_loop(lambda: served.server.stats()["scheduler"]["buckets"])
     assert any(key.endswith(".codes-shop") for key in buckets) and any("codes" not in key for key in buckets)
     with RankerClient(served.target, timeout_s=30) as c:
+        summary = info_summary(c.model_info())
+        assert f"shop: {len(shop.items['v1'])} items of 3 tokens" in summary and shop.versions["v1"] in summary
         info = {cat.name: cat for cat in c.model_info().catalogs}
         assert info["shop"].version == shop.versions["v1"] and info["shop"].num_items == len(shop.items["v1"])
         assert c.beam([1, 2, 3], 4, 3, catalog="shop").catalog_version == shop.versions["v1"]

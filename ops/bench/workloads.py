@@ -15,6 +15,7 @@ from typing import Any
 from service.loadgen.workloads import (  # noqa: F401  (re-exported: the benches import them from here)
     ID_HIGH, MIXES, SCORE_MIX, WORKLOADS, Requests, WorkloadError, flops_per_request, message_flops)
 from service.loadgen.workloads import parse_workload as _parse_workload
+from service.loadgen.catalogs import num_codes
 from service.model.flops import beam_flops, score_flops
 
 
@@ -63,7 +64,8 @@ def request_flops(cfg: Any, req: Any) -> int:
 
     if isinstance(req, ScoreRequest):
         return score_flops(cfg, len(req.prefix_ids), [len(s) for s in req.samples])
-    return beam_flops(cfg, len(req.prompt_ids), req.beam_width, req.new_tokens)
+    width = num_codes(req.catalog) if req.normalization == "codes" else None  # the head over the codes
+    return beam_flops(cfg, len(req.prompt_ids), req.beam_width, req.new_tokens, width)
 
 
 def mix_requests(name: str, cfg: Any, limits: Any, n: int, seed: int = 7) -> list[Any]:

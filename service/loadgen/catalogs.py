@@ -25,6 +25,13 @@ CATALOGS: dict[str, dict[str, Any]] = {
 BLOCK = 1 << 20  # lines formatted at a time
 
 
+def num_codes(name: str) -> int | None:
+    """The code tokens of a generated catalog (levels x codes a level: its items use every one), None
+    for a name that is not one of CATALOGS."""
+    spec = CATALOGS.get(name)
+    return None if spec is None else spec["levels"] * spec["codes"]
+
+
 def _digits(values: np.ndarray, width: int) -> np.ndarray:
     """values [n] (non-negative, < 10^width) -> their decimal digits [n, width] as ASCII, zero-padded."""
     powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)

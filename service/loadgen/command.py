@@ -194,7 +194,7 @@ def run(args: argparse.Namespace, stdout: Any = None) -> dict[str, Any]:
                 w["labels"] = 0  # a classification head scores its own labels: no label ids
             reqs = Requests(w, min(ID_HIGH, info.vocab_size), seed=args.seed, limits=info.limits)
             messages = [reqs.next() for _ in range(args.pool)]
-        pool = Pool(messages, cfg, args.priority)
+        pool = Pool(messages, cfg, args.priority, codes={c.name: c.num_codes for c in info.catalogs})
         _probe(client, pool)
     mode = "closed" if args.level_list is not None else "open"
     loads = args.level_list if mode == "closed" else args.rate_list

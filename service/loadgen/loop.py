@@ -19,7 +19,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import grpc
 import numpy as np
@@ -47,7 +47,9 @@ class Entry:
 class Pool:
     """Requests to send, serialized once, cycled in order."""
 
-    def __init__(self, messages: Iterable[Any], cfg: Any = None, priority: str = "unspecified") -> None:
+    def __init__(self, messages: Iterable[Any], cfg: Any = None, priority: str = "unspecified",
+                 codes: Mapping[str, int] | None = None) -> None:
+        """codes: each catalog's code tokens (ModelInfo's num_codes: the FLOPs of a request normalised over them)."""
         from .workloads import message_flops
 
         if priority not in PRIORITIES:
@@ -57,7 +59,7 @@ class Pool:
             msg.priority = PRIORITIES.index(priority)
             score = hasattr(msg, "samples")
             entries.append(Entry("Score" if score else "BeamSearch", msg.SerializeToString(),
-                                 message_flops(cfg, msg) if cfg is not None else None))
+                                 message_flops(cfg, msg, codes) if cfg is not None else None))
             shapes.append((score, len(msg.prefix.ids) + sum(len(s.ids) for s in msg.samples) if score
                            else len(msg.prompt.ids), len(msg.samples) if score else msg.beam_width))
         if not entries:

@@ -13,7 +13,7 @@ tables): W1..W8's fixed shapes (W7u, W8u: W7, W8 unconstrained; W7c, W8c: over t
   W8  BeamSearch  prompt 128, beam 400, 3 new tokens, catalog sid-1m    qwen3-0.6b
   W7u, W8u        W7, W8 without the catalog (any tokens): the unconstrained run of the same shape
   W7c, W8c        W7, W8 normalised over the catalog's code tokens (normalization "codes": the
-                  code-vocabulary LM head); their logical FLOPs still count the whole vocabulary's head
+                  code-vocabulary LM head; its logical FLOPs count the head over the 768 codes)
 
   sid-1m: 1M random 3-token semantic-ID items over 3 x 256 code tokens (service/loadgen/catalogs.py,
   seeded); a catalog workload runs against an artifact built with it (the benches build it).
@@ -32,11 +32,14 @@ Only numpy and the generated stubs here: `slmrank bench` ships in the wheel and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..model.flops import beam_flops, score_flops
+from .catalogs import num_codes
+
+NORMALIZATION_CODES = 1  # slmrank.v1.Normalization's NORMALIZATION_CODES (the stubs load only to build messages)
 
 ID_HIGH = 150000  # token ids are uniform in [0, min(ID_HIGH, the vocabulary))
 
@@ -223,14 +226,21 @@ def file_requests(path: str | Path) -> list[Any]:
 
 
 def flops_per_request(cfg: Any, w: dict[str, Any]) -> int:
-    """The logical FLOPs of one request of the fixed shape w on the model of config cfg."""
+    """The logical FLOPs of one request of the fixed shape w on the model of config cfg (W7c/W8c:
+    the LM head over the generated catalog's code tokens)."""
     if w["kind"] == "score":
         return score_flops(cfg, w["prefix"], [w["len"]] * w["samples"])
-    return beam_flops(cfg, w["prompt"], w["beam"], w["new"])
+    width = num_codes(w["catalog"]) if w.get("normalization") == "codes" else None
+    return beam_flops(cfg, w["prompt"], w["beam"], w["new"], width)
 
 
-def message_flops(cfg: Any, msg: Any) -> int:
-    """The logical FLOPs of a ScoreRequest / BeamSearchRequest message of token ids."""
+def message_flops(cfg: Any, msg: Any, codes: Mapping[str, int] | None = None) -> int:
+    """The logical FLOPs of a ScoreRequest / BeamSearchRequest message of token ids. codes: each
+    catalog's code tokens (ModelInfo's num_codes), for a request normalised over them (else a
+    generated catalog's, else the vocabulary's head is counted)."""
     if hasattr(msg, "samples"):
         return score_flops(cfg, len(msg.prefix.ids), [len(s.ids) for s in msg.samples])
-    return beam_flops(cfg, len(msg.prompt.ids), msg.beam_width, msg.new_tokens)
+    width = None
+    if msg.normalization == NORMALIZATION_CODES:
+        width = (codes or {}).get(msg.catalog) or num_codes(msg.catalog)
+    return beam_flops(cfg, len(msg.prompt.ids), msg.beam_width, msg.new_tokens, width)

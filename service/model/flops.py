@@ -1,6 +1,7 @@
 """Logical matrix FLOPs of a request (docs/benchmarks.md's effective-MFU numerator).
 
-Counted: linear layers, LM head (only at positions whose logits are used) and attention
+Counted: linear layers, LM head (only at positions whose logits are used; over a catalog's code
+tokens only for a request normalised over them) and attention
 (each query token against the keys it may see, itself included); FMA = 2 FLOPs. No padding,
 no recomputed prefix.
 """
@@ -19,8 +20,8 @@ def _attention(c: ModelConfig, visible_keys: int) -> int:
     return 2 * 2 * c.num_layers * c.num_heads * c.head_dim * visible_keys
 
 
-def _head(c: ModelConfig, positions: int) -> int:
-    width = c.num_labels if c.has_cls_head else c.vocab_size
+def _head(c: ModelConfig, positions: int, width: int | None = None) -> int:
+    width = width if width is not None else c.num_labels if c.has_cls_head else c.vocab_size
     return 2 * c.hidden_size * width * positions
 
 
@@ -35,8 +36,11 @@ def score_flops(c: ModelConfig, prefix_len: int, sample_lens: list[int]) -> int:
     return tokens * _linear_per_token(c) + attn + _head(c, len(sample_lens))
 
 
-def beam_flops(c: ModelConfig, prompt_len: int, beam_width: int, new_tokens: int) -> int:
-    total = prompt_len * _linear_per_token(c) + _causal(c, 0, prompt_len) + _head(c, 1)
+def beam_flops(c: ModelConfig, prompt_len: int, beam_width: int, new_tokens: int, head_width: int | None = None) -> int:
+    """head_width: the LM head's outputs when not the vocabulary (a request normalised over its
+    catalog's code tokens: their number)."""
+    head = _head(c, 1, head_width)
+    total = prompt_len * _linear_per_token(c) + _causal(c, 0, prompt_len) + head
     for t in range(1, new_tokens):  # decode step t: one token per beam, seeing the prompt and t suffix keys
-        total += beam_width * (_linear_per_token(c) + _attention(c, prompt_len + t) + _head(c, 1))
+        total += beam_width * (_linear_per_token(c) + _attention(c, prompt_len + t) + head)
     return total

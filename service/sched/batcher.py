@@ -55,6 +55,7 @@ from ..runtime.requests import BeamRequest, BeamResult, ExecutionError, RequestE
 from ..runtime.timings import BatchTimings, NodeTimer
 from ..observe.records import Completed, RequestTimings
 
+
 class CatalogReplaceError(ValueError):
     """A catalog replacement refused before anything changed. reason: "name", "file" (the new
     catalog does not fit the old one's place), "room", "busy" or "runtime"."""

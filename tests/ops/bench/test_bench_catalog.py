@@ -50,6 +50,18 @@ def test_code_workloads_are_their_catalog_twins_normalised_over_the_codes(name: 
     assert runtime_of(msg).normalization == "codes" and runtime_request(w, torch.Generator()).normalization == "codes"
     assert Requests(b, 150_000, seed=3).next().normalization == 0 and runtime_of(Requests(b, 150_000).next()).normalization == "vocab"
     assert be.WORKLOAD_MODELS[name][0] == be.WORKLOAD_MODELS[base][0]  # the same artifact, built with the catalog
+    # the logical FLOPs count the LM head over the 768 codes: less than the vocabulary's by exactly that
+    from ops.bench.workloads import request_flops
+    from service.loadgen.command import model_config
+    from service.loadgen.workloads import flops_per_request, message_flops
+    from service.model.flops import beam_flops
+
+    cfg = model_config(w["model"])
+    full, codes = flops_per_request(cfg, b), flops_per_request(cfg, w)
+    heads = 1 + w["beam"] * (w["new"] - 1)  # positions whose logits are used
+    assert full - codes == 2 * cfg.hidden_size * (cfg.vocab_size - 768) * heads
+    assert message_flops(cfg, msg) == codes == request_flops(cfg, runtime_of(msg))
+    assert message_flops(cfg, msg, {"sid-1m": 700}) == beam_flops(cfg, 128, w["beam"], 3, 700)
 
 
 def test_the_older_workloads_are_unchanged() -> None:

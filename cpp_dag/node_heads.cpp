@@ -21,17 +21,15 @@ class LmHead final : public Node {
   void run(const Context& ctx, Env& env) const override {
     auto it = ctx.weights.find("lm_head");  // tied embeddings share the table (unless the head is fp8)
     const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
-    const at::Tensor scale = scale_of(ctx, "lm_head");
-    if (const at::Tensor codes = optional_input(env, "beam_codes"); codes.defined()) {
-      // normalised over a catalog's code tokens: their rows only, -inf past them
+    at::Tensor rows_w = w, scale = scale_of(ctx, "lm_head");
+    const at::Tensor codes = optional_input(env, "beam_codes");
+    if (codes.defined()) {  // a batch normalised over a catalog's code tokens: their rows only, -inf past them
       const at::Tensor rows = codes.clamp_min(0);
-      at::Tensor logits = linear(in(env, 0), w.index_select(0, rows), at::Tensor(),
-                                 scale.defined() ? scale.index_select(0, rows) : at::Tensor());
-      logits = logits.masked_fill(codes.lt(0), -std::numeric_limits<double>::infinity());
-      env[spec_.outputs[0]] = ctx.fused ? logits : logits.to(at::kFloat);
-      return;
+      rows_w = w.index_select(0, rows);
+      if (scale.defined()) scale = scale.index_select(0, rows);
     }
-    at::Tensor logits = linear(in(env, 0), w, at::Tensor(), scale);
+    at::Tensor logits = linear(in(env, 0), rows_w, at::Tensor(), scale);
+    if (codes.defined()) logits = logits.masked_fill(codes.lt(0), -std::numeric_limits<double>::infinity());
     // the fused beam step reads the model-dtype logits once (computing in float32): no float32 copy
     env[spec_.outputs[0]] = ctx.fused ? logits : logits.to(at::kFloat);
   }

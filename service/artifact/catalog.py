@@ -258,12 +258,11 @@ def layout_bytes(cat: Catalog, vocab_size: int) -> list[dict[str, int]]:
 
 def build_catalog(name: str, path: str | Path, vocab_size: int, out_dir: Path, quiet: bool = False) -> dict:
     """Parses FILE, writes the trie and the item ids under out_dir/catalogs/; returns its manifest entry."""
-    cat, (trie_bytes, items_bytes) = _read(name, path, vocab_size, quiet, "--catalog ")
+    cat, (trie_bytes, items_bytes), (trie_sha, items_sha) = _read(name, path, vocab_size, quiet, "--catalog ")
     (out_dir / SUBDIR).mkdir(parents=True, exist_ok=True)
     trie_file, items_file = f"{SUBDIR}/{name}.trie.safetensors", f"{SUBDIR}/{name}.items"
     (out_dir / trie_file).write_bytes(trie_bytes)
     (out_dir / items_file).write_bytes(items_bytes)
-    trie_sha, items_sha = hashlib.sha256(trie_bytes).hexdigest(), hashlib.sha256(items_bytes).hexdigest()
     return {"name": name, "file": trie_file, "sha256": trie_sha, "items_file": items_file, "items_sha256": items_sha,
             "num_items": cat.num_items, "code_length": cat.code_length, "version": cat.version,
             "layout": "csr", "layout_bytes": layout_bytes(cat, vocab_size)}
@@ -275,8 +274,10 @@ def read_catalog(name: str, path: str | Path, vocab_size: int, quiet: bool = Tru
     return _read(name, path, vocab_size, quiet, "catalog ")[0]
 
 
-def _read(name: str, path: str | Path, vocab_size: int, quiet: bool, what: str) -> tuple[Catalog, tuple[bytes, bytes]]:
-    """(the catalog with its version, the bytes of its two files); CatalogError naming file:line."""
+def _read(name: str, path: str | Path, vocab_size: int, quiet: bool,
+          what: str) -> tuple[Catalog, tuple[bytes, bytes], tuple[str, str]]:
+    """(the catalog with its version, the bytes of its two files, their sha256); CatalogError naming
+    file:line."""
     path = Path(path)
     if not NAME_RE.fullmatch(name):
         raise CatalogError(f"{what}{name}: a name is 1-64 letters, digits, '_', '.', '-'")
@@ -291,12 +292,13 @@ def _read(name: str, path: str | Path, vocab_size: int, quiet: bool, what: str) 
     cat = build_trie(name, ids, codes, path)
     del ids, codes
     files = catalog_files(cat)
-    version = hashlib.sha256((hashlib.sha256(files[0]).hexdigest() + hashlib.sha256(files[1]).hexdigest()).encode())
-    cat = Catalog(cat.name, cat.offsets, cat.tokens, cat.item_ids, cat.code_length, version.hexdigest()[:12])
+    shas = (hashlib.sha256(files[0]).hexdigest(), hashlib.sha256(files[1]).hexdigest())
+    version = hashlib.sha256((shas[0] + shas[1]).encode()).hexdigest()[:12]
+    cat = Catalog(cat.name, cat.offsets, cat.tokens, cat.item_ids, cat.code_length, version)
     cat.edge_keys  # noqa: B018  (here, not on the first request's beams)
     if big and not quiet:
         note(f"catalog {name}: {cat.num_items:,} items, {cat.num_nodes:,} trie nodes")
-    return cat, files
+    return cat, files, shas
 
 
 def catalog_files(cat: Catalog) -> tuple[bytes, bytes]:

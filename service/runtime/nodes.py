@@ -165,15 +165,13 @@ def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:
 def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
     w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table (unless the head is fp8)
     scale = ctx.weights.get("lm_head.scale")
-    codes = env["beam_codes"] if "beam_codes" in node.inputs and "beam_codes" in env else None
+    codes = optional_input(node, env, "beam_codes")
     if codes is not None:  # a batch normalised over a catalog's code tokens: their rows only, -inf past them
         rows = codes.clamp_min(0)
-        logits = linear(env[node.inputs[0]], w.index_select(0, rows), None,
-                        None if scale is None else scale.index_select(0, rows))
-        logits = logits.masked_fill(codes.lt(0), float("-inf"))
-        env[node.outputs[0]] = logits if ctx.fused is not None else logits.float()
-        return
+        w, scale = w.index_select(0, rows), None if scale is None else scale.index_select(0, rows)
     logits = linear(env[node.inputs[0]], w, None, scale)
+    if codes is not None:
+        logits = logits.masked_fill(codes.lt(0), float("-inf"))
     # the fused beam step reads the model-dtype logits once, computing in float32 (no float32
     # [rows, V] copy); the consumers on the ATen path upcast as before
     env[node.outputs[0]] = logits if ctx.fused is not None else logits.float()
@@ -240,8 +238,7 @@ def beam_allowed(ctx: NodeContext, node: Node, env: Env) -> None:
     tokens, _, valid = trie_children(w, trie)
     free = trie.lt(0).unsqueeze(1)  # [rows, 1]
     vocab = ctx.cfg.vocab_size
-    if "beam_codes" in env:  # normalised over a catalog's codes: the columns are its code tokens
-        codes = env["beam_codes"]
+    if (codes := optional_input(node, env, "beam_codes")) is not None:  # the columns: the catalog's code tokens
         tokens, vocab = code_columns_of(codes, vocab).index_select(0, tokens.reshape(-1)).view_as(tokens), codes.shape[0]
     if ctx.fused is None:  # a column past the vocabulary takes the window's unused slots
         cols = torch.where(valid, tokens, vocab)
@@ -264,12 +261,18 @@ def code_columns_of(codes: torch.Tensor, vocab: int) -> torch.Tensor:
     return table.scatter_(0, torch.where(codes.ge(0), codes, vocab), cols)[:vocab]
 
 
-def to_code_tokens(node: Node, env: Env, columns: torch.Tensor) -> torch.Tensor:
-    """The tokens of a batch's chosen columns: themselves, or through beam_codes (a padding
+def to_code_tokens(codes: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
+    """The tokens of a batch's chosen columns: themselves, or through codes (beam_codes; a padding
     column, only ever a dead beam's, becomes token 0)."""
-    if "beam_codes" not in node.inputs or "beam_codes" not in env:
+    if codes is None:
         return columns
-    return env["beam_codes"].index_select(0, columns.reshape(-1)).clamp_min(0).view_as(columns)
+    return codes.index_select(0, columns.reshape(-1)).clamp_min(0).view_as(columns)
+
+
+def optional_input(node: Node, env: Env, name: str) -> torch.Tensor | None:
+    """An input the node may declare and a batch may leave out (beam_codes): the buffer, else None
+    (C++ Node::optional_input)."""
+    return env[name] if name in node.inputs and name in env else None
 
 
 def trie_children(w: dict[str, torch.Tensor], trie: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,7 +318,7 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     else:
         logp = _mask_logp(torch.log_softmax(logits, dim=-1), allowed)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
-    tokens = to_code_tokens(node, env, tokens)
+    tokens = to_code_tokens(optional_input(node, env, "beam_codes"), tokens)
     if allowed is not None:
         env["beam_trie"] = advance_trie(ctx.weights, env["beam_trie"].expand_as(tokens), tokens)
     seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
@@ -348,7 +351,7 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
         top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
         parents = torch.div(top_idx, vocab, rounding_mode="floor")
         tokens = top_idx - parents * vocab
-    tokens = to_code_tokens(node, env, tokens)
+    tokens = to_code_tokens(optional_input(node, env, "beam_codes"), tokens)
     ranks = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]: parent ranks
     rows = to_rows(src.index_select(0, ranks), slot, 0)  # [N]: each packed row's parent row
     new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()

@@ -878,6 +878,59 @@ def _gemm_chain(model: str, m: int, shapes: dict[str, Any], weights: dict[str, t
             "triton_ms_per_layer": fused, "layers": layers, "configs": {k: vars(c) for k, c in cfg.items()}}
 
 
+FP8_ROWS = (16, 100, 200, 400, 800, 1600, 2048, 4096, 8192)  # beam rows, Score heads, prefill tokens
+FP8_HEAD_ROWS = 1600  # the LM head runs at most at the beam rows (a Score batch: its label rows)
+VOCAB = 151936
+
+
+def bench_fp8() -> list[dict[str, Any]]:
+    """bf16 against FP8 (e4m3, rowwise scales) for every GEMM shape a decoder layer and the LM head
+    run (both embedded models; M = FP8_ROWS: beam rows, Score label rows, prefill tokens): cuBLAS
+    bf16 (F.linear); torch._scaled_mm alone on operands quantized beforehand (the GEMM's own gain);
+    with the activations quantized by the ATen ops both runtimes use today (kernels/fp8_linear.py
+    quantize_rows: what a layer pays now); with the one-kernel quantizer (quantize_rows_triton). The
+    FP8 product is checked against float64 of the same quantized operands first."""
+    from kernels.fp8_linear import quantize_rows, quantize_rows_triton
+
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    for model, (d, h, g, e, inter, layers) in GEMM_MODELS.items():
+        shapes = {"qkv": ((h + 2 * g) * e, d), "o": (d, h * e), "gate_up": (2 * inter, d), "down": (d, inter),
+                  "head": (VOCAB, d)}
+        for kind, (n, k) in shapes.items():
+            w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            w_q, w_s = quantize_rows(w)
+            for m in FP8_ROWS:
+                if kind == "head" and m > FP8_HEAD_ROWS:
+                    continue
+                a = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                a_q, a_s = quantize_rows(a)
+                t_q, t_s = quantize_rows_triton(a)
+                if not (torch.equal(t_q.view(torch.uint8), a_q.view(torch.uint8)) and torch.equal(t_s, a_s)):
+                    raise AssertionError(f"fp8 {model} {kind} M={m}: the Triton quantizer's bytes differ")
+
+                def mm(q=a_q, s=a_s):
+                    return torch._scaled_mm(q, w_q.t(), scale_a=s.unsqueeze(1), scale_b=w_s.unsqueeze(0),
+                                            out_dtype=torch.bfloat16)
+
+                exact = (a_q.double() @ w_q.double().t()) * a_s.double()[:, None] * w_s.double()[None, :]
+                err = _rel_err(mm(), exact)
+                if err > 2 ** -6:  # bf16 output rounding; mis-scaled is O(1)
+                    raise AssertionError(f"fp8 {model} {kind} M={m}: _scaled_mm off float64 by {err:.3e}")
+                bf16 = graph_time_ms(lambda: F.linear(a, w))
+                alone = graph_time_ms(mm)
+                aten = graph_time_ms(lambda: mm(*quantize_rows(a)))
+                fused = graph_time_ms(lambda: mm(*quantize_rows_triton(a)))
+                row = {"bench": "fp8", "model": model, "kind": kind, "rows": m, "n": n, "k": k, "bf16_ms": bf16,
+                       "fp8_gemm_ms": alone, "fp8_aten_quant_ms": aten, "fp8_triton_quant_ms": fused,
+                       "rel_err_vs_f64": err, "layers": layers}
+                results.append(row)
+                print(f"fp8 {model:13s} {kind:8s} M={m:5d} N={n:6d} K={k:5d}  bf16 {bf16 * 1e3:7.1f} us  "
+                      f"fp8 gemm {alone * 1e3:7.1f} ({bf16 / alone:4.2f}x)  +aten quant {aten * 1e3:7.1f} "
+                      f"({bf16 / aten:4.2f}x)  +triton quant {fused * 1e3:7.1f} ({bf16 / fused:4.2f}x)", flush=True)
+    return results
+
+
 def bench_beam_merge() -> list[dict[str, Any]]:
     """The beam step's merge (top-B of each request's B x B unique keys, kernels/beam_topk.py):
     one torch top-k slice a request against top_keys' rounds over chunks of MERGE_GROUP x B keys,
@@ -904,6 +957,7 @@ BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "beam_step": bench_beam_step,
     "gemm": bench_gemm,
     "beam_merge": bench_beam_merge,
+    "fp8": bench_fp8,
 }
 
 

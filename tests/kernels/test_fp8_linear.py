@@ -1,14 +1,16 @@
 """kernels/fp8_linear.py on the CPU: the per-row e4m3 quantizer (round-trip error within e4m3's
 rounding per channel against float64, zero rows, positive finite scales, saturation at 448) and the
 emulated FP8 linear (against a float64 product of the same quantized operands, tightly; against
-the unquantized linear, loosely). The CUDA path (torch._scaled_mm) is not exercised here."""
+the unquantized linear, loosely); the one-kernel Triton quantizer against quantize_rows. On the GPU
+(marked gpu): the Triton quantizer byte for byte, and the CUDA path (torch._scaled_mm) against float64
+of the same quantized operands."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fp8_linear import E4M3_MAX, FP8_DTYPE, fp8_linear, quantize_rows, uses_scaled_mm
+from kernels.fp8_linear import E4M3_MAX, FP8_DTYPE, fp8_linear, quantize_rows, quantize_rows_triton, uses_scaled_mm
 
 F64 = torch.float64
 
@@ -116,3 +118,65 @@ def test_emulated_linear_is_near_the_unquantized_linear() -> None:
     rel = float((y.to(F64) - ref).norm() / ref.norm())
     # two e4m3 operands, each within 2^-4 (about 3% RMS): the product within a few percent, and not exact
     assert 1e-4 < rel < 0.08, rel
+
+
+def _e4m3_step(v: torch.Tensor) -> torch.Tensor:
+    """The spacing of e4m3 values at |v| (3 mantissa bits; subnormals below 2^-6 spaced 2^-9)."""
+    exp = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -6)))
+    return torch.exp2(exp - 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (17, 896), (64, 1100)])  # ROWS a program: tails; a partial block
+def test_triton_quantizer_is_quantize_rows(device: str, dtype: torch.dtype, rows: int, cols: int) -> None:
+    """On the GPU byte for byte (both divisions correctly rounded, the cast rounds to nearest even
+    and saturates). Triton's CPU interpreter casts to e4m3 its own way (ties away from zero, and a
+    mantissa carry into the exponent lost), so there the scales are exact and every value within one
+    e4m3 step of the reference's, or half of it where the reference rounded up to a power of two."""
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * torch.exp(4 * torch.randn(rows, 1, generator=g))).to(dtype)
+    if rows > 1:
+        x[1] = 0  # a zero row: scale 1
+    x = x.to(device)
+    q, s = quantize_rows_triton(x)
+    want_q, want_s = quantize_rows(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and s.dtype == torch.float32 and s.shape == (rows,)
+    assert torch.equal(s, want_s)
+    if device == "cuda":
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    else:
+        got, want = q.float(), want_q.float()
+        near = (got - want).abs() <= _e4m3_step(want)
+        # the lost carry: a quotient that rounds up to a power of two comes out as half of it
+        carry = (torch.frexp(want).mantissa.abs() == 0.5) & (got == want / 2)
+        assert (near | carry).all()
+        assert (got.abs() <= E4M3_MAX).all() and not torch.isnan(got).any()
+        assert (got == want).float().mean() > 0.9  # the interpreter's cast differs in a few values only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1, 896, 1152), (100, 896, 9728), (400, 1024, 151936 // 8), (2048, 3072, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_path_matches_float64_of_the_same_operands(m: int, k: int, n: int, with_bias: bool) -> None:
+    """The CUDA path: bfloat16 activations on the GPU take torch._scaled_mm (rowwise scales, float32
+    accumulation, bfloat16 out, the bias added in bfloat16): within the accumulation's rounding and
+    two bfloat16 roundings of the float64 product of the same quantized operands."""
+    x, _, w_q, w_s, bias = _operands(m, k, n, m + n, torch.bfloat16)
+    x, w_q, w_s, bias = x.cuda(), w_q.cuda(), w_s.cuda(), bias.cuda()
+    b = bias if with_bias else None
+    assert uses_scaled_mm(x, w_q)
+    y = fp8_linear(x, w_q, w_s, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    a_q, s_a = quantize_rows(x)
+    assert torch.equal(a_q.cpu().view(torch.uint8), quantize_rows(x.cpu())[0].view(torch.uint8))  # CPU == GPU
+    exact = (a_q.to(F64) @ w_q.to(F64).T) * s_a.to(F64).unsqueeze(1) * w_s.to(F64).unsqueeze(0)
+    magnitude = (a_q.to(F64).abs() @ w_q.to(F64).abs().T) * s_a.to(F64).unsqueeze(1) * w_s.to(F64).unsqueeze(0)
+    acc = (k + 4) * 2.0 ** -24 * magnitude
+    if b is not None:
+        exact = exact + b.to(F64)
+    err = (y.to(F64) - exact).abs()
+    # the product rounded to bf16, then (with a bias) the sum rounded again
+    bound = acc + 2.0 ** -8 * (exact.abs() + (b.to(F64).abs() if b is not None else 0)) * (2 if b is not None else 1)
+    assert (err <= bound * 1.0001 + 1e-30).all(), float((err - bound).max())
+    assert err.max() > 0 or m == 1  # bf16 output: not the float64 product itself

@@ -409,6 +409,11 @@ PYBIND11_MODULE(_core, m) {
           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
           py::arg("k_out") = py::none(), py::arg("v_out") = py::none())
       .def("silu_mul", &TritonKernels::silu_mul, py::arg("gate_up"))
+      .def("quantize_rows", &TritonKernels::quantize_rows, py::arg("x"))
+      .def("rms_norm_fp8", &TritonKernels::rms_norm_fp8, py::arg("x"), py::arg("weight"), py::arg("eps"))
+      .def("rms_norm_residual_fp8", &TritonKernels::rms_norm_residual_fp8, py::arg("x"), py::arg("residual"),
+           py::arg("weight"), py::arg("eps"))
+      .def("silu_mul_fp8", &TritonKernels::silu_mul_fp8, py::arg("gate_up"))
       .def("segment_attention", &TritonKernels::segment_attention, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("key_ranges"), py::arg("scale"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),

@@ -64,22 +64,37 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& t) {
   return {q, scale.squeeze(-1)};
 }
 
+namespace {
+// kernels/fp8_linear.py::uses_scaled_mm: CUDA, bfloat16 activations, the weight's K and N multiples of 16
+bool uses_scaled_mm(const at::Tensor& x, const at::Tensor& w_q) {
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && w_q.size(1) % 16 == 0 && w_q.size(0) % 16 == 0;
+}
+}  // namespace
+
+at::Tensor scaled_linear(const at::Tensor& a_q, const at::Tensor& s_a, const at::Tensor& w_q, const at::Tensor& w_scale,
+                         const at::Tensor& bias) {
+  at::Tensor y = at::_scaled_mm(a_q, w_q.t(), s_a.unsqueeze(1), w_scale.unsqueeze(0), c10::nullopt, c10::nullopt,
+                                at::kBFloat16);
+  return bias.defined() ? y.add(bias) : y;
+}
+
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale, const at::Tensor& bias) {
   auto [a_q, s_a] = quantize_rows(x);
-  // kernels/fp8_linear.py::uses_scaled_mm: CUDA, bfloat16 activations, K and N multiples of 16 (untested on a GPU)
-  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.size(-1) % 16 == 0 && w_q.size(0) % 16 == 0) {
-    at::Tensor y = at::_scaled_mm(a_q, w_q.t(), s_a.unsqueeze(1), w_scale.unsqueeze(0), c10::nullopt, c10::nullopt,
-                                  at::kBFloat16);
-    return bias.defined() ? y.add(bias) : y;
-  }
+  if (uses_scaled_mm(x, w_q)) return scaled_linear(a_q, s_a, w_q, w_scale, bias);
   at::Tensor y = at::mm(a_q.to(at::kFloat), w_q.to(at::kFloat).t()).mul(s_a.unsqueeze(1)).mul(w_scale.unsqueeze(0));
   if (bias.defined()) y = y.add(bias.to(at::kFloat));
   return y.to(x.scalar_type());
 }
 
+bool fp8_in_kernel(const TritonKernels* fused, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale) {
+  return fused != nullptr && w_scale.defined() && w_q.scalar_type() == at::kFloat8_e4m3fn && uses_scaled_mm(x, w_q);
+}
+
 // model/layers.py::linear: on the CPU, a call of fewer than 12 rows that are no multiple of 4 gets zero
 // rows up to the next multiple of 4 (MKL rounds the rows past the last 4 of such a call differently).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& scale) {
+at::Tensor linear(const Activation& a, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& scale) {
+  if (a.scale.defined()) return scaled_linear(a.x, a.scale, w, scale, bias);  // quantized by the kernel before
+  const at::Tensor& x = a.x;
   const int64_t m = x.size(0);
   const int64_t pad = (x.dim() == 2 && x.device().is_cpu() && m < 12) ? (4 - m % 4) % 4 : 0;
   const at::Tensor in = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}) : x;
@@ -104,12 +119,25 @@ std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const a
   return {y, rms_norm(y, weight, eps)};
 }
 
+std::pair<at::Tensor, Activation> residual_rms_norm_for(const at::Tensor& x, const at::Tensor& pending,
+                                                        const at::Tensor& weight, double eps,
+                                                        const TritonKernels* fused, const at::Tensor& w_q,
+                                                        const at::Tensor& w_scale) {
+  if (!fp8_in_kernel(fused, x, w_q, w_scale)) return residual_rms_norm(x, pending, weight, eps, fused);
+  if (!pending.defined()) {
+    auto [q, s] = fused->rms_norm_fp8(x, weight, eps);
+    return {x, Activation(q, s)};
+  }
+  auto [q, s, total] = fused->rms_norm_residual_fp8(pending, x, weight, eps);
+  return {total, Activation(q, s)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
-                                                              const at::Tensor& h, const at::Tensor& positions,
+                                                              const Activation& h, const at::Tensor& positions,
                                                               int64_t pos_offset, const at::Tensor& rope_cos,
                                                               const at::Tensor& rope_sin, const TritonKernels* fused,
                                                               const at::Tensor& k_out, const at::Tensor& v_out) {
-  const int64_t n = h.size(0);
+  const int64_t n = h.x.size(0);
   const double eps = cfg.rms_norm_eps;
   at::Tensor qkv = linear(h, w.wqkv, w.bqkv, w.wqkv_scale);  // the bias rides in the GEMM's epilogue: one rounding
   if (fused) {
@@ -138,11 +166,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig&
 std::pair<at::Tensor, at::Tensor> attention_output_and_mlp(const ModelConfig& cfg, const LayerWeights& w,
                                                            const at::Tensor& x, const at::Tensor& attn,
                                                            const TritonKernels* fused) {
-  at::Tensor o = linear(attn.reshape({x.size(0), cfg.q_size()}), w.wo, at::Tensor(), w.wo_scale);
-  if (fused) {  // residual add + norm in one kernel, then SiLU(gate)*up in one
-    auto [h, y] = fused->rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps);
-    return {y, linear(fused->silu_mul(linear(h, w.wgu, at::Tensor(), w.wgu_scale)), w.wdown, at::Tensor(),
-                      w.wdown_scale)};
+  Activation a(attn.reshape({x.size(0), cfg.q_size()}));
+  if (fp8_in_kernel(fused, a.x, w.wo, w.wo_scale)) {  // the attention's output quantized in one kernel
+    auto [q, s] = fused->quantize_rows(a.x);
+    a = Activation(q, s);
+  }
+  const at::Tensor o = linear(a, w.wo, at::Tensor(), w.wo_scale);
+  if (fused) {  // residual add + norm in one kernel, then SiLU(gate)*up in one (each quantizing for an FP8 GEMM)
+    auto [y, h] = residual_rms_norm_for(x, o, w.mlp_norm, cfg.rms_norm_eps, fused, w.wgu, w.wgu_scale);
+    const at::Tensor gate_up = linear(h, w.wgu, at::Tensor(), w.wgu_scale);
+    Activation act;
+    if (fp8_in_kernel(fused, gate_up, w.wdown, w.wdown_scale)) {
+      auto [q, s] = fused->silu_mul_fp8(gate_up);
+      act = Activation(q, s);
+    } else {
+      act = Activation(fused->silu_mul(gate_up));
+    }
+    return {y, linear(act, w.wdown, at::Tensor(), w.wdown_scale)};
   }
   at::Tensor y = x.add(o);
   at::Tensor h = rms_norm(y, w.mlp_norm, cfg.rms_norm_eps);

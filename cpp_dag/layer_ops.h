@@ -21,12 +21,31 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& t);
 
 // x [M, K] @ the e4m3 weight w_q [N, K] with per-output-channel scales w_scale [N] (float32), + bias
 // -> [M, N] in x's dtype; the activations quantized per row here. The float32 emulation, or on CUDA
-// in bfloat16 at::_scaled_mm (untested on a GPU). kernels/fp8_linear.py::fp8_linear, op for op.
+// in bfloat16 scaled_linear. kernels/fp8_linear.py::fp8_linear, op for op.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale, const at::Tensor& bias);
 
-// Every GEMM of the model: at::linear, or fp8_linear when `scale` is defined (an e4m3 weight).
-// service/model/layers.py::linear.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = at::Tensor(),
+// The CUDA FP8 GEMM: e4m3 rows a_q [M, K] with their scales s_a [M] @ w_q [N, K] (scales w_scale [N])
+// by at::_scaled_mm (float32 accumulation, bfloat16 out), + bias in bfloat16.
+// kernels/fp8_linear.py::scaled_linear.
+at::Tensor scaled_linear(const at::Tensor& a_q, const at::Tensor& s_a, const at::Tensor& w_q, const at::Tensor& w_scale,
+                         const at::Tensor& bias);
+
+// A GEMM's input: activations `x`, or, with `scale` defined, e4m3 rows `x` and their float32 scales,
+// made for an FP8 GEMM by the kernel that produced them (fp8_in_kernel). layers.py::Quantized.
+struct Activation {
+  Activation(at::Tensor x_ = at::Tensor(), at::Tensor scale_ = at::Tensor())  // NOLINT: a tensor is an Activation
+      : x(std::move(x_)), scale(std::move(scale_)) {}
+  at::Tensor x, scale;
+};
+
+// Whether the fused path quantizes the activations of the FP8 GEMM (w_q, w_scale) inside the kernel
+// that produces them: Triton kernels, an e4m3 weight, x (the activations' dtype and device) bfloat16
+// on CUDA, the weight's K and N multiples of 16 (scaled_linear's conditions). layers.py::fp8_in_kernel.
+bool fp8_in_kernel(const TritonKernels* fused, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale);
+
+// Every GEMM of the model: at::linear, or fp8_linear when `scale` is defined (an e4m3 weight), or
+// scaled_linear when the activation comes quantized. service/model/layers.py::linear.
+at::Tensor linear(const Activation& x, const at::Tensor& w, const at::Tensor& bias = at::Tensor(),
                   const at::Tensor& scale = at::Tensor());
 
 // x: [N, heads, E]; cos/sin: [N, E] gathered at the tokens' positions
@@ -38,12 +57,19 @@ std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const a
                                                    const at::Tensor& weight, double eps,
                                                    const TritonKernels* fused = nullptr);
 
-// h: [N, D] normed -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]; RoPE at
+// residual_rms_norm whose normed rows feed the GEMM (w_q, w_scale): quantized in the norm's kernel
+// when fp8_in_kernel, else as residual_rms_norm. layers.py::residual_rms_norm_for.
+std::pair<at::Tensor, Activation> residual_rms_norm_for(const at::Tensor& x, const at::Tensor& pending,
+                                                        const at::Tensor& weight, double eps,
+                                                        const TritonKernels* fused, const at::Tensor& w_q,
+                                                        const at::Tensor& w_scale);
+
+// h: [N, D] normed (or quantized for an FP8 q/k/v GEMM: Activation) -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]; RoPE at
 // positions + pos_offset ([N] int64) from the tables rope_cos/rope_sin [P, E]. k_out/v_out: [N, G, E]
 // views (a decode step's suffix slot) that receive k and v and are returned, or undefined. With
 // `fused`, the split, q/k norm, RoPE and v copy are one Triton kernel over the GEMM's output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
-                                                              const at::Tensor& h, const at::Tensor& positions,
+                                                              const Activation& h, const at::Tensor& positions,
                                                               int64_t pos_offset, const at::Tensor& rope_cos,
                                                               const at::Tensor& rope_sin,
                                                               const TritonKernels* fused = nullptr,

@@ -50,9 +50,10 @@ class DecoderLayer final : public Node {
     const ModelConfig& cfg = ctx.cfg;
     const LayerWeights& w = ctx.layers.at(spec_.layer);
     const TritonKernels* fused = ctx.fused.get();
-    // the previous layer's MLP output, added to x by this layer's first norm
-    auto [x, h] = residual_rms_norm(read(env, "x"), has_pending_ ? read(env, "mlp_out") : at::Tensor(), w.attn_norm,
-                                    cfg.rms_norm_eps, fused);
+    // the previous layer's MLP output, added to x by this layer's first norm (which quantizes its
+    // output for an FP8 q/k/v GEMM on the fused path)
+    auto [x, h] = residual_rms_norm_for(read(env, "x"), has_pending_ ? read(env, "mlp_out") : at::Tensor(),
+                                        w.attn_norm, cfg.rms_norm_eps, fused, w.wqkv, w.wqkv_scale);
     at::Tensor attn;
     if (mode_ == Mode::kScore || mode_ == Mode::kPrefill) {
       auto [q, k, v] = qkv_projection(cfg, w, h, read(env, "positions"), 0, ctx.rope_cos, ctx.rope_sin, fused);

@@ -5,6 +5,7 @@
 
 #include "layer_ops.h"
 #include "node_types.h"
+#include "triton_kernels.h"
 
 namespace slmrank {
 namespace {
@@ -28,7 +29,12 @@ class LmHead final : public Node {
       rows_w = w.index_select(0, rows);
       if (scale.defined()) scale = scale.index_select(0, rows);
     }
-    at::Tensor logits = linear(in(env, 0), rows_w, at::Tensor(), scale);
+    Activation a(in(env, 0));
+    if (const TritonKernels* fused = ctx.fused.get(); fp8_in_kernel(fused, a.x, rows_w, scale)) {
+      auto [q, s] = fused->quantize_rows(a.x);  // the final norm's rows, quantized in one kernel
+      a = Activation(q, s);
+    }
+    at::Tensor logits = linear(a, rows_w, at::Tensor(), scale);
     if (codes.defined()) logits = logits.masked_fill(codes.lt(0), -std::numeric_limits<double>::infinity());
     // the fused beam step reads the model-dtype logits once (computing in float32): no float32 copy
     env[spec_.outputs[0]] = ctx.fused ? logits : logits.to(at::kFloat);

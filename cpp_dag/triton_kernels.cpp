@@ -267,6 +267,66 @@ at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
   return out;
 }
 
+namespace {
+// (e4m3 [rows, cols], float32 [rows]) for a quantizing kernel's output
+std::pair<at::Tensor, at::Tensor> fp8_outputs(const at::Tensor& like, int64_t rows, int64_t cols) {
+  return {at::empty({rows, cols}, like.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty({rows}, like.options().dtype(at::kFloat))};
+}
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> TritonKernels::quantize_rows(const at::Tensor& x) const {
+  require(x.dim() == 2 && x.is_contiguous(), "quantize_rows: x must be a contiguous [M, K]");
+  const int64_t rows = x.size(0), d = x.size(1);
+  auto [q, scale] = fp8_outputs(x, rows, d);
+  const std::string variant = variant_name("quantize_rows", x.scalar_type(), {{"n", d}});
+  launch(variant, {blocks(rows, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {x, q, scale, static_cast<int32_t>(rows)});
+  return {q, scale};
+}
+
+std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_fp8(const at::Tensor& x, const at::Tensor& weight,
+                                                              double eps) const {
+  require(x.dim() == 2 && x.is_contiguous(), "rms_norm_fp8: x must be a contiguous [rows, D]");
+  const int64_t rows = x.size(0), d = x.size(1);
+  require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
+          "rms_norm_fp8: weight must be [" + std::to_string(d) + "] of x's dtype");
+  auto [q, scale] = fp8_outputs(x, rows, d);
+  const std::string variant = variant_name("rms_norm_fp8", x.scalar_type(), {{"n", d}, {"res", 0}});
+  launch(variant, {blocks(rows, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {x, x, weight, q, scale, x, static_cast<int32_t>(rows), static_cast<float>(eps)});
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::rms_norm_residual_fp8(const at::Tensor& x,
+                                                                                    const at::Tensor& residual,
+                                                                                    const at::Tensor& weight,
+                                                                                    double eps) const {
+  require(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+              x.scalar_type() == residual.scalar_type(),
+          "rms_norm_fp8: x and residual must be contiguous [rows, D] of one shape and dtype");
+  const int64_t rows = x.size(0), d = x.size(1);
+  require(weight.dim() == 1 && weight.size(0) == d && weight.scalar_type() == x.scalar_type(),
+          "rms_norm_fp8: weight must be [" + std::to_string(d) + "] of x's dtype");
+  auto [q, scale] = fp8_outputs(x, rows, d);
+  at::Tensor total = at::empty_like(x);
+  const std::string variant = variant_name("rms_norm_fp8", x.scalar_type(), {{"n", d}, {"res", 1}});
+  launch(variant, {blocks(rows, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {x, residual, weight, q, scale, total, static_cast<int32_t>(rows), static_cast<float>(eps)});
+  return {q, scale, total};
+}
+
+std::pair<at::Tensor, at::Tensor> TritonKernels::silu_mul_fp8(const at::Tensor& gate_up) const {
+  require(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
+          "silu_mul_fp8: gate_up must be a contiguous [N, 2I]");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto [q, scale] = fp8_outputs(gate_up, n, inter);
+  const std::string variant = variant_name("silu_mul_fp8", gate_up.scalar_type(), {{"i", inter}});
+  launch(variant, {blocks(n, impl_->get(variant).constexprs.at("ROWS")), 1, 1},
+         {gate_up, q, scale, static_cast<int32_t>(n)});
+  return {q, scale};
+}
+
 at::Tensor TritonKernels::segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const at::Tensor& key_ranges, double scale) const {
   require(q.dim() == 3 && k.dim() == 3, "segment_attention: q [T, H, E], k and v [T, G, E] expected");
@@ -387,6 +447,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::qkv_rope(const at:
   no_cuda();
 }
 at::Tensor TritonKernels::silu_mul(const at::Tensor&) const { no_cuda(); }
+std::pair<at::Tensor, at::Tensor> TritonKernels::quantize_rows(const at::Tensor&) const { no_cuda(); }
+std::pair<at::Tensor, at::Tensor> TritonKernels::rms_norm_fp8(const at::Tensor&, const at::Tensor&, double) const {
+  no_cuda();
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::rms_norm_residual_fp8(const at::Tensor&,
+                                                                                    const at::Tensor&,
+                                                                                    const at::Tensor&, double) const {
+  no_cuda();
+}
+std::pair<at::Tensor, at::Tensor> TritonKernels::silu_mul_fp8(const at::Tensor&) const { no_cuda(); }
 at::Tensor TritonKernels::segment_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             double) const {
   no_cuda();

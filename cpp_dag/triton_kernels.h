@@ -54,6 +54,17 @@ class TritonKernels {
                                                           const at::Tensor& v_out = at::Tensor()) const;
   // gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]
   at::Tensor silu_mul(const at::Tensor& gate_up) const;
+  // The kernels that end in an FP8 GEMM's activation (kernels/norm_act.py's _fp8 variants,
+  // kernels/fp8_linear.py's quantizer; bfloat16 only): e4m3 rows and a float32 scale a row, equal to
+  // layer_ops.h's quantize_rows of the plain kernel's output.
+  // x [M, K] contiguous -> (q [M, K] e4m3, scale [M])
+  std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) const;
+  // rms_norm / rms_norm_residual, quantized: (q, scale), and with a residual (q, scale, x + residual)
+  std::pair<at::Tensor, at::Tensor> rms_norm_fp8(const at::Tensor& x, const at::Tensor& weight, double eps) const;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_residual_fp8(const at::Tensor& x, const at::Tensor& residual,
+                                                                       const at::Tensor& weight, double eps) const;
+  // silu_mul, quantized: gate_up [N, 2I] -> (q [N, I] e4m3, scale [N])
+  std::pair<at::Tensor, at::Tensor> silu_mul_fp8(const at::Tensor& gate_up) const;
   // q [T, H, E]; k, v [T, G, E] (the same rows' keys); key_ranges [3, T] int32 (layer_ops.h
   // segment_key_ranges: each row's prefix keys and own segment's first row) -> out [T, H, E]; a row
   // with no key (padding) gets 0. Score and BeamSearch-prefill attention in one kernel.

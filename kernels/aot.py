@@ -150,6 +150,8 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
          "ROWS": "constexpr"},
         {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
         divisible_by_16=("gu_ptr", "out_ptr"), grid="(cdiv(rows, ROWS), cdiv(INTER, BLOCK), 1)"))
+    if dtype == "bfloat16":  # FP8 GEMMs (`slmrank build --fp8`) take bf16 activations only
+        specs += fp8_specs(dt, hidden_size, intermediate_size, num_heads * head_dim)
     tile = decode_attention.default_tile(head_dim, dtype == "float32")
     specs.append(KernelSpec(
         variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),
@@ -175,6 +177,42 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         divisible_by_16=("q_ptr", "k_ptr", "v_ptr", "ranges_ptr", "out_ptr"),
         grid="(num_heads, cdiv(rows, BLOCK_M), 1)"))
     return specs + beam_topk_specs(dt)
+
+
+def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) -> list[KernelSpec]:
+    """The kernels that end in an FP8 GEMM's activation (e4m3 rows and a float32 scale each): the
+    norms before q/k/v and gate/up, SiLU*up before down, the quantizer alone before o (the
+    attention's output) and the LM head (the final norm's output)."""
+    from .fp8_linear import quantize_config, quantize_rows_kernel
+    from .norm_act import rms_norm_config, rms_norm_fp8_kernel, silu_mul_fp8_config, silu_mul_fp8_kernel
+
+    specs = []
+    norm = rms_norm_config(hidden_size)
+    for res in (False, True):
+        specs.append(KernelSpec(
+            variant_name("rms_norm_fp8", dt, n=hidden_size, res=int(res)), rms_norm_fp8_kernel,
+            {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+             "sum_ptr": f"*{dt}", "num_rows": "i32", "eps": "fp32", "D": "constexpr", "BLOCK_D": "constexpr",
+             "ROWS": "constexpr", "HAS_RESIDUAL": "constexpr"},
+            {"D": hidden_size, "BLOCK_D": norm["BLOCK_D"], "ROWS": norm["ROWS"], "HAS_RESIDUAL": res},
+            num_warps=norm["num_warps"], divisible_by_16=("x_ptr", "res_ptr", "w_ptr", "q_ptr", "sum_ptr"),
+            grid="(cdiv(rows, ROWS), 1, 1)"))
+    act = silu_mul_fp8_config(intermediate_size)
+    specs.append(KernelSpec(
+        variant_name("silu_mul_fp8", dt, i=intermediate_size), silu_mul_fp8_kernel,
+        {"gu_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "INTER": "constexpr",
+         "BLOCK": "constexpr", "ROWS": "constexpr"},
+        {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
+        divisible_by_16=("gu_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
+    for d in sorted({hidden_size, q_size}):
+        cfg = quantize_config(d)
+        specs.append(KernelSpec(
+            variant_name("quantize_rows", dt, n=d), quantize_rows_kernel,
+            {"x_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "D": "constexpr",
+             "BLOCK_D": "constexpr", "ROWS": "constexpr"},
+            {"D": d, "BLOCK_D": cfg["BLOCK_D"], "ROWS": cfg["ROWS"]}, num_warps=cfg["num_warps"],
+            divisible_by_16=("x_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
+    return specs
 
 
 def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:

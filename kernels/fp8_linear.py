@@ -16,9 +16,14 @@
   product is exact in float32 (3 + 3 mantissa bits), so only the float32 accumulation rounds. It is
   the reference; cpp_dag/layer_ops.cpp::fp8_linear runs the same ATen ops in the same order, so the
   two runtimes agree byte for byte.
-  On CUDA with bfloat16 activations and K, N multiples of 16 it calls torch._scaled_mm with rowwise
-  scales (bfloat16 out, then the bias added in bfloat16): NOT TESTED on a GPU yet (no GPU run of
-  this path has been made); it needs an sm_89+ device (Hopper, the default build target).
+  On CUDA with bfloat16 activations and K, N multiples of 16 it calls `scaled_linear`:
+  torch._scaled_mm with rowwise scales (bfloat16 out, then the bias added in bfloat16); it needs an
+  sm_89+ device (Hopper, the default build target). tests/kernels/test_fp8_linear.py checks it
+  against float64 on the GPU (marked gpu).
+- On the fused path (kernels="triton") the kernel that produces an FP8 GEMM's activations quantizes
+  them itself (kernels/norm_act.py's rms_norm_fp8 and silu_mul_fp8, or `quantize_rows_triton` after
+  the attention and before the LM head), and the GEMM is `scaled_linear` on its (q, scale): the
+  same bytes as quantize_rows of the unquantized output, without ~6 ATen launches per GEMM.
 
 The clamp makes the saturation at +-448 explicit: after the division's rounding t / scale can exceed
 448 by an ulp (about one row in twelve of random data), which the cast rounds to 448 anyway; a cast of
@@ -54,6 +59,20 @@ def quantize_config(d: int) -> dict[str, int]:
 
 
 @triton.jit
+def quantize_tile(t, q_ptr, scale_ptr, rows, offs, mask, num_rows):
+    """Stores a [ROWS, BLOCK] tile of whole rows (zero past each row's end) as e4m3 at q_ptr + offs
+    and each row's scale at scale_ptr + rows: quantize_rows' arithmetic (the kernels that produce an
+    FP8 GEMM's activations end with it: kernels/norm_act.py's _fp8 variants)."""
+    tf = t.to(tl.float32)
+    amax = tl.max(tl.abs(tf), axis=1)  # [ROWS]
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = tl.math.div_rn(tf, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+
+
+@triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr):
     # x [num_rows, D] -> q [num_rows, D] e4m3, scale [num_rows] float32; tile [ROWS, BLOCK_D]
@@ -61,13 +80,7 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, D: tl.constexpr, BLO
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
     offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]; padding columns are 0
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+    quantize_tile(tl.load(x_ptr + offs, mask=mask, other=0.0), q_ptr, scale_ptr, rows, offs, mask, num_rows)
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +98,19 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def uses_scaled_mm(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """The CUDA path (torch._scaled_mm, rowwise scales, bfloat16 out) applies: cpp_dag/layer_ops.cpp
-    decides the same way."""
+    """The CUDA path (torch._scaled_mm, rowwise scales, bfloat16 out) applies to activations like x
+    (their dtype and device) and the weight w_q [N, K]: cpp_dag/layer_ops.cpp decides the same way."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
-            and x.shape[-1] % 16 == 0 and w_q.shape[0] % 16 == 0)
+            and w_q.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0)
+
+
+def scaled_linear(a_q: torch.Tensor, s_a: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA FP8 GEMM: e4m3 rows a_q [M, K] with their scales s_a [M] @ w_q [N, K] (scales
+    w_scale [N]) -> [M, N] bfloat16 (float32 accumulation), + bias in bfloat16."""
+    y = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a.unsqueeze(1), scale_b=w_scale.unsqueeze(0),
+                         out_dtype=torch.bfloat16)
+    return y if bias is None else y.add(bias)
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -96,10 +118,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     """x [M, K] @ the e4m3 weight w_q [N, K] (per-output-channel scale w_scale [N] float32), + bias
     [N] -> [M, N] in x.dtype; the activations quantized per row at this call (module docstring)."""
     a_q, s_a = quantize_rows(x)
-    if uses_scaled_mm(x, w_q):  # untested on a GPU: see the module docstring
-        y = torch._scaled_mm(a_q, w_q.t(), scale_a=s_a.unsqueeze(1), scale_b=w_scale.unsqueeze(0),
-                             out_dtype=torch.bfloat16)
-        return y if bias is None else y.add(bias)
+    if uses_scaled_mm(x, w_q):
+        return scaled_linear(a_q, s_a, w_q, w_scale, bias)
     y = torch.mm(a_q.float(), w_q.float().t()).mul(s_a.unsqueeze(1)).mul(w_scale.unsqueeze(0))
     if bias is not None:
         y = y.add(bias.float())

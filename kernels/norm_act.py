@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import COMPILE_OPTIONS
+from .fp8_linear import FP8_DTYPE, quantize_tile
 
 TILE_ELEMENTS = 4096  # elements one program handles: 16-32 per thread, enough loads in flight
 
@@ -35,6 +36,26 @@ def rms_norm_config(d: int) -> dict[str, int]:
 
 
 @triton.jit
+def _normed(x, w_ptr, cols, eps, D: tl.constexpr):
+    """A [ROWS, BLOCK_D] tile of rows (zero past D) -> w * (x * rsqrt(mean(x^2) + eps)).to(dtype)."""
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
+    y = (xf * inv[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    return (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # torch's add: the float32 sum rounded to the dtype, which the norm then reads
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + offs, x, mask=mask)
+    return x
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     # tile [ROWS, BLOCK_D] of x [num_rows, D]
@@ -42,16 +63,21 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
     offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # torch's add: the float32 sum rounded to the dtype, which the norm then reads
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(sum_ptr + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
-    y = (xf * inv[:, None]).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + offs, (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    x = _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL)
+    tl.store(out_ptr + offs, _normed(x, w_ptr, cols, eps, D), mask=mask)
+
+
+@triton.jit
+def rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, sum_ptr, num_rows, eps,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # rms_norm_kernel whose output is the next FP8 GEMM's activation: e4m3 q [num_rows, D] and a
+    # float32 scale a row, quantize_rows of the normed rows in the dtype
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
+    offs = rows[:, None] * D + cols[None, :]
+    x = _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL)
+    quantize_tile(_normed(x, w_ptr, cols, eps, D), q_ptr, scale_ptr, rows, offs, mask, num_rows)
 
 
 @triton.jit
@@ -67,11 +93,7 @@ def rms_norm_parts_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, sum_ptr, num_rows, e
         p += tl.load(parts_ptr + i * num_rows * D + offs, mask=mask, other=0.0)
     x = (x.to(tl.float32) + p.to(x.dtype).to(tl.float32)).to(x.dtype)
     tl.store(sum_ptr + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    y = (xf * inv[:, None]).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + offs, (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(out_ptr + offs, _normed(x, w_ptr, cols, eps, D), mask=mask)
 
 
 def silu_mul_config(inter: int) -> dict[str, int]:
@@ -81,18 +103,40 @@ def silu_mul_config(inter: int) -> dict[str, int]:
 
 
 @triton.jit
+def _silu_times_up(g, u):
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu's output, in the dtype
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def silu_mul_kernel(gu_ptr, out_ptr, num_rows, INTER: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # gate_up [num_rows, 2 * INTER] (gate first) -> out [num_rows, INTER]; tile [ROWS, BLOCK]
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < INTER)
     src = gu_ptr + rows[:, None] * (2 * INTER) + cols[None, :]
-    g = tl.load(src, mask=mask, other=0.0)
-    u = tl.load(src + INTER, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu's output, in the dtype
-    tl.store(out_ptr + rows[:, None] * INTER + cols[None, :], (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
-             mask=mask)
+    act = _silu_times_up(tl.load(src, mask=mask, other=0.0), tl.load(src + INTER, mask=mask, other=0.0))
+    tl.store(out_ptr + rows[:, None] * INTER + cols[None, :], act, mask=mask)
+
+
+def silu_mul_fp8_config(inter: int) -> dict[str, int]:
+    """Tile of the FP8 SiLU*up kernel: whole rows (a row's scale needs all of it), ROWS of them."""
+    block = triton.next_power_of_2(inter)
+    return {"BLOCK": block, "ROWS": max(1, TILE_ELEMENTS // block), "num_warps": 4 if block <= 2048 else 8}
+
+
+@triton.jit
+def silu_mul_fp8_kernel(gu_ptr, q_ptr, scale_ptr, num_rows, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr):
+    # silu_mul_kernel whose output is the down projection's FP8 activation: e4m3 q [num_rows, INTER]
+    # and a float32 scale a row (quantize_rows of the product in the dtype); tile [ROWS, BLOCK >= INTER]
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < INTER)
+    src = gu_ptr + rows[:, None] * (2 * INTER) + cols[None, :]
+    act = _silu_times_up(tl.load(src, mask=mask, other=0.0), tl.load(src + INTER, mask=mask, other=0.0))
+    quantize_tile(act, q_ptr, scale_ptr, rows, rows[:, None] * INTER + cols[None, :], mask, num_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -142,3 +186,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, n, INTER=inter, BLOCK=cfg["BLOCK"], ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
         **COMPILE_OPTIONS)
     return out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, ...]:
+    """rms_norm whose output is quantized for an FP8 GEMM in the same kernel: x [rows, D] -> (e4m3
+    q [rows, D], float32 scale [rows]), or with a residual (q, scale, x + residual); equal to
+    kernels/fp8_linear.py's quantize_rows of rms_norm's output."""
+    if x.dim() != 2 or not x.is_contiguous() or (residual is not None and (residual.shape != x.shape
+                                                                           or not residual.is_contiguous())):
+        raise ValueError("rms_norm_fp8: x [rows, D] (and residual) must be contiguous and of one shape")
+    rows, d = x.shape
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm_fp8: weight must be [{d}], got {list(weight.shape)}")
+    q = torch.empty(rows, d, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    cfg = rms_norm_config(d)
+    rms_norm_fp8_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
+        x, residual if residual is not None else x, weight, q, scale, total, rows, eps, D=d,
+        BLOCK_D=cfg["BLOCK_D"], ROWS=cfg["ROWS"], HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"],
+        **COMPILE_OPTIONS)
+    return (q, scale, total) if residual is not None else (q, scale)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul quantized for the down projection's FP8 GEMM in the same kernel: gate_up [N, 2I]
+    -> (e4m3 q [N, I], float32 scale [N]), equal to quantize_rows(silu_mul(gate_up))."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"silu_mul_fp8: gate_up must be a contiguous [N, 2I], got {list(gate_up.shape)}")
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty(n, inter, dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty(n, dtype=torch.float32, device=gate_up.device)
+    cfg = silu_mul_fp8_config(inter)
+    silu_mul_fp8_kernel[(triton.cdiv(n, cfg["ROWS"]),)](gate_up, q, scale, n, INTER=inter, BLOCK=cfg["BLOCK"],
+                                                         ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
+                                                         **COMPILE_OPTIONS)
+    return q, scale

@@ -889,8 +889,12 @@ def bench_fp8() -> list[dict[str, Any]]:
     bf16 (F.linear); torch._scaled_mm alone on operands quantized beforehand (the GEMM's own gain);
     with the activations quantized by the ATen ops both runtimes use today (kernels/fp8_linear.py
     quantize_rows: what a layer pays now); with the one-kernel quantizer (quantize_rows_triton). The
-    FP8 product is checked against float64 of the same quantized operands first."""
-    from kernels.fp8_linear import quantize_rows, quantize_rows_triton
+    FP8 product is checked against float64 of the same quantized operands first. Then each GEMM with
+    the kernel that produces its input, as the fused path runs them: bf16 (rms_norm / silu_mul /
+    nothing, then F.linear) against FP8 (rms_norm_fp8 / silu_mul_fp8 / quantize_rows_triton, then
+    _scaled_mm)."""
+    from kernels.fp8_linear import quantize_rows, quantize_rows_triton, scaled_linear
+    from kernels.norm_act import rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
 
     results = []
     gen = torch.Generator(device="cuda").manual_seed(29)
@@ -921,13 +925,27 @@ def bench_fp8() -> list[dict[str, Any]]:
                 alone = graph_time_ms(mm)
                 aten = graph_time_ms(lambda: mm(*quantize_rows(a)))
                 fused = graph_time_ms(lambda: mm(*quantize_rows_triton(a)))
+                if kind in ("qkv", "gate_up"):  # the norm before: its residual add too
+                    res, nw = torch.randn_like(a), 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+                    chain_bf16 = lambda: F.linear(rms_norm(a, nw, 1e-6, residual=res)[0], w)
+                    chain_fp8 = lambda: scaled_linear(*rms_norm_fp8(a, nw, 1e-6, residual=res)[:2], w_q, w_s)
+                elif kind == "down":  # SiLU*up before, over a gate/up output twice as wide
+                    gu = torch.randn(m, 2 * k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                    chain_bf16 = lambda: F.linear(silu_mul(gu), w)
+                    chain_fp8 = lambda: scaled_linear(*silu_mul_fp8(gu), w_q, w_s)
+                else:  # o (after the attention) and the head (after the final norm node): the quantizer alone
+                    chain_bf16 = lambda: F.linear(a, w)
+                    chain_fp8 = lambda: scaled_linear(*quantize_rows_triton(a), w_q, w_s)
+                c_bf16, c_fp8 = graph_time_ms(chain_bf16), graph_time_ms(chain_fp8)
                 row = {"bench": "fp8", "model": model, "kind": kind, "rows": m, "n": n, "k": k, "bf16_ms": bf16,
                        "fp8_gemm_ms": alone, "fp8_aten_quant_ms": aten, "fp8_triton_quant_ms": fused,
-                       "rel_err_vs_f64": err, "layers": layers}
+                       "chain_bf16_ms": c_bf16, "chain_fp8_ms": c_fp8, "rel_err_vs_f64": err, "layers": layers}
                 results.append(row)
                 print(f"fp8 {model:13s} {kind:8s} M={m:5d} N={n:6d} K={k:5d}  bf16 {bf16 * 1e3:7.1f} us  "
                       f"fp8 gemm {alone * 1e3:7.1f} ({bf16 / alone:4.2f}x)  +aten quant {aten * 1e3:7.1f} "
-                      f"({bf16 / aten:4.2f}x)  +triton quant {fused * 1e3:7.1f} ({bf16 / fused:4.2f}x)", flush=True)
+                      f"({bf16 / aten:4.2f}x)  +triton quant {fused * 1e3:7.1f} ({bf16 / fused:4.2f}x)  "
+                      f"with its producer: {c_bf16 * 1e3:7.1f} -> {c_fp8 * 1e3:7.1f} us ({c_bf16 / c_fp8:4.2f}x)",
+                      flush=True)
     return results
 
 

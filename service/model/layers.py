@@ -5,7 +5,7 @@ These are the references the kernels and the C++ runtime are checked against: ke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,8 @@ from .config import ModelConfig
 masked_attention_ref = sibling("kernels.attention").masked_attention_ref
 rowwise_attention_ref = sibling("kernels.attention").rowwise_attention_ref
 merge_attention_states_ref = sibling("kernels.attention_merge").merge_attention_states_ref
-fp8_linear = sibling("kernels.fp8_linear").fp8_linear
+_fp8 = sibling("kernels.fp8_linear")
+fp8_linear, scaled_linear, uses_scaled_mm = _fp8.fp8_linear, _fp8.scaled_linear, _fp8.uses_scaled_mm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,11 +35,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 _CPU_ROW_BLOCK, _CPU_FEW_ROWS = 4, 12
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+class Quantized(NamedTuple):
+    """An FP8 GEMM's input made by the kernel that produced it (fp8_in_kernel): e4m3 rows and their
+    float32 scales. cpp_dag/layer_ops.h's Activation with a scale."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def fp8_in_kernel(fused: Any, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor | None) -> bool:
+    """Whether the fused path quantizes the activations of the FP8 GEMM (w_q, w_scale) inside the
+    kernel that produces them: Triton kernels, an e4m3 weight, activations like x (its dtype and
+    device) that scaled_linear takes. cpp_dag/layer_ops.cpp::fp8_in_kernel."""
+    return (fused is not None and w_scale is not None and w_q.dtype == torch.float8_e4m3fn
+            and uses_scaled_mm(x, w_q))
+
+
+def linear(x: torch.Tensor | Quantized, w: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """Every GEMM of the model: F.linear, or with `scale` (the weight's per-output-channel float32
-    scale: an e4m3 weight, `slmrank build --fp8`) kernels/fp8_linear.py's fp8_linear. On the CPU
-    a call of few rows is padded to a multiple of 4 rows (above)."""
+    scale: an e4m3 weight, `slmrank build --fp8`) kernels/fp8_linear.py's fp8_linear, or its
+    scaled_linear when x comes Quantized. On the CPU a call of few rows is padded to a multiple of
+    4 rows (above)."""
+    if isinstance(x, Quantized):
+        return scaled_linear(x.q, x.scale, w, scale, bias)
     m = x.shape[0]
     pad = -m % _CPU_ROW_BLOCK if x.dim() == 2 and x.device.type == "cpu" and m < _CPU_FEW_ROWS else 0
     if pad:
@@ -102,17 +121,32 @@ def residual_rms_norm(x: torch.Tensor, pending: torch.Tensor | None, weight: tor
     return x, rms_norm(x, weight, eps)
 
 
-def qkv_projection(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, positions: torch.Tensor, pos_offset: int,
+def residual_rms_norm_for(x: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          fused: Any, w_q: torch.Tensor, w_scale: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | Quantized]:
+    """residual_rms_norm whose normed rows feed the GEMM (w_q, w_scale): quantized in the norm's
+    kernel when fp8_in_kernel, else as residual_rms_norm."""
+    if not fp8_in_kernel(fused, x, w_q, w_scale):
+        return residual_rms_norm(x, pending, weight, eps, fused)
+    if pending is None:
+        return x, Quantized(*fused.rms_norm_fp8(x, weight, eps))
+    q, s, total = fused.rms_norm_residual_fp8(pending, x, weight, eps)
+    return total, Quantized(q, s)
+
+
+def qkv_projection(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor | Quantized, positions: torch.Tensor,
+                   pos_offset: int,
                    rope_cos: torch.Tensor, rope_sin: torch.Tensor, fused: Any = None,
                    k_out: torch.Tensor | None = None,
                    v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h: [N, D] the normed input -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E].
+    """h: [N, D] the normed input (Quantized for an FP8 q/k/v GEMM) -> q [N, H, E], k [N, G, E]
+    (normed, rotated), v [N, G, E].
 
     RoPE at positions + pos_offset ([N] int64) from the model's tables rope_cos/rope_sin [P, E].
     k_out/v_out: [N, G, E] views (a decode step's suffix slot) that receive k and v, which are then
     returned; None: fresh tensors. fused: the split, q/k norm (Qwen3), RoPE and v copy in one kernel
     reading the GEMM's output (service.runtime.fused), or None for these torch ops."""
-    n, eps = h.shape[0], cfg.rms_norm_eps
+    n, eps = positions.shape[0], cfg.rms_norm_eps
     qkv = linear(h, w.wqkv, w.bqkv, w.wqkv_scale)  # the bias rides in the GEMM's epilogue: one rounding
     if fused is not None:
         q_norm, k_norm = (w.q_norm, w.k_norm) if cfg.qk_norm else (None, None)
@@ -142,11 +176,18 @@ def attention_output_and_mlp(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 
     Returns (x + o_proj(attn), mlp_out): the MLP's output is not added here; the next layer's first
     norm (residual_rms_norm) adds it in the same kernel, or the caller does. fused: the residual add
-    + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused)."""
-    o = linear(attn.reshape(x.shape[0], cfg.q_size), w.wo, None, w.wo_scale)
+    + RMSNorm and SiLU(gate)*up as fused kernels (service.runtime.fused), each quantizing its
+    output for an FP8 GEMM (fp8_in_kernel), the attention's output quantized in one kernel."""
+    a = attn.reshape(x.shape[0], cfg.q_size)
+    if fp8_in_kernel(fused, a, w.wo, w.wo_scale):
+        a = Quantized(*fused.quantize_rows(a))
+    o = linear(a, w.wo, None, w.wo_scale)
     if fused is not None:
-        h, y = fused.rms_norm_residual(o, x, w.mlp_norm, cfg.rms_norm_eps)
-        return y, linear(fused.silu_mul(linear(h, w.wgu, None, w.wgu_scale)), w.wdown, None, w.wdown_scale)
+        y, h = residual_rms_norm_for(x, o, w.mlp_norm, cfg.rms_norm_eps, fused, w.wgu, w.wgu_scale)
+        gate_up = linear(h, w.wgu, None, w.wgu_scale)
+        act = (Quantized(*fused.silu_mul_fp8(gate_up)) if fp8_in_kernel(fused, gate_up, w.wdown, w.wdown_scale)
+               else fused.silu_mul(gate_up))
+        return y, linear(act, w.wdown, None, w.wdown_scale)
     x = x + o
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(h, w.wgu, None, w.wgu_scale).chunk(2, dim=-1)

@@ -1,6 +1,7 @@
 """Which kernels the decoder layers run: "aten" (plain torch / ATen ops, the default) or "triton"
 (the fused Triton kernels of kernels/: residual add + RMSNorm, the q/k/v split with q/k norm + RoPE,
-SiLU(gate)*up, one-kernel Score / prefill attention, one-kernel decode attention).
+SiLU(gate)*up, one-kernel Score / prefill attention, one-kernel decode attention; before an FP8
+GEMM, the norm and SiLU*up quantizing their output, and the one-kernel quantizer).
 
 With "triton" on a GPU both runtimes launch the very same ahead-of-time compiled cubins
 (kernels/aot.py, compiled once per model shape into the cache) through the extension
@@ -38,11 +39,14 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        beam_topk, decode_attention, norm_act, qkv_rope, segment_attention = (
-            sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "norm_act", "qkv_rope",
+        beam_topk, decode_attention, fp8_linear, norm_act, qkv_rope, segment_attention = (
+            sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "fp8_linear", "norm_act", "qkv_rope",
                                               "segment_attention"))
 
         self.silu_mul = norm_act.silu_mul
+        self.silu_mul_fp8 = norm_act.silu_mul_fp8
+        self.quantize_rows = fp8_linear.quantize_rows_triton
+        self._rms_norm_fp8 = norm_act.rms_norm_fp8
         self.segment_attention = segment_attention.segment_attention
         self.decode_attention = decode_attention.decode_attention
         self.beam_candidates = beam_topk.beam_candidates
@@ -54,6 +58,13 @@ class JitKernels:
     def rms_norm_residual(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rms_norm(x, weight, eps, residual=residual)
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm_fp8(x, weight, eps)
+
+    def rms_norm_residual_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._rms_norm_fp8(x, weight, eps, residual=residual)
 
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
                  sin: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None,

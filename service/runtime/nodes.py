@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
-from ..model.layers import (LayerWeights, attention_output_and_mlp, blockwise_self_attention, linear, qkv_projection,
-                            residual_rms_norm, two_part_attention, two_part_attention_by_runs)
+from ..model.layers import (LayerWeights, Quantized, attention_output_and_mlp, blockwise_self_attention, fp8_in_kernel,
+                            linear, qkv_projection, residual_rms_norm, residual_rms_norm_for, two_part_attention,
+                            two_part_attention_by_runs)
 from ..siblings import sibling
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -94,7 +95,8 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     cfg, i, mode = ctx.cfg, node.attrs["layer"], node.attrs["mode"]
     w = ctx.layers[i]
     pending = env["mlp_out"] if "mlp_out" in node.inputs else None  # the previous layer's MLP output
-    x, h = residual_rms_norm(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused)
+    # the first norm quantizes its output for an FP8 q/k/v GEMM on the fused path
+    x, h = residual_rms_norm_for(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused, w.wqkv, w.wqkv_scale)
     if mode in ("score", "prefill"):
         q, k, v = qkv_projection(cfg, w, h, env["positions"], 0, ctx.rope_cos, ctx.rope_sin, ctx.fused)
         if ctx.fused is not None:  # one kernel: each row's prefix and own-segment keys (the masks node's key_ranges)
@@ -169,7 +171,10 @@ def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
     if codes is not None:  # a batch normalised over a catalog's code tokens: their rows only, -inf past them
         rows = codes.clamp_min(0)
         w, scale = w.index_select(0, rows), None if scale is None else scale.index_select(0, rows)
-    logits = linear(env[node.inputs[0]], w, None, scale)
+    x = env[node.inputs[0]]
+    if fp8_in_kernel(ctx.fused, x, w, scale):  # the final norm's rows, quantized in one kernel
+        x = Quantized(*ctx.fused.quantize_rows(x))
+    logits = linear(x, w, None, scale)
     if codes is not None:
         logits = logits.masked_fill(codes.lt(0), float("-inf"))
     # the fused beam step reads the model-dtype logits once, computing in float32 (no float32

@@ -4,6 +4,8 @@ torch._scaled_mm for every quantized linear, and
 
 - the Python runtime and the C++ one (CUDA graphs) give byte-identical answers (the same ATen and
   Triton calls, in the same order);
+- quantizing the activations inside the kernels that produce them (the norms, SiLU*up, the
+  one-kernel quantizer) changes no byte against quantize_rows' ATen ops on the same path;
 - the answers are finite, move off the bf16 build's (the e4m3 GEMMs really ran), and stay near them:
   Score log-probs within 1.0 and most BeamSearch beams shared (random weights: a bound that catches a
   missing scale, which puts logits off by up to 448x, not a quality claim; `slmrank evaluate` with
@@ -82,3 +84,30 @@ def test_fp8_weights_take_scaled_mm(pair) -> None:
         assert w.dtype == torch.float8_e4m3fn, name
         probe = torch.zeros(1, w.shape[1], dtype=torch.bfloat16, device="cuda")
         assert uses_scaled_mm(probe, w), (name, tuple(w.shape))
+
+
+def test_quantizing_in_the_kernels_changes_no_byte(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.model import layers
+    from service.runtime import nodes
+    from service.runtime.engine import execute
+    from service.runtime.python_runtime import PythonRuntime
+
+    _, fp8 = pair
+    rng = random.Random(30)
+    reqs = [ScoreRequest(tuple(_ids(rng, 24) for _ in range(9)), _ids(rng, 3), _ids(rng, 16)),
+            BeamRequest(_ids(rng, 64), 32, 4)]
+    decided = []
+
+    def spy(*args):
+        decided.append(real(*args))
+        return decided[-1]
+
+    real = layers.fp8_in_kernel
+    monkeypatch.setattr(layers, "fp8_in_kernel", spy)
+    monkeypatch.setattr(nodes, "fp8_in_kernel", spy)
+    in_kernels = execute(fp8, PythonRuntime(fp8, device="cuda", dtype=torch.bfloat16, kernels="triton"), reqs)
+    assert decided and all(decided), "every e4m3 GEMM of this build is fed by a quantizing kernel"
+    monkeypatch.setattr(layers, "fp8_in_kernel", lambda *args: False)
+    monkeypatch.setattr(nodes, "fp8_in_kernel", lambda *args: False)
+    by_aten_ops = execute(fp8, PythonRuntime(fp8, device="cuda", dtype=torch.bfloat16, kernels="triton"), reqs)
+    assert in_kernels == by_aten_ops

@@ -44,7 +44,10 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.i384.bf16",
                         "qkv_rope.h4.g2.e32.norm0.bf16", "qkv_rope.h4.g2.e32.norm1.bf16",
-                        "decode_attention.h4.g2.e32.bf16", "segment_attention.h4.g2.e32.bf16"} | BEAM_TOPK_VARIANTS
+                        "decode_attention.h4.g2.e32.bf16", "segment_attention.h4.g2.e32.bf16",
+                        # before FP8 GEMMs (bf16 only); q_size = hidden here: one quantizer
+                        "rms_norm_fp8.n128.res0.bf16", "rms_norm_fp8.n128.res1.bf16", "silu_mul_fp8.i384.bf16",
+                        "quantize_rows.n128.bf16"} | BEAM_TOPK_VARIANTS
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()
@@ -54,6 +57,14 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
 
 def test_manifest_states_the_launch_abi(compiled) -> None:
     _, manifest = compiled
+    by_name = {k["variant"]: k for k in manifest["kernels"]}
+    # the order cpp_dag/triton_kernels.cpp passes them in; the e4m3 output a pointer like the rest
+    fp8_norm = by_name["rms_norm_fp8.n128.res1.bf16"]["params"]
+    assert [p["name"] for p in fp8_norm][:8] == ["x_ptr", "res_ptr", "w_ptr", "q_ptr", "scale_ptr", "sum_ptr",
+                                                 "num_rows", "eps"]
+    assert [p["type"] for p in fp8_norm][3:5] == ["CUdeviceptr", "CUdeviceptr"]
+    assert [p["name"] for p in by_name["silu_mul_fp8.i384.bf16"]["params"]][:4] == ["gu_ptr", "q_ptr", "scale_ptr",
+                                                                                   "num_rows"]
     (attn,) = [k for k in manifest["kernels"] if k["variant"].startswith("decode_attention.")]
     names = [p["name"] for p in attn["params"]]
     # constexprs are baked in and absent; the two scratch pointers of Triton >= 3.5 come last

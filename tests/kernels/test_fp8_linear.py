@@ -131,28 +131,32 @@ def _e4m3_step(v: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows,cols", [(1, 64), (17, 896), (64, 1100)])  # ROWS a program: tails; a partial block
 def test_triton_quantizer_is_quantize_rows(device: str, dtype: torch.dtype, rows: int, cols: int) -> None:
     """On the GPU byte for byte (both divisions correctly rounded, the cast rounds to nearest even
-    and saturates). Triton's CPU interpreter casts to e4m3 its own way (ties away from zero, and a
-    mantissa carry into the exponent lost), so there the scales are exact and every value within one
-    e4m3 step of the reference's, or half of it where the reference rounded up to a power of two."""
+    and saturates); on the CPU as assert_quantized_as allows."""
     g = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=g) * torch.exp(4 * torch.randn(rows, 1, generator=g))).to(dtype)
     if rows > 1:
         x[1] = 0  # a zero row: scale 1
     x = x.to(device)
     q, s = quantize_rows_triton(x)
-    want_q, want_s = quantize_rows(x)
-    assert q.dtype == FP8_DTYPE and q.shape == x.shape and s.dtype == torch.float32 and s.shape == (rows,)
+    assert_quantized_as(q, s, *quantize_rows(x))
+
+
+def assert_quantized_as(q: torch.Tensor, s: torch.Tensor, want_q: torch.Tensor, want_s: torch.Tensor) -> None:
+    """A Triton kernel's (e4m3, scale) against quantize_rows': on the GPU byte for byte; under
+    Triton's CPU interpreter, whose e4m3 cast rounds its own way (ties away from zero, and a mantissa
+    carry into the exponent lost), exact scales and every value within one e4m3 step, or half of the
+    reference's where it rounded up to a power of two."""
+    assert q.dtype == FP8_DTYPE and q.shape == want_q.shape and s.dtype == torch.float32 and s.shape == want_s.shape
     assert torch.equal(s, want_s)
-    if device == "cuda":
+    if q.is_cuda:
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    else:
-        got, want = q.float(), want_q.float()
-        near = (got - want).abs() <= _e4m3_step(want)
-        # the lost carry: a quotient that rounds up to a power of two comes out as half of it
-        carry = (torch.frexp(want).mantissa.abs() == 0.5) & (got == want / 2)
-        assert (near | carry).all()
-        assert (got.abs() <= E4M3_MAX).all() and not torch.isnan(got).any()
-        assert (got == want).float().mean() > 0.9  # the interpreter's cast differs in a few values only
+        return
+    got, want = q.float(), want_q.float()
+    near = (got - want).abs() <= _e4m3_step(want)
+    carry = (torch.frexp(want).mantissa.abs() == 0.5) & (got == want / 2)
+    assert (near | carry).all()
+    assert (got.abs() <= E4M3_MAX).all() and not torch.isnan(got).any()
+    assert (got == want).float().mean() > 0.9  # the interpreter's cast differs in a few values only
 
 
 @pytest.mark.gpu

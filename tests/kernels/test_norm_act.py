@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.norm_act import rms_norm, silu_mul
+from kernels.fp8_linear import quantize_rows
+from kernels.norm_act import rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
 from service.model.layers import rms_norm as rms_norm_ref
+from tests.kernels.test_fp8_linear import assert_quantized_as
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -68,3 +70,33 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"\[N, 2I\]"):
         silu_mul(torch.randn(2, 7))
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 896), (33, 1024)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_is_the_norm_quantized(device: str, rows: int, dim: int, with_residual: bool) -> None:
+    """The FP8 norm equals quantize_rows of the bf16 norm kernel's output (and its sum, with a
+    residual, is the plain kernel's): the FP8 GEMM reads what the unfused path would quantize."""
+    g = torch.Generator().manual_seed(rows + dim)
+    x, r = ((3 * torch.randn(rows, dim, generator=g)).to(device, torch.bfloat16) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(dim, generator=g)).to(device, torch.bfloat16)
+    if with_residual:
+        q, s, total = rms_norm_fp8(x, w, 1e-6, residual=r)
+        h, want_total = rms_norm(x, w, 1e-6, residual=r)
+        assert torch.equal(total, want_total)
+    else:
+        q, s = rms_norm_fp8(x, w, 1e-6)
+        h = rms_norm(x, w, 1e-6)
+    assert_quantized_as(q, s, *quantize_rows(h))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,inter", [(3, 64), (5, 1100), (9, 4864)])  # 4864: Qwen2.5-0.5B's, a row of 8192 lanes
+def test_silu_mul_fp8_is_the_product_quantized(device: str, rows: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(inter + 1)
+    gu = (4 * torch.randn(rows, 2 * inter, generator=g)).to(device, torch.bfloat16)
+    gu[0] = 0  # a zero row: scale 1
+    q, s = silu_mul_fp8(gu)
+    assert_quantized_as(q, s, *quantize_rows(silu_mul(gu)))
+    assert s[0] == 1

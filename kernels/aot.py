@@ -183,7 +183,7 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
     """The kernels that end in an FP8 GEMM's activation (e4m3 rows and a float32 scale each): the
     norms before q/k/v and gate/up, SiLU*up before down, the quantizer alone before o (the
     attention's output) and the LM head (the final norm's output)."""
-    from .fp8_linear import quantize_config, quantize_rows_kernel
+    from .fp8_quant import quantize_rows_kernel, row_tile_config
     from .norm_act import rms_norm_config, rms_norm_fp8_kernel, silu_mul_fp8_config, silu_mul_fp8_kernel
 
     specs = []
@@ -205,7 +205,7 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
         {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
         divisible_by_16=("gu_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
     for d in sorted({hidden_size, q_size}):
-        cfg = quantize_config(d)
+        cfg = row_tile_config(d)
         specs.append(KernelSpec(
             variant_name("quantize_rows", dt, n=d), quantize_rows_kernel,
             {"x_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "D": "constexpr",

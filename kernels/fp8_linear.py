@@ -4,9 +4,8 @@
   scale[m] = amax|t[m, :]| / 448 (a row of zeros: 1) and q = (t / scale).clamp(-448, 448), all in
   float32. The weights are quantized with it once, per output channel (`slmrank build --fp8`), and
   the activations per token at every call.
-- `quantize_rows_triton(x)`: the same quantizer as one Triton kernel (one pass over x, a row a
-  program's tile): byte-identical to `quantize_rows` (the divisions correctly rounded, as ATen's; the
-  cast rounds to nearest even, saturating, as torch's). `quantize_rows` is ~6 ATen launches.
+- kernels/fp8_quant.py: the same quantizer in Triton, alone (`quantize_rows_triton`) and as the end
+  of the kernels that produce an FP8 GEMM's activations; byte-identical to `quantize_rows` on the GPU.
 - `fp8_linear(x, w_q, w_scale, bias)`: x [M, K] (the activation dtype), w_q [N, K] e4m3, w_scale [N]
   float32 -> [M, N] in x's dtype:
       a_q, s_a = quantize_rows(x)
@@ -21,7 +20,7 @@
   sm_89+ device (Hopper, the default build target). tests/kernels/test_fp8_linear.py checks it
   against float64 on the GPU (marked gpu).
 - On the fused path (kernels="triton") the kernel that produces an FP8 GEMM's activations quantizes
-  them itself (kernels/norm_act.py's rms_norm_fp8 and silu_mul_fp8, or `quantize_rows_triton` after
+  them itself (kernels/norm_act.py's rms_norm_fp8 and silu_mul_fp8, or fp8_quant.py's quantizer after
   the attention and before the LM head), and the GEMM is `scaled_linear` on its (q, scale): the
   same bytes as quantize_rows of the unquantized output, without ~6 ATen launches per GEMM.
 
@@ -34,10 +33,6 @@ conversions gave NaN: float8_e4m3fn has no infinity), so the quotient never reac
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from . import COMPILE_OPTIONS
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_DTYPE = torch.float8_e4m3fn
@@ -50,51 +45,6 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax.gt(0), amax.div(E4M3_MAX), torch.ones_like(amax))
     q = tf.div(scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return q, scale.squeeze(-1)
-
-
-def quantize_config(d: int) -> dict[str, int]:
-    """Tile of the quantizer for rows of d elements: ROWS whole rows of BLOCK_D per program."""
-    block_d = triton.next_power_of_2(d)
-    return {"BLOCK_D": block_d, "ROWS": max(1, 4096 // block_d), "num_warps": 4 if block_d <= 2048 else 8}
-
-
-@triton.jit
-def quantize_tile(t, q_ptr, scale_ptr, rows, offs, mask, num_rows):
-    """Stores a [ROWS, BLOCK] tile of whole rows (zero past each row's end) as e4m3 at q_ptr + offs
-    and each row's scale at scale_ptr + rows: quantize_rows' arithmetic (the kernels that produce an
-    FP8 GEMM's activations end with it: kernels/norm_act.py's _fp8 variants)."""
-    tf = t.to(tl.float32)
-    amax = tl.max(tl.abs(tf), axis=1)  # [ROWS]
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = tl.math.div_rn(tf, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
-
-
-@triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ROWS: tl.constexpr):
-    # x [num_rows, D] -> q [num_rows, D] e4m3, scale [num_rows] float32; tile [ROWS, BLOCK_D]
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
-    quantize_tile(tl.load(x_ptr + offs, mask=mask, other=0.0), q_ptr, scale_ptr, rows, offs, mask, num_rows)
-
-
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] contiguous -> (e4m3 [M, K], float32 scale [M]): quantize_rows in one kernel."""
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"quantize_rows_triton: x must be a contiguous [M, K], got {list(x.shape)}")
-    m, d = x.shape
-    q = torch.empty(m, d, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    cfg = quantize_config(d)
-    quantize_rows_kernel[(triton.cdiv(m, cfg["ROWS"]),)](x, q, scale, m, D=d, BLOCK_D=cfg["BLOCK_D"],
-                                                         ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],
-                                                         **COMPILE_OPTIONS)
-    return q, scale
 
 
 def uses_scaled_mm(x: torch.Tensor, w_q: torch.Tensor) -> bool:

@@ -8,6 +8,9 @@
   output), added to x and rounded, then normalised: the reduce and the norm in one pass.
 - `silu_mul`: silu(gate) * up of a fused [N, 2I] gate/up projection, rounded as torch does
   (silu to the dtype, then the product): replaces chunk + silu + mul.
+- `rms_norm_fp8`, `silu_mul_fp8`: the same, ending in the next FP8 GEMM's activation instead of
+  the dtype's rows: e4m3 rows and a float32 scale each (kernels/fp8_quant.py), equal to
+  `quantize_rows` of the plain kernel's output; one kernel where the unfused path has ~7 launches.
 
 The references are `service.model.layers.rms_norm` and torch's `F.silu(gate) * up`;
 tests/kernels/test_norm_act.py checks them on fresh random inputs (on a CPU through Triton's
@@ -23,16 +26,11 @@ import triton
 import triton.language as tl
 
 from . import COMPILE_OPTIONS
-from .fp8_linear import FP8_DTYPE, quantize_tile
+from .fp8_quant import TILE_ELEMENTS, fp8_rows, quantize_tile, row_tile, row_tile_config
 
-TILE_ELEMENTS = 4096  # elements one program handles: 16-32 per thread, enough loads in flight
-
-
-def rms_norm_config(d: int) -> dict[str, int]:
-    """Tile of the RMSNorm kernel for rows of d elements: ROWS rows of BLOCK_D (d rounded up to a
-    power of two) per program."""
-    block_d = triton.next_power_of_2(d)
-    return {"BLOCK_D": block_d, "ROWS": max(1, TILE_ELEMENTS // block_d), "num_warps": 4 if block_d <= 2048 else 8}
+# the RMSNorm kernels' tile for rows of d elements: ROWS rows of BLOCK_D (d rounded up to a power of
+# two) per program
+rms_norm_config = row_tile_config
 
 
 @triton.jit
@@ -59,10 +57,7 @@ def _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL: tl.constex
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     # tile [ROWS, BLOCK_D] of x [num_rows, D]
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
+    rows, cols, mask, offs = row_tile(num_rows, D, BLOCK_D, ROWS)
     x = _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL)
     tl.store(out_ptr + offs, _normed(x, w_ptr, cols, eps, D), mask=mask)
 
@@ -72,10 +67,7 @@ def rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, sum_ptr, num_ro
                         D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     # rms_norm_kernel whose output is the next FP8 GEMM's activation: e4m3 q [num_rows, D] and a
     # float32 scale a row, quantize_rows of the normed rows in the dtype
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
+    rows, cols, mask, offs = row_tile(num_rows, D, BLOCK_D, ROWS)
     x = _with_residual(x_ptr, res_ptr, sum_ptr, offs, mask, HAS_RESIDUAL)
     quantize_tile(_normed(x, w_ptr, cols, eps, D), q_ptr, scale_ptr, rows, offs, mask, num_rows)
 
@@ -83,10 +75,7 @@ def rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, sum_ptr, num_ro
 @triton.jit
 def rms_norm_parts_kernel(x_ptr, parts_ptr, w_ptr, out_ptr, sum_ptr, num_rows, eps,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < num_rows) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
+    rows, cols, mask, offs = row_tile(num_rows, D, BLOCK_D, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     p = tl.load(parts_ptr + offs, mask=mask, other=0.0)
     for i in tl.static_range(1, PARTS):
@@ -199,8 +188,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     rows, d = x.shape
     if weight.shape != (d,):
         raise ValueError(f"rms_norm_fp8: weight must be [{d}], got {list(weight.shape)}")
-    q = torch.empty(rows, d, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    q, scale = fp8_rows(rows, d, x.device)
     total = torch.empty_like(x) if residual is not None else x
     cfg = rms_norm_config(d)
     rms_norm_fp8_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
@@ -216,8 +204,7 @@ def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         raise ValueError(f"silu_mul_fp8: gate_up must be a contiguous [N, 2I], got {list(gate_up.shape)}")
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    q = torch.empty(n, inter, dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty(n, dtype=torch.float32, device=gate_up.device)
+    q, scale = fp8_rows(n, inter, gate_up.device)
     cfg = silu_mul_fp8_config(inter)
     silu_mul_fp8_kernel[(triton.cdiv(n, cfg["ROWS"]),)](gate_up, q, scale, n, INTER=inter, BLOCK=cfg["BLOCK"],
                                                          ROWS=cfg["ROWS"], num_warps=cfg["num_warps"],

@@ -893,7 +893,8 @@ def bench_fp8() -> list[dict[str, Any]]:
     the kernel that produces its input, as the fused path runs them: bf16 (rms_norm / silu_mul /
     nothing, then F.linear) against FP8 (rms_norm_fp8 / silu_mul_fp8 / quantize_rows_triton, then
     _scaled_mm)."""
-    from kernels.fp8_linear import quantize_rows, quantize_rows_triton, scaled_linear
+    from kernels.fp8_linear import quantize_rows, scaled_linear
+    from kernels.fp8_quant import quantize_rows_triton
     from kernels.norm_act import rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
 
     results = []

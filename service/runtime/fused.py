@@ -39,13 +39,13 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        beam_topk, decode_attention, fp8_linear, norm_act, qkv_rope, segment_attention = (
-            sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "fp8_linear", "norm_act", "qkv_rope",
+        beam_topk, decode_attention, fp8_quant, norm_act, qkv_rope, segment_attention = (
+            sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "fp8_quant", "norm_act", "qkv_rope",
                                               "segment_attention"))
 
         self.silu_mul = norm_act.silu_mul
         self.silu_mul_fp8 = norm_act.silu_mul_fp8
-        self.quantize_rows = fp8_linear.quantize_rows_triton
+        self.quantize_rows = fp8_quant.quantize_rows_triton
         self._rms_norm_fp8 = norm_act.rms_norm_fp8
         self.segment_attention = segment_attention.segment_attention
         self.decode_attention = decode_attention.decode_attention

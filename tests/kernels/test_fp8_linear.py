@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_linear import E4M3_MAX, FP8_DTYPE, fp8_linear, quantize_rows, quantize_rows_triton, uses_scaled_mm
+from kernels.fp8_linear import E4M3_MAX, FP8_DTYPE, fp8_linear, quantize_rows, uses_scaled_mm
+from kernels.fp8_quant import quantize_rows_triton
 
 F64 = torch.float64
 

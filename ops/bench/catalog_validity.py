@@ -10,7 +10,8 @@ Seeded random catalogs (service/loadgen/catalogs.py) of 2, 3 and 4 levels, from 
 than many requests' beams) to 200,000; requests of 1-64 beams and 1-96 prompt tokens, a catalog
 drawn per request (one in eight unconstrained), --codes-share of the constrained ones normalised over
 their catalog's code tokens (normalization "codes": batches of their own), run through the engine as
-it batches them (requests of several catalogs share batches). Progress on stderr; a summary line last; exit 1 on any invalid
+it batches them (requests of several catalogs share batches). Progress on stderr (a line every 10% when
+not on a terminal); a summary line last; exit 1 on any invalid
 answer.
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from service.artifact.artifact import build_artifact, load_artifact
 from service.artifact.catalog import parse_catalog
 from service.loadgen.catalogs import write_catalog
+from service.model.progress import Progress
 from service.runtime.engine import execute
 from service.runtime.factory import make_runtime
 from service.runtime.requests import BeamRequest, BeamResult
@@ -85,28 +87,27 @@ def main() -> None:
         names = [*CATALOGS, ""]
         invalid: list[str] = []
         done, beams, num_codes, t0 = 0, 0, 0, time.monotonic()
-        while done < args.requests:
-            reqs = []
-            for k in range(min(CHUNK, args.requests - done)):
-                cat = rng.choice(names) if rng.random() < 7 / 8 else ""
-                levels = CATALOGS[cat][1] if cat else rng.randint(1, 4)
-                prompt = tuple(rng.randrange(art.config.vocab_size) for _ in range(rng.randint(1, 96)))
-                norm = "codes" if cat and rng.random() < args.codes_share else "vocab"
-                num_codes += norm == "codes"
-                reqs.append(BeamRequest(prompt, rng.randint(1, 64), levels, id=str(done + k), catalog=cat,
-                                        normalization=norm))
-            for req, res in zip(reqs, execute(art, runtime, reqs)):
-                problem = check(req, res, items[req.catalog] if req.catalog else None)
-                beams += len(getattr(res, "beams", ()))
-                if problem:
-                    invalid.append(f"request {req.id} ({req.catalog or 'free'}, {req.normalization}, "
-                                   f"B={req.beam_width}): {problem}")
-            done += len(reqs)
-            print(f"\r{done:,}/{args.requests:,} requests, {beams:,} beams, {len(invalid)} invalid, "
-                  f"{time.monotonic() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        with Progress("catalog validity", args.requests) as bar:
+            while done < args.requests:
+                reqs = []
+                for k in range(min(CHUNK, args.requests - done)):
+                    cat = rng.choice(names) if rng.random() < 7 / 8 else ""
+                    levels = CATALOGS[cat][1] if cat else rng.randint(1, 4)
+                    prompt = tuple(rng.randrange(art.config.vocab_size) for _ in range(rng.randint(1, 96)))
+                    norm = "codes" if cat and rng.random() < args.codes_share else "vocab"
+                    num_codes += norm == "codes"
+                    reqs.append(BeamRequest(prompt, rng.randint(1, 64), levels, id=str(done + k), catalog=cat,
+                                            normalization=norm))
+                for req, res in zip(reqs, execute(art, runtime, reqs)):
+                    problem = check(req, res, items[req.catalog] if req.catalog else None)
+                    beams += len(getattr(res, "beams", ()))
+                    if problem:
+                        invalid.append(f"request {req.id} ({req.catalog or 'free'}, {req.normalization}, "
+                                       f"B={req.beam_width}): {problem}")
+                done += len(reqs)
+                bar.advance(len(reqs), f"{beams:,} beams, {len(invalid)} invalid")
         if hasattr(runtime, "shutdown"):
             runtime.shutdown()
-    print(file=sys.stderr)
     summary = {"requests": done, "codes_normalised": num_codes, "beams": beams, "invalid": len(invalid),
                "first_invalid": invalid[:20],
                "catalogs": {k: v[0] for k, v in CATALOGS.items()}, "model": args.model, "runtime": args.runtime,

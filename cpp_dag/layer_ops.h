@@ -64,10 +64,11 @@ std::pair<at::Tensor, Activation> residual_rms_norm_for(const at::Tensor& x, con
                                                         const TritonKernels* fused, const at::Tensor& w_q,
                                                         const at::Tensor& w_scale);
 
-// h: [N, D] normed (or quantized for an FP8 q/k/v GEMM: Activation) -> q [N, H, E], k [N, G, E] (normed, rotated), v [N, G, E]; RoPE at
-// positions + pos_offset ([N] int64) from the tables rope_cos/rope_sin [P, E]. k_out/v_out: [N, G, E]
-// views (a decode step's suffix slot) that receive k and v and are returned, or undefined. With
-// `fused`, the split, q/k norm, RoPE and v copy are one Triton kernel over the GEMM's output.
+// h: [N, D] normed (or quantized for an FP8 q/k/v GEMM: Activation) -> q [N, H, E], k [N, G, E]
+// (normed, rotated), v [N, G, E]; RoPE at positions + pos_offset ([N] int64) from the tables
+// rope_cos/rope_sin [P, E]. k_out/v_out: [N, G, E] views (a decode step's suffix slot) that receive
+// k and v and are returned, or undefined. With `fused`, the split, q/k norm, RoPE and v copy are one
+// Triton kernel over the GEMM's output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_projection(const ModelConfig& cfg, const LayerWeights& w,
                                                               const Activation& h, const at::Tensor& positions,
                                                               int64_t pos_offset, const at::Tensor& rope_cos,

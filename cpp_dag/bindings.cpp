@@ -414,6 +414,15 @@ PYBIND11_MODULE(_core, m) {
       .def("rms_norm_residual_fp8", &TritonKernels::rms_norm_residual_fp8, py::arg("x"), py::arg("residual"),
            py::arg("weight"), py::arg("eps"))
       .def("silu_mul_fp8", &TritonKernels::silu_mul_fp8, py::arg("gate_up"))
+      .def(
+          "trie_allowed",
+          [](const TritonKernels& k, const at::Tensor& trie, const at::Tensor& offsets, const at::Tensor& tokens,
+             const std::optional<at::Tensor>& cols, int64_t num_words) {
+            return k.trie_allowed(trie, offsets, tokens, cols.value_or(at::Tensor()), num_words);
+          },
+          py::arg("trie"), py::arg("offsets"), py::arg("tokens"), py::arg("cols"), py::arg("num_words"))
+      .def("trie_advance", &TritonKernels::trie_advance, py::arg("trie"), py::arg("next_tokens"), py::arg("offsets"),
+           py::arg("tokens"), py::arg("child"))
       .def("segment_attention", &TritonKernels::segment_attention, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("key_ranges"), py::arg("scale"))
       .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),

@@ -9,14 +9,14 @@
 // in one pass over the model-dtype logits, then top-B of each request's B x B keys; every layer's
 // suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all
 // after the last step. With catalogs, beam_allowed computes each row's allowed tokens from the trie
-// forest (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B].
+// forest (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B]
+// (with the Triton kernels: kernels/trie.py's two lookups, a kernel each).
 // Mirrors service/runtime/nodes.py::beam_allowed / beam_init / beam_step, op for op.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/ones_like.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -146,8 +146,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> trie_children(const Context& ctx,
   return {tokens, children, valid};
 }
 
-// nodes.py::advance_trie: the child of each node along its token, -1 where it has none.
+// nodes.py::advance_trie: the child of each node along its token, -1 where it has none (fused: one kernel).
 at::Tensor advance_trie(const Context& ctx, const at::Tensor& trie, const at::Tensor& tokens) {
+  if (ctx.fused) {
+    return ctx.fused->trie_advance(trie.contiguous(), tokens.contiguous(), ctx.weight("catalog.offsets"),
+                                   ctx.weight("catalog.tokens"), ctx.weight("catalog.child"));
+  }
   auto [kids_tokens, kids, valid] = trie_children(ctx, trie.reshape({-1}));
   at::Tensor hit = valid.logical_and(kids_tokens.eq(tokens.reshape({-1, 1})));
   at::Tensor child = at::where(hit, kids, 0).sum(1);
@@ -173,26 +177,23 @@ class BeamAllowed final : public Node {
     } else {
       trie = to_rows(read(env, "beam_trie"), read(env, "beam_slot"), -1);
     }
-    auto [tokens, children, valid] = trie_children(ctx, trie);
-    at::Tensor free = trie.lt(0).unsqueeze(1);
     int64_t vocab = ctx.cfg.vocab_size;
-    const int64_t rows = trie.size(0);
+    at::Tensor cols;
     if (const at::Tensor codes = optional_input(env, "beam_codes"); codes.defined()) {
       // normalised over a catalog's codes: the columns are its code tokens
-      tokens = code_columns_of(codes, vocab).index_select(0, tokens.reshape({-1})).view_as(tokens);
+      cols = code_columns_of(codes, vocab);
       vocab = codes.size(0);
     }
-    if (!ctx.fused) {
-      at::Tensor cols = at::where(valid, tokens, vocab);
-      at::Tensor allowed = at::zeros({rows, vocab + 1}, trie.options().dtype(at::kBool)).scatter_(1, cols, true);
-      write(env, "allowed", allowed.slice(1, 0, vocab).logical_or(free));
+    if (ctx.fused) {  // kernels/trie.py: beam_candidates' int32 bitmask in one kernel
+      write(env, "allowed", ctx.fused->trie_allowed(trie.contiguous(), ctx.weight("catalog.offsets"),
+                                                    ctx.weight("catalog.tokens"), cols, (vocab + 31) / 32));
       return;
     }
-    at::Tensor bits = at::where(valid, at::ones_like(tokens).bitwise_left_shift(tokens.bitwise_and(31)), 0);
-    at::Tensor words = at::zeros({rows, (vocab + 31) / 32}, trie.options());
-    words = words.scatter_add_(1, at::where(valid, tokens, 0).bitwise_right_shift(5), bits);
-    words = at::where(words.ge(int64_t{1} << 31), words.sub(int64_t{1} << 32), words).to(at::kInt);
-    write(env, "allowed", at::where(free, -1, words).contiguous());
+    auto [tokens, children, valid] = trie_children(ctx, trie);
+    if (cols.defined()) tokens = cols.index_select(0, tokens.reshape({-1})).view_as(tokens);
+    at::Tensor allowed = at::zeros({trie.size(0), vocab + 1}, trie.options().dtype(at::kBool))
+                             .scatter_(1, at::where(valid, tokens, vocab), true);
+    write(env, "allowed", allowed.slice(1, 0, vocab).logical_or(trie.lt(0).unsqueeze(1)));
   }
 };
 

@@ -267,6 +267,29 @@ at::Tensor TritonKernels::silu_mul(const at::Tensor& gate_up) const {
   return out;
 }
 
+at::Tensor TritonKernels::trie_allowed(const at::Tensor& trie, const at::Tensor& offsets, const at::Tensor& tokens,
+                                       const at::Tensor& cols, int64_t num_words) const {
+  require(trie.dim() == 1 && trie.is_contiguous() && trie.scalar_type() == at::kLong,
+          "trie_allowed: trie must be a contiguous int64 [rows]");
+  at::Tensor words = at::empty({trie.size(0), num_words}, trie.options().dtype(at::kInt));
+  const std::string variant = variant_name("trie_allowed", at::kFloat, {{"cols", cols.defined() ? 1 : 0}});
+  launch(variant, {static_cast<uint32_t>(trie.size(0)), 1, 1},
+         {trie, offsets, tokens, cols.defined() ? cols : tokens, words, static_cast<int32_t>(num_words)});
+  return words;
+}
+
+at::Tensor TritonKernels::trie_advance(const at::Tensor& trie, const at::Tensor& next_tokens, const at::Tensor& offsets,
+                                       const at::Tensor& tokens, const at::Tensor& child) const {
+  require(trie.sizes() == next_tokens.sizes() && trie.scalar_type() == at::kLong &&
+              next_tokens.scalar_type() == at::kLong,
+          "trie_advance: trie and next_tokens must be int64 of one shape");
+  const at::Tensor flat = trie.reshape({-1}).contiguous(), next = next_tokens.reshape({-1}).contiguous();
+  at::Tensor out = at::empty_like(flat);
+  launch(variant_name("trie_advance", at::kFloat), {static_cast<uint32_t>(flat.size(0)), 1, 1},
+         {flat, next, offsets, tokens, child, out});
+  return out.view(trie.sizes());
+}
+
 namespace {
 // (e4m3 [rows, cols], float32 [rows]) for a quantizing kernel's output
 std::pair<at::Tensor, at::Tensor> fp8_outputs(const at::Tensor& like, int64_t rows, int64_t cols) {
@@ -457,6 +480,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> TritonKernels::rms_norm_residual_
   no_cuda();
 }
 std::pair<at::Tensor, at::Tensor> TritonKernels::silu_mul_fp8(const at::Tensor&) const { no_cuda(); }
+at::Tensor TritonKernels::trie_allowed(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       int64_t) const {
+  no_cuda();
+}
+at::Tensor TritonKernels::trie_advance(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&) const {
+  no_cuda();
+}
 at::Tensor TritonKernels::segment_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             double) const {
   no_cuda();

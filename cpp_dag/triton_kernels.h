@@ -81,6 +81,15 @@ class TritonKernels {
   // -> keys [rows, num_candidates] int64, each row's best candidates first (score, then flat index).
   at::Tensor beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
                              int64_t num_parents, const at::Tensor& allowed = at::Tensor()) const;
+  // A catalog trie's lookups (kernels/trie.py; the forest of catalog_forest.h: int64 offsets, edge
+  // tokens and children). trie [rows] int64 nodes (-1: unconstrained) -> the allowed-token bitmask
+  // [rows, num_words] int32 that beam_candidates takes (cols [V] int64: the code column of each token,
+  // or undefined: the columns are the tokens).
+  at::Tensor trie_allowed(const at::Tensor& trie, const at::Tensor& offsets, const at::Tensor& tokens,
+                          const at::Tensor& cols, int64_t num_words) const;
+  // trie, next_tokens [...] int64 (one shape) -> the child along each token [...] int64 (-1: none)
+  at::Tensor trie_advance(const at::Tensor& trie, const at::Tensor& next_tokens, const at::Tensor& offsets,
+                          const at::Tensor& tokens, const at::Tensor& child) const;
 
  private:
   struct Impl;

@@ -176,7 +176,25 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible_by_16=("q_ptr", "k_ptr", "v_ptr", "ranges_ptr", "out_ptr"),
         grid="(num_heads, cdiv(rows, BLOCK_M), 1)"))
-    return specs + beam_topk_specs(dt)
+    return specs + beam_topk_specs(dt) + trie_specs()
+
+
+def trie_specs() -> list[KernelSpec]:
+    """A catalog trie's lookups (kernels/trie.py): integer kernels, one variant for every model and
+    catalog (named fp32 as the beam step's float-only ones are, whatever the model's dtype)."""
+    from . import trie
+
+    specs = [KernelSpec(
+        variant_name("trie_allowed", "fp32", cols=cols), trie.trie_allowed_kernel,
+        {"trie_ptr": "*i64", "offsets_ptr": "*i64", "tokens_ptr": "*i64", "cols_ptr": "*i64", "words_ptr": "*i32",
+         "num_words": "i32", "BLOCK_K": "constexpr", "BLOCK_W": "constexpr", "HAS_COLS": "constexpr"},
+        {"BLOCK_K": trie.BLOCK_K, "BLOCK_W": trie.BLOCK_W, "HAS_COLS": bool(cols)}, grid="(rows, 1, 1)")
+        for cols in (0, 1)]
+    specs.append(KernelSpec(
+        variant_name("trie_advance", "fp32"), trie.trie_advance_kernel,
+        {"trie_ptr": "*i64", "next_ptr": "*i64", "offsets_ptr": "*i64", "tokens_ptr": "*i64", "child_ptr": "*i64",
+         "out_ptr": "*i64", "BLOCK_K": "constexpr"}, {"BLOCK_K": trie.BLOCK_K}, grid="(n, 1, 1)"))
+    return specs
 
 
 def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) -> list[KernelSpec]:

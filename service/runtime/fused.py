@@ -39,14 +39,15 @@ class JitKernels:
     defined, and the plain-torch path should not pay for importing Triton at all."""
 
     def __init__(self) -> None:
-        beam_topk, decode_attention, fp8_quant, norm_act, qkv_rope, segment_attention = (
+        beam_topk, decode_attention, fp8_quant, norm_act, qkv_rope, segment_attention, trie = (
             sibling(f"kernels.{m}") for m in ("beam_topk", "decode_attention", "fp8_quant", "norm_act", "qkv_rope",
-                                              "segment_attention"))
+                                              "segment_attention", "trie"))
 
         self.silu_mul = norm_act.silu_mul
         self.silu_mul_fp8 = norm_act.silu_mul_fp8
         self.quantize_rows = fp8_quant.quantize_rows_triton
         self._rms_norm_fp8 = norm_act.rms_norm_fp8
+        self._trie_allowed, self.trie_advance = trie.trie_allowed, trie.trie_advance
         self.segment_attention = segment_attention.segment_attention
         self.decode_attention = decode_attention.decode_attention
         self.beam_candidates = beam_topk.beam_candidates
@@ -65,6 +66,10 @@ class JitKernels:
     def rms_norm_residual_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._rms_norm_fp8(x, weight, eps, residual=residual)
+
+    def trie_allowed(self, trie: torch.Tensor, offsets: torch.Tensor, tokens: torch.Tensor, cols: torch.Tensor | None,
+                     num_words: int) -> torch.Tensor:
+        return self._trie_allowed(trie, offsets, tokens, num_words, cols)
 
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
                  sin: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None,

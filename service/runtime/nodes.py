@@ -26,6 +26,7 @@ _attention = sibling("kernels.attention")
 masked_attention_ref, segment_bounds = _attention.masked_attention_ref, _attention.segment_bounds
 segment_key_ranges, varlen_attention = _attention.segment_key_ranges, _attention.varlen_attention
 merge_candidates = sibling("kernels.beam_topk").merge_candidates
+trie_children_ref, trie_advance_ref = sibling("kernels.trie").trie_children_ref, sibling("kernels.trie").trie_advance_ref
 
 Env = MutableMapping[str, torch.Tensor]
 
@@ -240,22 +241,19 @@ def beam_allowed(ctx: NodeContext, node: Node, env: Env) -> None:
         env["beam_trie"] = trie.unsqueeze(1)
     else:
         trie = to_rows(env["beam_trie"], env["beam_slot"], -1)  # [N]
-    tokens, _, valid = trie_children(w, trie)
-    free = trie.lt(0).unsqueeze(1)  # [rows, 1]
-    vocab = ctx.cfg.vocab_size
+    vocab, cols = ctx.cfg.vocab_size, None
     if (codes := optional_input(node, env, "beam_codes")) is not None:  # the columns: the catalog's code tokens
-        tokens, vocab = code_columns_of(codes, vocab).index_select(0, tokens.reshape(-1)).view_as(tokens), codes.shape[0]
-    if ctx.fused is None:  # a column past the vocabulary takes the window's unused slots
-        cols = torch.where(valid, tokens, vocab)
-        allowed = torch.zeros(trie.shape[0], vocab + 1, dtype=torch.bool, device=trie.device).scatter_(1, cols, True)
-        env["allowed"] = allowed[:, :vocab].logical_or(free)
+        cols, vocab = code_columns_of(codes, vocab), codes.shape[0]
+    if ctx.fused is not None:  # kernels/trie.py: kernels/beam_topk.py's int32 bitmask in one kernel
+        env["allowed"] = ctx.fused.trie_allowed(trie.contiguous(), w["catalog.offsets"], w["catalog.tokens"], cols,
+                                                (vocab + 31) // 32)
         return
-    # bit v % 32 of word v // 32; distinct tokens are distinct bits, so their sum is their OR
-    bits = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(tokens), tokens.bitwise_and(31)), 0)
-    words = torch.zeros(trie.shape[0], (vocab + 31) // 32, dtype=torch.int64, device=trie.device)
-    words = words.scatter_add_(1, torch.where(valid, tokens, 0).bitwise_right_shift(5), bits)
-    words = torch.where(words.ge(1 << 31), words - (1 << 32), words).to(torch.int32)  # as int32 bits
-    env["allowed"] = torch.where(free, -1, words).contiguous()
+    tokens, _, valid = trie_children(w, trie)
+    if cols is not None:
+        tokens = cols.index_select(0, tokens.reshape(-1)).view_as(tokens)
+    cols_or_pad = torch.where(valid, tokens, vocab)  # a column past the vocabulary takes the window's unused slots
+    allowed = torch.zeros(trie.shape[0], vocab + 1, dtype=torch.bool, device=trie.device).scatter_(1, cols_or_pad, True)
+    env["allowed"] = allowed[:, :vocab].logical_or(trie.lt(0).unsqueeze(1))
 
 
 def code_columns_of(codes: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -281,26 +279,21 @@ def optional_input(node: Node, env: Env, name: str) -> torch.Tensor | None:
 
 
 def trie_children(w: dict[str, torch.Tensor], trie: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """trie [X] nodes (-1: none) -> tokens, children, valid [X, K]: each node's window of K child
-    edges (K: the most children a node has); valid marks the node's own edges."""
-    offsets, window, edges = w["catalog.offsets"], w["catalog.window"], w["catalog.tokens"].shape[0]
-    node = trie.clamp_min(0)
-    start = offsets.index_select(0, node)
-    count = offsets.index_select(0, node + 1) - start
-    edge = (start.unsqueeze(1) + window).clamp_max(edges - 1).reshape(-1)  # past the last: the padding edge
-    tokens = w["catalog.tokens"].index_select(0, edge).view(-1, window.shape[0])
-    children = w["catalog.child"].index_select(0, edge).view(-1, window.shape[0])
-    valid = window.lt(count.unsqueeze(1)).logical_and(trie.ge(0).unsqueeze(1))
-    return tokens, children, valid
+    """trie [X] nodes (-1: none) -> tokens, children, valid [X, K] (kernels/trie.py trie_children_ref
+    over the forest's tensors)."""
+    return trie_children_ref(w["catalog.offsets"], w["catalog.window"], w["catalog.tokens"], w["catalog.child"], trie)
 
 
-def advance_trie(w: dict[str, torch.Tensor], trie: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def advance_trie(ctx: NodeContext, trie: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """trie, tokens [R, B] -> the child of each node along its token; -1 where it has none (an
-    unconstrained beam, or a dead one whose -inf candidate took a token no item continues with)."""
-    kids_tokens, kids, valid = trie_children(w, trie.reshape(-1))
-    hit = valid.logical_and(kids_tokens.eq(tokens.reshape(-1, 1)))  # [R*B, K]: at most one per row
-    child = torch.where(hit, kids, 0).sum(1)
-    return torch.where(hit.any(1), child, -1).view_as(tokens)
+    unconstrained beam, or a dead one whose -inf candidate took a token no item continues with).
+    Fused: kernels/trie.py's one kernel; else its reference's ATen ops."""
+    w = ctx.weights
+    if ctx.fused is not None:
+        return ctx.fused.trie_advance(trie.contiguous(), tokens.contiguous(), w["catalog.offsets"], w["catalog.tokens"],
+                                      w["catalog.child"])
+    return trie_advance_ref(trie, tokens, w["catalog.offsets"], w["catalog.window"], w["catalog.tokens"],
+                            w["catalog.child"])
 
 
 def _mask_logp(logp: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -325,7 +318,7 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
     tokens = to_code_tokens(optional_input(node, env, "beam_codes"), tokens)
     if allowed is not None:
-        env["beam_trie"] = advance_trie(ctx.weights, env["beam_trie"].expand_as(tokens), tokens)
+        env["beam_trie"] = advance_trie(ctx, env["beam_trie"].expand_as(tokens), tokens)
     seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
     seqs[:, :, 0] = tokens
     env["beam_seqs"] = seqs
@@ -366,7 +359,7 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     env["beam_tokens"] = to_rows(tokens, slot, 0)
     env["beam_parents"] = parents
     if allowed is not None:
-        env["beam_trie"] = advance_trie(ctx.weights, env["beam_trie"].gather(1, parents), tokens)
+        env["beam_trie"] = advance_trie(ctx, env["beam_trie"].gather(1, parents), tokens)
     if ctx.fused is None:
         for name in node.inputs[7:]:  # suffix_k.{i} / suffix_v.{i} (inputs[6] is the fused path's suffix_kv)
             if name.startswith("suffix_"):  # (then allowed, beam_trie with a catalog)

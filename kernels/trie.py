@@ -31,6 +31,13 @@ BLOCK_W = 1024  # bitmask words a store
 
 
 @triton.jit
+def _edges(offsets_ptr, node):
+    """A node's child edges: (the first, how many)."""
+    start = tl.load(offsets_ptr + node)
+    return start, tl.load(offsets_ptr + node + 1) - start
+
+
+@triton.jit
 def trie_allowed_kernel(trie_ptr, offsets_ptr, tokens_ptr, cols_ptr, words_ptr, num_words,
                         BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_COLS: tl.constexpr):
     # one row a program: its words [num_words] (-1 when unconstrained, else 0), then a bit per child
@@ -45,8 +52,7 @@ def trie_allowed_kernel(trie_ptr, offsets_ptr, tokens_ptr, cols_ptr, words_ptr, 
         w0 += BLOCK_W
     tl.debug_barrier()  # the zeros are in place before any bit is added (one block: __syncthreads)
     if node >= 0:
-        start = tl.load(offsets_ptr + node)
-        count = tl.load(offsets_ptr + node + 1) - start
+        start, count = _edges(offsets_ptr, node)
         k0 = 0
         while k0 < count:
             k = k0 + tl.arange(0, BLOCK_K)
@@ -68,8 +74,7 @@ def trie_advance_kernel(trie_ptr, next_ptr, offsets_ptr, tokens_ptr, child_ptr, 
     want = tl.load(next_ptr + i)
     found = tl.full([], -1, tl.int64)
     if node >= 0:
-        start = tl.load(offsets_ptr + node)
-        count = tl.load(offsets_ptr + node + 1) - start
+        start, count = _edges(offsets_ptr, node)
         k0 = 0
         while k0 < count:
             k = k0 + tl.arange(0, BLOCK_K)

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from service.artifact.artifact import build_artifact, load_artifact
 from service.runtime.batch import kind, pack_beam, pick_bucket
 from service.runtime.cpp_runtime import CppRuntime
 from service.runtime.engine import execute, plan_batches
@@ -20,7 +21,7 @@ from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, BeamResult, RequestError
 
 from tests.service.test_catalog_beam import (CATALOGS, VOCAB, catalog_items, check_against_hf,  # noqa: F401
-                                             constrained)
+                                             constrained, write_catalog)
 
 
 @contextlib.contextmanager
@@ -120,3 +121,33 @@ def test_fused_path_finds_what_the_aten_path_finds(constrained):
         w = req.beam_width
         assert torch.equal(seqs[r, :w], f_seqs[r, :w]), f"request {r}: beams differ on the fused path"
         assert (scores[r, :w] - f_scores[r, :w]).abs().max() <= 1e-5
+
+
+def test_an_fp8_head_narrows_to_the_codes_alike_in_both_runtimes(constrained, catalog_items, tmp_path):
+    """`slmrank build --fp8 mlp,attn,head` with catalogs: the e4m3 head's rows and their scales are
+    narrowed to the codes together (a scale left whole would pair rows with other rows' scales), the
+    runtimes agree byte for byte, and the codes answers stay valid items."""
+    m, plain, _ = constrained
+    files = {}
+    for name, items in catalog_items.items():
+        files[name] = tmp_path / f"{name}.tsv"
+        write_catalog(files[name], items)
+    art = load_artifact(build_artifact(str(m.ckpt), tmp_path / "art", quiet=True, catalogs=files,
+                                       fp8=("mlp", "attn", "head")))
+    assert art.load_weights()["lm_head"].dtype == torch.float8_e4m3fn
+    rng = random.Random(5)
+    reqs = [_req(rng, b, "l3", i=i) for i, b in enumerate((7, 1, 16))]
+    batch = pack_beam(reqs, pick_bucket(art.buckets, reqs), art.catalogs)
+    cpp = CppRuntime(art)
+    try:
+        py_out, cpp_out = PythonRuntime(art).run_beam(batch), cpp.run_beam(batch)
+    finally:
+        cpp.shutdown()
+    assert all(torch.equal(a, b) for a, b in zip(py_out, cpp_out))
+    got = execute(art, PythonRuntime(art), reqs)
+    items = set(catalog_items["l3"].values())
+    for res in got:
+        assert isinstance(res, BeamResult) and res.beams
+        assert all(tuple(b.ids) in items for b in res.beams)
+    base = execute(plain, PythonRuntime(plain), reqs)
+    assert [[b.logprob for b in r.beams] for r in got] != [[b.logprob for b in r.beams] for r in base]  # e4m3 ran

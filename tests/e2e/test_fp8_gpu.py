@@ -7,9 +7,10 @@ torch._scaled_mm for every quantized linear, and
 - quantizing the activations inside the kernels that produce them (the norms, SiLU*up, the
   one-kernel quantizer) changes no byte against quantize_rows' ATen ops on the same path;
 - the answers are finite, move off the bf16 build's (the e4m3 GEMMs really ran), and stay near them:
-  Score log-probs within 1.0 and most BeamSearch beams shared (random weights: a bound that catches a
-  missing scale, which puts logits off by up to 448x, not a quality claim; `slmrank evaluate` with
-  float64 truth measures the quality: ops/bench/fp8_policies.py).
+  Score log-probs within 1.0, the best beam's log-prob within 1.0 a token (random weights, whose
+  near-flat distributions reorder beams at any rounding: a bound that catches a missing scale, which
+  puts logits off by up to 448x, not a quality claim; `slmrank evaluate` with float64 truth measures
+  the quality: ops/bench/fp8_policies.py).
 
 Marked gpu and slow (builds four 0.5B artifacts)."""
 
@@ -63,8 +64,10 @@ def test_fp8_runtimes_identical_in_graphs_and_near_bf16(pair) -> None:
         else:
             assert isinstance(a, BeamResult) and isinstance(b, BeamResult), (a, b)
             assert len(a.beams) == req.beam_width
-            shared = {tuple(bm.ids) for bm in a.beams} & {tuple(bm.ids) for bm in b.beams}
-            assert len(shared) >= req.beam_width // 4, len(shared)
+            scores = [bm.logprob for bm in a.beams]
+            assert all(s > -1e9 for s in scores) and scores == sorted(scores, reverse=True)
+            # the best beam's log-prob near bf16's (random weights: which beams win may differ a lot)
+            assert abs(a.beams[0].logprob - b.beams[0].logprob) < 1.0 * len(a.beams[0].ids)
             moved |= [bm.ids for bm in a.beams] != [bm.ids for bm in b.beams] or a.beams[0].logprob != b.beams[0].logprob
     assert moved, "the fp8 build answered exactly as the bf16 one: its e4m3 GEMMs did not run"
 

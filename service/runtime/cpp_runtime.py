@@ -144,16 +144,24 @@ class CppRuntime:
     def uses_graphs(self) -> bool:
         return bool(self._executor.uses_graphs)
 
+    def capture_buckets(self) -> list[ScoreBucket | BeamBucket]:
+        """Every bucket a batch can take, largest first: the table's Score and BeamSearch buckets,
+        and with catalogs each catalog's code-normalised ones (CodesBucket: a graph of their own)."""
+        kinds = self.artifact.buckets.kinds
+        every = [b for kind in sorted(kinds) for b in kinds[kind]]
+        return sorted(every, key=lambda b: _footprint(b, self.cfg), reverse=True)
+
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
-        """Captures one CUDA graph per bucket now, largest first (a no-op without graphs).
+        """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
+        no-op without graphs). A CodesBucket's graph takes the artifact's catalog's codes (a catalog
+        replaced later with more codes than its padding holds takes a new graph at its first batch).
 
         Returns a log entry per bucket: key, capture ms, GPU memory reserved after it.
         """
         if not self.uses_graphs:
             return []
-        table = self.artifact.buckets
-        todo = buckets if buckets is not None else [*table.score, *table.beam]
-        todo = sorted(todo, key=lambda b: _footprint(b, self.cfg), reverse=True)
+        todo = self.capture_buckets() if buckets is None else sorted(buckets, key=lambda b: _footprint(b, self.cfg),
+                                                                      reverse=True)
         label_columns = self.artifact.label_columns
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
@@ -161,7 +169,8 @@ class CppRuntime:
                 if isinstance(bucket, ScoreBucket):
                     ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs)
                 else:
-                    ms = self._executor.prepare("beam", pack_beam([], bucket).inputs, num_requests=bucket.max_requests,
+                    inputs = pack_beam([], bucket, self.artifact.catalogs).inputs
+                    ms = self._executor.prepare("beam", inputs, num_requests=bucket.max_requests,
                                                 beam_width=bucket.beam_width, new_tokens=bucket.new_tokens)
                 reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
                 used = _device_used(self.device)

@@ -167,3 +167,24 @@ def test_codes_normalization_equals_hf_float64_over_the_codes(model) -> None:
         assert [b.ids for b in res.beams] == [s for s, _ in want], f"{req.id}: beams differ from HF float64"
         worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
     assert worst <= TOL, worst
+
+
+def test_start_up_capture_covers_the_codes_buckets(model) -> None:
+    """CppRuntime.capture() (slmrank serve's default --capture-graphs all) captures the catalogs'
+    code-normalised buckets too: a codes batch afterwards takes no new graph."""
+    from service.runtime.batch import pack_beam, pick_bucket
+    from service.runtime.cpp_runtime import CppRuntime
+
+    art, _, _ = model
+    rt = CppRuntime(art, device="cuda", use_graphs=True, kernels="triton", num_lanes=1)
+    try:
+        log = rt.capture(quiet=True)
+        assert any(".codes-big" in e["bucket"] for e in log) and any(".codes-few" in e["bucket"] for e in log)
+        graphs = rt._executor.num_graphs
+        req = BeamRequest(tuple(range(1, 33)), 16, CODE_LEN, catalog="big", normalization="codes")
+        batch = pack_beam([req], pick_bucket(art.buckets, [req]), art.catalogs)
+        seqs, _ = rt.run_beam(batch)
+        assert rt._executor.num_graphs == graphs, "a codes batch captured a graph after start-up"
+        assert seqs.shape[0] >= 1
+    finally:
+        rt.shutdown()

@@ -151,3 +151,20 @@ def test_an_fp8_head_narrows_to_the_codes_alike_in_both_runtimes(constrained, ca
         assert all(tuple(b.ids) in items for b in res.beams)
     base = execute(plain, PythonRuntime(plain), reqs)
     assert [[b.logprob for b in r.beams] for r in got] != [[b.logprob for b in r.beams] for r in base]  # e4m3 ran
+
+
+def test_start_up_capture_takes_the_codes_buckets_too(constrained):
+    """CppRuntime.capture_buckets (what `slmrank serve` captures before SERVING): the table's Score and
+    BeamSearch buckets, and each catalog's code-normalised ones (every beam bucket of its code length
+    again), each once, largest first. (The capture itself is the GPU's: tests/e2e/test_catalog_gpu.py.)"""
+    _, art, _ = constrained
+    cpp = CppRuntime(art)
+    try:
+        keys = [b.key for b in cpp.capture_buckets()]
+        assert cpp.capture(quiet=True) == []  # no graphs on the CPU
+    finally:
+        cpp.shutdown()
+    plain = {b.key for b in (*art.buckets.score, *art.buckets.beam)}
+    codes = {f"{b.key}.codes-{name}" for name, length in art.buckets.codes for b in art.buckets.beam
+             if b.new_tokens == length}
+    assert codes and len(keys) == len(set(keys)) and set(keys) == plain | codes

@@ -9,6 +9,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -59,7 +60,8 @@ constexpr double kE4m3Max = 448.0;  // kernels/fp8_linear.py E4M3_MAX
 std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& t) {
   at::Tensor tf = t.to(at::kFloat);
   at::Tensor amax = tf.abs().amax({-1}, /*keepdim=*/true);  // [M, 1]
-  at::Tensor scale = at::where(amax.gt(0), amax.div(kE4m3Max), at::ones_like(amax));
+  // a tensor divisor: CUDA multiplies by a CPU scalar's reciprocal instead (kernels/fp8_linear.py)
+  at::Tensor scale = at::where(amax.gt(0), amax.div(at::full_like(amax, kE4m3Max)), at::ones_like(amax));
   at::Tensor q = tf.div(scale).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
   return {q, scale.squeeze(-1)};
 }

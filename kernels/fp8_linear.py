@@ -42,7 +42,9 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [M, K] -> (e4m3 [M, K], float32 scale [M]): per row, scale = amax / 448 (zero row: 1)."""
     tf = t.float()
     amax = tf.abs().amax(-1, keepdim=True)  # [M, 1]
-    scale = torch.where(amax.gt(0), amax.div(E4M3_MAX), torch.ones_like(amax))
+    # divided by a tensor, not a Python number: CUDA turns a division by a CPU scalar into a product
+    # with its reciprocal (one rounding more), and the scale would then differ between devices
+    scale = torch.where(amax.gt(0), amax.div(torch.full_like(amax, E4M3_MAX)), torch.ones_like(amax))
     q = tf.div(scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return q, scale.squeeze(-1)
 

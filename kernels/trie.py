@@ -60,6 +60,7 @@ def trie_allowed_kernel(trie_ptr, offsets_ptr, tokens_ptr, cols_ptr, words_ptr, 
             tok = tl.load(tokens_ptr + start + k, mask=valid, other=0)
             if HAS_COLS:
                 tok = tl.load(cols_ptr + tok, mask=valid, other=0)
+            valid = valid & (tok < num_words * 32)  # a column past the mask (none: every trie token has one)
             # a node's tokens are distinct, so adding their bits is OR-ing them
             bit = tl.full([BLOCK_K], 1, tl.int32) << (tok & 31).to(tl.int32)
             tl.atomic_add(out + (tok >> 5), bit, mask=valid, sem="relaxed")

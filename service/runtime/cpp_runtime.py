@@ -16,7 +16,7 @@ import torch
 
 from ..artifact.artifact import Artifact
 from ..artifact.catalog import Catalog, forest_capacity, trie_forest
-from .batch import BeamBatch, ScoreBatch, pack_beam, pack_score
+from .batch import BeamBatch, ScoreBatch, code_columns, pack_beam, pack_score
 from ..artifact.buckets import BeamBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
 from .timings import BatchTimings
@@ -149,7 +149,9 @@ class CppRuntime:
         and with catalogs each catalog's code-normalised ones (CodesBucket: a graph of their own)."""
         kinds = self.artifact.buckets.kinds
         every = [b for kind in sorted(kinds) for b in kinds[kind]]
-        return sorted(every, key=lambda b: _footprint(b, self.cfg), reverse=True)
+        columns = {c.name: len(code_columns(c)) for c in self.artifact.catalogs}  # a codes bucket's logits
+        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns.get(getattr(b, "catalog", ""))),
+                      reverse=True)
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
         """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
@@ -194,13 +196,14 @@ def _device_used(device: torch.device) -> int:
     return total - free
 
 
-def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig) -> int:
+def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig, columns: int | None = None) -> int:
     """Rough device elements a bucket's intermediates take: capturing the largest first lets every
-    later capture reuse the lane pool's blocks. Beam buckets are dominated by their logits rows."""
+    later capture reuse the lane pool's blocks. Beam buckets are dominated by their logits rows
+    (columns: a codes bucket's, its catalog's padded code tokens; else the vocabulary)."""
     per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size
     if isinstance(bucket, ScoreBucket):
         return bucket.max_tokens * per_token + bucket.max_samples * cfg.vocab_size
-    return 2 * bucket.max_rows * cfg.vocab_size + bucket.max_prompt_tokens * per_token
+    return 2 * bucket.max_rows * (columns or cfg.vocab_size) + bucket.max_prompt_tokens * per_token
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:

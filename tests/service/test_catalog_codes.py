@@ -168,3 +168,5 @@ def test_start_up_capture_takes_the_codes_buckets_too(constrained):
     codes = {f"{b.key}.codes-{name}" for name, length in art.buckets.codes for b in art.buckets.beam
              if b.new_tokens == length}
     assert codes and len(keys) == len(set(keys)) and set(keys) == plain | codes
+    # a codes bucket's logits are its catalog's code columns, not the vocabulary: after its plain twin
+    assert all(keys.index(k) > keys.index(k.split(".codes-")[0]) for k in codes)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from service.artifact.artifact import build_artifact, load_artifact
-from service.runtime.batch import kind, pack_beam, pick_bucket
-from service.runtime.cpp_runtime import CppRuntime
+from service.runtime.batch import code_columns, kind, pack_beam, pick_bucket
+from service.runtime.cpp_runtime import CppRuntime, _footprint
 from service.runtime.engine import execute, plan_batches
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, BeamResult, RequestError
@@ -168,5 +168,12 @@ def test_start_up_capture_takes_the_codes_buckets_too(constrained):
     codes = {f"{b.key}.codes-{name}" for name, length in art.buckets.codes for b in art.buckets.beam
              if b.new_tokens == length}
     assert codes and len(keys) == len(set(keys)) and set(keys) == plain | codes
-    # a codes bucket's logits are its catalog's code columns, not the vocabulary: after its plain twin
-    assert all(keys.index(k) > keys.index(k.split(".codes-")[0]) for k in codes)
+    # a codes bucket's logits are its catalog's code columns, not the vocabulary: a smaller footprint
+    # than its plain twin's, and captured after it
+    twins = {b.key: b for b in art.buckets.beam}
+    columns = {c.name: len(code_columns(c)) for c in art.catalogs}
+    for kind, buckets in art.buckets.kinds.items():
+        for b in (b for b in buckets if ".codes-" in kind):
+            twin = twins[b.key.split(".codes-")[0]]
+            assert _footprint(b, art.config, columns[b.catalog]) < _footprint(twin, art.config)
+            assert keys.index(b.key) > keys.index(twin.key)

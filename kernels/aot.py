@@ -204,12 +204,13 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
     from .fp8_quant import quantize_rows_kernel, row_tile_config
     from .norm_act import rms_norm_config, rms_norm_fp8_kernel, silu_mul_fp8_config, silu_mul_fp8_kernel
 
+    out = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}  # every one's outputs: e4m3 rows, a scale a row
     specs = []
     norm = rms_norm_config(hidden_size)
     for res in (False, True):
         specs.append(KernelSpec(
             variant_name("rms_norm_fp8", dt, n=hidden_size, res=int(res)), rms_norm_fp8_kernel,
-            {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+            {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", **out,
              "sum_ptr": f"*{dt}", "num_rows": "i32", "eps": "fp32", "D": "constexpr", "BLOCK_D": "constexpr",
              "ROWS": "constexpr", "HAS_RESIDUAL": "constexpr"},
             {"D": hidden_size, "BLOCK_D": norm["BLOCK_D"], "ROWS": norm["ROWS"], "HAS_RESIDUAL": res},
@@ -218,16 +219,15 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
     act = silu_mul_fp8_config(intermediate_size)
     specs.append(KernelSpec(
         variant_name("silu_mul_fp8", dt, i=intermediate_size), silu_mul_fp8_kernel,
-        {"gu_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "INTER": "constexpr",
-         "BLOCK": "constexpr", "ROWS": "constexpr"},
+        {"gu_ptr": f"*{dt}", **out, "num_rows": "i32", "INTER": "constexpr", "BLOCK": "constexpr",
+         "ROWS": "constexpr"},
         {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
         divisible_by_16=("gu_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
     for d in sorted({hidden_size, q_size}):
         cfg = row_tile_config(d)
         specs.append(KernelSpec(
             variant_name("quantize_rows", dt, n=d), quantize_rows_kernel,
-            {"x_ptr": f"*{dt}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "D": "constexpr",
-             "BLOCK_D": "constexpr", "ROWS": "constexpr"},
+            {"x_ptr": f"*{dt}", **out, "num_rows": "i32", "D": "constexpr", "BLOCK_D": "constexpr", "ROWS": "constexpr"},
             {"D": d, "BLOCK_D": cfg["BLOCK_D"], "ROWS": cfg["ROWS"]}, num_warps=cfg["num_warps"],
             divisible_by_16=("x_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
     return specs

@@ -32,18 +32,9 @@ from typing import Any
 import grpc
 
 from ops.bench.bench_grpc import Proc, wait_serving
-from ops.bench.overload_bench import NORMAL, Outcome, closed_loop, summarize
-from ops.bench.workloads import ID_HIGH, Requests, parse_workload
+from ops.bench.overload_bench import Outcome, _requests, closed_loop, summarize
+from ops.bench.workloads import ID_HIGH, parse_workload
 from service.serving.proto_gen import load as load_stubs
-
-
-def pool_maker(w: dict[str, Any], high: int, seed: int, deadline_s: float) -> Any:
-    """make(i) over a pool of 64 of the workload's requests (built ahead: building costs more than sending)."""
-    reqs = Requests(w, high, seed=seed)
-    pool = [reqs.next() for _ in range(64)]
-    for msg in pool:
-        msg.priority = NORMAL
-    return lambda i: (pool[i % len(pool)], NORMAL, deadline_s)
 
 
 async def alternate(target: str, light: dict[str, Any], heavy: dict[str, Any], high: int,
@@ -51,8 +42,9 @@ async def alternate(target: str, light: dict[str, Any], heavy: dict[str, Any], h
     """(light alone, light beside heavy, heavy) outcomes over the alternating windows."""
     stubs = load_stubs()
     light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
-    make_light = pool_maker(light, high, 11, args.deadline_s)
-    make_heavy = pool_maker(heavy, high, 12, args.deadline_s)
+    # overload_bench's pools of the workloads' requests, every one NORMAL with the deadline
+    _, make_light = _requests(light, high, 11, 0.0, args.deadline_s, args.deadline_s)
+    _, make_heavy = _requests(heavy, high, 12, 0.0, args.deadline_s, args.deadline_s)
     async with grpc.aio.insecure_channel(target) as ch_light, grpc.aio.insecure_channel(target) as ch_heavy:
         await ch_light.channel_ready()
         await ch_heavy.channel_ready()

@@ -135,8 +135,7 @@ def residual_rms_norm_for(x: torch.Tensor, pending: torch.Tensor | None, weight:
 
 
 def qkv_projection(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor | Quantized, positions: torch.Tensor,
-                   pos_offset: int,
-                   rope_cos: torch.Tensor, rope_sin: torch.Tensor, fused: Any = None,
+                   pos_offset: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, fused: Any = None,
                    k_out: torch.Tensor | None = None,
                    v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h: [N, D] the normed input (Quantized for an FP8 q/k/v GEMM) -> q [N, H, E], k [N, G, E]

@@ -26,7 +26,8 @@ _attention = sibling("kernels.attention")
 masked_attention_ref, segment_bounds = _attention.masked_attention_ref, _attention.segment_bounds
 segment_key_ranges, varlen_attention = _attention.segment_key_ranges, _attention.varlen_attention
 merge_candidates = sibling("kernels.beam_topk").merge_candidates
-trie_children_ref, trie_advance_ref = sibling("kernels.trie").trie_children_ref, sibling("kernels.trie").trie_advance_ref
+_trie = sibling("kernels.trie")
+trie_children_ref, trie_advance_ref = _trie.trie_children_ref, _trie.trie_advance_ref
 
 Env = MutableMapping[str, torch.Tensor]
 

@@ -227,7 +227,8 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
         cfg = row_tile_config(d)
         specs.append(KernelSpec(
             variant_name("quantize_rows", dt, n=d), quantize_rows_kernel,
-            {"x_ptr": f"*{dt}", **out, "num_rows": "i32", "D": "constexpr", "BLOCK_D": "constexpr", "ROWS": "constexpr"},
+            {"x_ptr": f"*{dt}", **out, "num_rows": "i32", "D": "constexpr", "BLOCK_D": "constexpr",
+             "ROWS": "constexpr"},
             {"D": d, "BLOCK_D": cfg["BLOCK_D"], "ROWS": cfg["ROWS"]}, num_warps=cfg["num_warps"],
             divisible_by_16=("x_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
     return specs

@@ -35,9 +35,18 @@ rms_norm_config = row_tile_config
 
 @triton.jit
 def _normed(x, w_ptr, cols, eps, D: tl.constexpr):
-    """A [ROWS, BLOCK_D] tile of rows (zero past D) -> w * (x * rsqrt(mean(x^2) + eps)).to(dtype)."""
+    """A [ROWS, BLOCK_D] tile of rows (zero past D) -> w * (x * rsqrt(mean(x^2) + eps)).to(dtype).
+
+    The sum of squares is taken in float64: the order of a reduction follows the tile's layout, which
+    Triton chooses per kernel from all its loads and stores (the _fp8 variants' 1-byte stores take
+    another than the plain kernel's), and a float32 sum in another order moves a row's norm by an ulp
+    now and then (qwen3-0.6b's q/k/v input, measured on the H200: one row in 256 took other e4m3
+    bytes). The squares are exact in float64; for a bf16 row their float64 sum is exact too, in any
+    order, unless the squares span more than ~2^27; otherwise (float32 rows, wider spans) orders
+    differ in float64's last bits only, which the rounding to float32 hides but for ~1 row in 2^29."""
     xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
+    xd = x.to(tl.float64)
+    inv = tl.rsqrt(tl.sum(xd * xd, axis=1).to(tl.float32) / D + eps)  # [ROWS]
     y = (xf * inv[:, None]).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
     return (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype)

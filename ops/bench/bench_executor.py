@@ -99,6 +99,13 @@ def art_dir(spec: str) -> Path:
     return build_artifact(f"embedded:{model}", f"/tmp/art-{model}", quiet=True)
 
 
+def fp8_artifact(spec: str, policy: str):
+    """embedded:SPEC built with `--fp8` POLICY ('+' between parts), into /tmp/art-SPEC-fp8-POLICY:
+    the same weights and buckets as art_dir's, the policy's linear layers in e4m3."""
+    out = f"/tmp/art-{spec}-fp8-{policy}"
+    return load_artifact(build_artifact(f"embedded:{spec}", out, quiet=True, fp8=tuple(policy.split("+"))))
+
+
 def timed(art, reqs) -> Timed:
     return Timed(reqs, *make_batch(art, reqs), sum(request_flops(art.config, r) for r in reqs))
 
@@ -536,6 +543,9 @@ def main() -> None:
     p.add_argument("--breakdown-kernels", default="aten,triton", help="node breakdown: comma list of aten,triton")
     p.add_argument("--profile-batches", default="",
                    help="kernel profile of one batch each, e.g. W2:1,W2:8,W3:1 (W:requests; fused kernels)")
+    p.add_argument("--fp8", default="",
+                   help="throughput of cpp_graph_triton on FP8 builds too: policies separated by '/', parts by '+' "
+                        "(e.g. mlp/mlp+attn/mlp+attn+head: `slmrank build --fp8 mlp,attn`); rows NAME/fp8-POLICY/xN")
     p.add_argument("--skip", default="",
                    help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf,strong")
     args = p.parse_args()
@@ -613,6 +623,16 @@ def main() -> None:
                         f"batch, batch p50 {r['batch_ms_p50']:.2f} ms, MFU {r['eff_mfu_bf16']:.1%} ({r['bucket']})")
                 if hasattr(rt, "shutdown"):
                     rt.shutdown()
+                del rt
+                torch.cuda.empty_cache()
+            for policy in filter(None, args.fp8.split("/")) if "+" not in spec else ():  # no catalog builds
+                rt = CppRuntime(fp8_artifact(spec, policy), device="cuda", use_graphs=True, kernels="triton")
+                for bs in sorted({1, per_batch}):
+                    r = time_runtime(rt, workload_batches(art, name, bs, g), args.seconds)
+                    rows[f"{name}/fp8-{policy}/x{bs}"] = r
+                    log(f"{name} fp8-{policy} x{bs}: {r['req_per_s']:.1f} req/s, batch p50 {r['batch_ms_p50']:.2f} ms, "
+                        f"MFU {r['eff_mfu_bf16']:.1%} ({r['bucket']})")
+                rt.shutdown()
                 del rt
                 torch.cuda.empty_cache()
             if WORKLOADS.get(name, {}).get("catalog"):  # the peers have no catalog: W7u / W8u are the comparison

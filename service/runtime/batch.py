@@ -241,7 +241,7 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
     if isinstance(bucket, CodesBucket):
         if any(req.normalization != "codes" or req.catalog != bucket.catalog for req in requests):
             raise ValueError(f"{bucket.key} holds requests of catalog {bucket.catalog!r} normalised over its codes only")
-        inputs["beam_codes"] = code_columns(catalogs[catalog_index(catalogs, bucket.catalog)])
+        inputs["beam_codes"] = code_columns(catalogs[catalog_index(catalogs, bucket.catalog)], bucket.beam_width)
     return BeamBatch(requests, bucket, inputs, catalogs)
 
 
@@ -249,11 +249,13 @@ CODE_COLUMNS_ALIGN = 128  # a catalog's code columns are padded to a multiple (a
 # more or fewer codes keep the batch's shapes, and with them its CUDA graphs)
 
 
-def code_columns(catalog: Catalog) -> torch.Tensor:
+def code_columns(catalog: Catalog, beam_width: int) -> torch.Tensor:
     """beam_codes [C]: the catalog's code tokens ascending (the LM head's rows, the beam step's
-    columns of a batch normalised over them), then -1 up to a multiple of CODE_COLUMNS_ALIGN."""
+    columns of a batch normalised over them), then -1 up to a multiple of CODE_COLUMNS_ALIGN, and to
+    beam_width columns at least: each row's beam_width candidates are taken among its columns (a
+    catalog of fewer codes than a bucket's beams; its padding columns are never allowed)."""
     codes = catalog.code_tokens
-    pad = -len(codes) % CODE_COLUMNS_ALIGN
+    pad = -max(len(codes), beam_width) % CODE_COLUMNS_ALIGN + max(beam_width - len(codes), 0)
     return torch.from_numpy(np.concatenate([codes, np.full(pad, -1, dtype=np.int64)]))
 
 

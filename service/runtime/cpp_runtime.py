@@ -17,7 +17,7 @@ import torch
 from ..artifact.artifact import Artifact
 from ..artifact.catalog import Catalog, forest_capacity, trie_forest
 from .batch import BeamBatch, ScoreBatch, code_columns, pack_beam, pack_score
-from ..artifact.buckets import BeamBucket, ScoreBucket
+from ..artifact.buckets import BeamBucket, CodesBucket, ScoreBucket
 from .fused import check_choice, kernels_dir
 from .timings import BatchTimings
 from ..model.config import ModelConfig
@@ -149,9 +149,9 @@ class CppRuntime:
         and with catalogs each catalog's code-normalised ones (CodesBucket: a graph of their own)."""
         kinds = self.artifact.buckets.kinds
         every = [b for kind in sorted(kinds) for b in kinds[kind]]
-        columns = {c.name: len(code_columns(c)) for c in self.artifact.catalogs}  # a codes bucket's logits
-        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns.get(getattr(b, "catalog", ""))),
-                      reverse=True)
+        catalogs = {c.name: c for c in self.artifact.catalogs}
+        columns = lambda b: len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
+        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b)), reverse=True)
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
         """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a

@@ -90,6 +90,8 @@ def test_fp8_weights_take_scaled_mm(pair) -> None:
 
 
 def test_quantizing_in_the_kernels_changes_no_byte(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a mismatch it names the first e4m3 GEMM whose input differs between the two ways (its
+    call number, weight shape, rows whose bytes or scales differ), not just the answers."""
     from service.model import layers
     from service.runtime import nodes
     from service.runtime.engine import execute
@@ -99,18 +101,36 @@ def test_quantizing_in_the_kernels_changes_no_byte(pair, monkeypatch: pytest.Mon
     rng = random.Random(30)
     reqs = [ScoreRequest(tuple(_ids(rng, 24) for _ in range(9)), _ids(rng, 3), _ids(rng, 16)),
             BeamRequest(_ids(rng, 64), 32, 4)]
-    decided = []
+    decided, calls = [], []
 
     def spy(*args):
         decided.append(real(*args))
         return decided[-1]
 
-    real = layers.fp8_in_kernel
+    def recording(a_q, s_a, w_q, *rest):  # every e4m3 GEMM's input, whichever way it was quantized
+        calls[-1].append((a_q.view(torch.uint8).clone(), s_a.reshape(-1).clone(), tuple(w_q.shape)))
+        return real_scaled(a_q, s_a, w_q, *rest)
+
+    real, real_scaled = layers.fp8_in_kernel, layers.scaled_linear
+    fp8_module = layers._fp8
+    monkeypatch.setattr(layers, "scaled_linear", recording)
+    monkeypatch.setattr(fp8_module, "scaled_linear", recording)
     monkeypatch.setattr(layers, "fp8_in_kernel", spy)
     monkeypatch.setattr(nodes, "fp8_in_kernel", spy)
+    calls.append([])
     in_kernels = execute(fp8, PythonRuntime(fp8, device="cuda", dtype=torch.bfloat16, kernels="triton"), reqs)
     assert decided and all(decided), "every e4m3 GEMM of this build is fed by a quantizing kernel"
     monkeypatch.setattr(layers, "fp8_in_kernel", lambda *args: False)
     monkeypatch.setattr(nodes, "fp8_in_kernel", lambda *args: False)
+    calls.append([])
     by_aten_ops = execute(fp8, PythonRuntime(fp8, device="cuda", dtype=torch.bfloat16, kernels="triton"), reqs)
+    assert len(calls[0]) == len(calls[1]) > 0
+    for i, ((qa, sa, wa), (qb, sb, wb)) in enumerate(zip(*calls)):
+        assert wa == wb and qa.shape == qb.shape, (i, wa, wb, qa.shape, qb.shape)
+        rows_q = (qa != qb).any(-1).nonzero().flatten().tolist()
+        rows_s = (sa != sb).nonzero().flatten().tolist()
+        assert not rows_q and not rows_s, (
+            f"e4m3 GEMM call {i} of {len(calls[0])} (weight {wa}, input {tuple(qa.shape)}): the rows whose bytes "
+            f"differ {rows_q[:12]} ({len(rows_q)}), whose scales differ {rows_s[:12]} ({len(rows_s)}); scales "
+            f"{sa[rows_s[:4]].tolist()} in the kernels, {sb[rows_s[:4]].tolist()} by the ATen ops")
     assert in_kernels == by_aten_ops

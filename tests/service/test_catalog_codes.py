@@ -43,7 +43,8 @@ def _req(rng: random.Random, beams: int, catalog: str, normalization: str = "cod
                        id=f"{normalization}{i}", catalog=catalog, normalization=normalization)
 
 
-CASES = [(1, "l3"), (4, "few3"), (8, "l2"), (16, "l3"), (24, "l4"), (64, "l2"), (33, "l1")]
+CASES = [(1, "l3"), (4, "few3"), (8, "l2"), (16, "l3"), (24, "l4"), (64, "l2"), (33, "l1"),
+         (200, "l3")]  # more beams than the catalog has code tokens (48): columns padded to the width
 
 
 @pytest.mark.parametrize("beams,catalog", CASES, ids=[f"B{b}-{c}" for b, c in CASES])
@@ -168,12 +169,14 @@ def test_start_up_capture_takes_the_codes_buckets_too(constrained):
     codes = {f"{b.key}.codes-{name}" for name, length in art.buckets.codes for b in art.buckets.beam
              if b.new_tokens == length}
     assert codes and len(keys) == len(set(keys)) and set(keys) == plain | codes
-    # a codes bucket's logits are its catalog's code columns, not the vocabulary: a smaller footprint
-    # than its plain twin's, and captured after it
+    # a codes bucket's logits are its catalog's code columns (at least its beam width), not the
+    # vocabulary: a footprint no larger than its plain twin's, and captured after it
     twins = {b.key: b for b in art.buckets.beam}
-    columns = {c.name: len(code_columns(c)) for c in art.catalogs}
+    catalogs = {c.name: c for c in art.catalogs}
     for kind, buckets in art.buckets.kinds.items():
         for b in (b for b in buckets if ".codes-" in kind):
             twin = twins[b.key.split(".codes-")[0]]
-            assert _footprint(b, art.config, columns[b.catalog]) < _footprint(twin, art.config)
+            columns = len(code_columns(catalogs[b.catalog], b.beam_width))
+            assert b.beam_width <= columns and columns % 128 == 0
+            assert _footprint(b, art.config, columns) <= _footprint(twin, art.config)
             assert keys.index(b.key) > keys.index(twin.key)

@@ -420,7 +420,15 @@ std::map<std::string, std::vector<int64_t>> expected_shapes(const ModelConfig& c
 }
 
 void check_weights(const std::string& path, const WeightMap& weights,
-                   const std::map<std::string, std::vector<int64_t>>& want, const std::set<std::string>& quantized) {
+                   std::map<std::string, std::vector<int64_t>> want, const std::set<std::string>& quantized) {
+  // an e4m3 weight's row floor (`--fp8 mlp:2048`): its model-dtype copy and the floor, both or neither
+  // (service/model/checkpoint.py::check_weights)
+  for (const std::string& name : quantized) {
+    if (weights.count(name + ".full") || weights.count(name + ".min_rows")) {
+      want[name + ".full"] = want.at(name);
+      want[name + ".min_rows"] = {1};
+    }
+  }
   std::vector<std::string> missing, extra;
   for (const auto& [name, shape] : want) {
     if (!weights.count(name)) missing.push_back(name);
@@ -452,6 +460,11 @@ void check_weights(const std::string& path, const WeightMap& weights,
     }
     if (name.size() > 6 && name.compare(name.size() - 6, 6, ".scale") == 0 && t.scalar_type() != at::kFloat) {
       throw std::invalid_argument(path + ": weight " + name + ": an fp8 scale must be float32, got " +
+                                  c10::toString(t.scalar_type()));
+    }
+    if (name.size() > 9 && name.compare(name.size() - 9, 9, ".min_rows") == 0 &&
+        (t.scalar_type() != at::kLong || t.reshape({-1})[0].item<int64_t>() < 1)) {
+      throw std::invalid_argument(path + ": weight " + name + ": a row floor must be one int64 >= 1, got " +
                                   c10::toString(t.scalar_type()));
     }
   }

@@ -40,6 +40,10 @@ struct LayerWeights {
   at::Tensor attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // bqkv/q_norm/k_norm may be undefined
   // the e4m3 weights' per-output-channel float32 scales (`slmrank build --fp8`); undefined: not fp8
   at::Tensor wqkv_scale, wo_scale, wgu_scale, wdown_scale;
+  // the e4m3 weights' model-dtype copies (NAME.full) and row floors (`--fp8 mlp:2048`): a GEMM of fewer
+  // activation rows runs on the copy (at_rows); undefined / 0: always FP8
+  at::Tensor wqkv_full, wo_full, wgu_full, wdown_full;
+  int64_t wqkv_min_rows = 0, wo_min_rows = 0, wgu_min_rows = 0, wdown_min_rows = 0;
 };
 
 // Everything a node reads besides the Env: immutable after construction.
@@ -49,12 +53,17 @@ struct Context {
   ModelConfig cfg;
   WeightMap weights;
   std::vector<LayerWeights> layers;
+  // each e4m3 weight's row floor (NAME.min_rows, read once on the host): below it a GEMM takes NAME.full
+  std::unordered_map<std::string, int64_t> fp8_min_rows;
   at::Tensor rope_cos, rope_sin;  // [positions, head_dim] in the compute dtype
   double scale = 1.0;             // head_dim ** -0.5
   // The fused Triton kernels (CUDA), or null: the ATen ops. Set before the first batch.
   std::shared_ptr<const TritonKernels> fused;
 
   const at::Tensor& weight(const std::string& name) const;
+  // The GEMM weight `name` for activations of `rows` rows and its e4m3 scale (undefined: not e4m3):
+  // the stored weight, or below its row floor its model-dtype copy NAME.full. layers.py::gemm_weight.
+  std::pair<at::Tensor, at::Tensor> gemm_weight(const std::string& name, int64_t rows) const;
 };
 
 // A node touches only the buffers its spec declares (service/artifact/dag.py): every node type

@@ -56,6 +56,18 @@ LayerWeights layer_weights(const Context& ctx, int64_t i) {
   w.wo_scale = optional("wo.scale");
   w.wgu_scale = optional("wgu.scale");
   w.wdown_scale = optional("wdown.scale");
+  auto floor = [&](const std::string& name) {
+    auto it = ctx.fp8_min_rows.find(p + name);
+    return it == ctx.fp8_min_rows.end() ? int64_t{0} : it->second;
+  };
+  w.wqkv_full = optional("wqkv.full");
+  w.wo_full = optional("wo.full");
+  w.wgu_full = optional("wgu.full");
+  w.wdown_full = optional("wdown.full");
+  w.wqkv_min_rows = floor("wqkv");
+  w.wo_min_rows = floor("wo");
+  w.wgu_min_rows = floor("wgu");
+  w.wdown_min_rows = floor("wdown");
   if (ctx.cfg.qk_norm && !(w.q_norm.defined() && w.k_norm.defined())) {
     throw std::invalid_argument("layer " + std::to_string(i) + ": qwen3 needs q_norm and k_norm weights");
   }
@@ -79,6 +91,13 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
   ctx_.rope_cos = std::move(rope_cos);
   ctx_.rope_sin = std::move(rope_sin);
   ctx_.scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+  const std::string floor_suffix = ".min_rows";  // service/model/checkpoint.py::fp8_min_rows
+  for (const auto& [name, t] : ctx_.weights) {
+    if (name.size() > floor_suffix.size() &&
+        name.compare(name.size() - floor_suffix.size(), floor_suffix.size(), floor_suffix) == 0) {
+      ctx_.fp8_min_rows[name.substr(0, name.size() - floor_suffix.size())] = t.reshape({-1})[0].item<int64_t>();
+    }
+  }
   for (int64_t i = 0; i < cfg.num_layers; ++i) ctx_.layers.push_back(layer_weights(ctx_, i));
   if (num_lanes <= 0) num_lanes = device_.is_cuda() ? 2 : 1;
   for (int i = 0; i < num_lanes; ++i) {

@@ -88,6 +88,21 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tens
   return y.to(x.scalar_type());
 }
 
+LayerWeights at_rows(const LayerWeights& w, int64_t rows) {
+  LayerWeights v = w;
+  auto pick = [rows](at::Tensor& weight, at::Tensor& scale, const at::Tensor& full, int64_t floor) {
+    if (full.defined() && rows < floor) {
+      weight = full;
+      scale = at::Tensor();
+    }
+  };
+  pick(v.wqkv, v.wqkv_scale, w.wqkv_full, w.wqkv_min_rows);
+  pick(v.wo, v.wo_scale, w.wo_full, w.wo_min_rows);
+  pick(v.wgu, v.wgu_scale, w.wgu_full, w.wgu_min_rows);
+  pick(v.wdown, v.wdown_scale, w.wdown_full, w.wdown_min_rows);
+  return v;
+}
+
 bool fp8_in_kernel(const TritonKernels* fused, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale) {
   return fused != nullptr && w_scale.defined() && w_q.scalar_type() == at::kFloat8_e4m3fn && uses_scaled_mm(x, w_q);
 }

@@ -48,7 +48,11 @@ class DecoderLayer final : public Node {
 
   void run(const Context& ctx, Env& env) const override {
     const ModelConfig& cfg = ctx.cfg;
-    const LayerWeights& w = ctx.layers.at(spec_.layer);
+    const LayerWeights& stored = ctx.layers.at(spec_.layer);
+    // the weights a GEMM of this many rows takes (an e4m3 one below its row floor: its model-dtype copy)
+    const bool floored = !ctx.fp8_min_rows.empty();
+    const LayerWeights at_these_rows = floored ? at_rows(stored, read(env, "x").size(0)) : LayerWeights();
+    const LayerWeights& w = floored ? at_these_rows : stored;
     const TritonKernels* fused = ctx.fused.get();
     // the previous layer's MLP output, added to x by this layer's first norm (which quantizes its
     // output for an FP8 q/k/v GEMM on the fused path)

@@ -10,26 +10,23 @@
 namespace slmrank {
 namespace {
 
-// the weight's fp8 scale (NAME.scale: an e4m3 weight), or undefined
-at::Tensor scale_of(const Context& ctx, const std::string& name) {
-  auto it = ctx.weights.find(name + ".scale");
-  return it != ctx.weights.end() ? it->second : at::Tensor();
-}
-
 class LmHead final : public Node {
  public:
   explicit LmHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
-    auto it = ctx.weights.find("lm_head");  // tied embeddings share the table (unless the head is fp8)
-    const at::Tensor& w = it != ctx.weights.end() ? it->second : ctx.weight("embed");
-    at::Tensor rows_w = w, scale = scale_of(ctx, "lm_head");
+    Activation a(in(env, 0));
+    at::Tensor rows_w, scale;  // tied embeddings share the table (unless the head is fp8)
+    if (ctx.weights.count("lm_head")) {
+      std::tie(rows_w, scale) = ctx.gemm_weight("lm_head", a.x.size(0));
+    } else {
+      rows_w = ctx.weight("embed");
+    }
     const at::Tensor codes = optional_input(env, "beam_codes");
     if (codes.defined()) {  // a batch normalised over a catalog's code tokens: their rows only, -inf past them
       const at::Tensor rows = codes.clamp_min(0);
-      rows_w = w.index_select(0, rows);
+      rows_w = rows_w.index_select(0, rows);
       if (scale.defined()) scale = scale.index_select(0, rows);
     }
-    Activation a(in(env, 0));
     if (const TritonKernels* fused = ctx.fused.get(); fp8_in_kernel(fused, a.x, rows_w, scale)) {
       auto [q, s] = fused->quantize_rows(a.x);  // the final norm's rows, quantized in one kernel
       a = Activation(q, s);
@@ -45,7 +42,9 @@ class ClsHead final : public Node {
  public:
   explicit ClsHead(const NodeSpec& spec) : Node(spec) { require(1, 1); }
   void run(const Context& ctx, Env& env) const override {
-    at::Tensor logits = linear(in(env, 0), ctx.weight("cls_head"), at::Tensor(), scale_of(ctx, "cls_head"));
+    const at::Tensor& x = in(env, 0);
+    auto [w, scale] = ctx.gemm_weight("cls_head", x.size(0));
+    at::Tensor logits = linear(x, w, at::Tensor(), scale);
     env[spec_.outputs[0]] = logits.to(at::kFloat);
   }
 };

@@ -15,6 +15,14 @@ const at::Tensor& Context::weight(const std::string& name) const {
   return it->second;
 }
 
+std::pair<at::Tensor, at::Tensor> Context::gemm_weight(const std::string& name, int64_t rows) const {
+  if (auto floor = fp8_min_rows.find(name); floor != fp8_min_rows.end() && rows < floor->second) {
+    return {weight(name + ".full"), at::Tensor()};
+  }
+  auto scale = weights.find(name + ".scale");
+  return {weight(name), scale != weights.end() ? scale->second : at::Tensor()};
+}
+
 namespace {
 
 bool contains(const std::vector<std::string>& names, const std::string& name) {

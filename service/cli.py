@@ -20,16 +20,18 @@ LIMIT_FLAGS = {"max_prompt_tokens": "BeamSearch prompt tokens (1024)", "max_beam
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from .artifact.artifact import build_artifact, load_artifact
+    from .model.fp8_policy import fp8_text, parse_fp8_policy
 
     limits = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
     if args.traffic is None and (args.max_graphs or args.max_activation_mib):
         raise ValueError("--max-graphs and --max-activation-mib bound a table chosen with --traffic LOG")
     table, origin = _traffic_table(args, limits) if args.traffic is not None else (None, None)
-    fp8 = _fp8_policy(args.fp8)
+    fp8, floors = parse_fp8_policy(args.fp8)
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits,
-                         buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog), fp8=fp8)
+                         buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog), fp8=fp8,
+                         fp8_min_rows=floors)
     art = load_artifact(out)
-    fp8_note = f" (fp8 e4m3: {','.join(art.fp8)})" if art.fp8 else ""
+    fp8_note = f" (fp8 e4m3: {fp8_text(art.fp8, art.fp8_min_rows)})" if art.fp8 else ""
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}"
           f"{fp8_note}, "
           f"{len(art.buckets.score)} score + {len(art.buckets.beam)} beam buckets; limits {art.limits.to_dict()}")
@@ -37,21 +39,6 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"catalog {entry['name']}: {entry['num_items']:,} items of {entry['code_length']} tokens, "
               f"version {entry['version']}")
     return 0
-
-
-def _fp8_policy(value: str) -> tuple[str, ...]:
-    """--fp8 none | PART[,PART...] (mlp, attn, head) -> the parts; a ValueError naming the flag otherwise."""
-    from .model.checkpoint import FP8_PARTS
-
-    if value == "none":
-        return ()
-    parts = value.split(",")
-    for part in parts:
-        if part not in FP8_PARTS:
-            raise ValueError(f"--fp8 {value!r}: {part!r} is not one of {', '.join(FP8_PARTS)} (comma-separated), or none")
-        if parts.count(part) > 1:
-            raise ValueError(f"--fp8 {value!r}: {part!r} given twice")
-    return tuple(parts)
 
 
 def _catalog_files(specs: list[str] | None) -> dict[str, str]:
@@ -374,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                         "item_id<TAB>tok tok tok (token ids, one code length per catalog)")
     b.add_argument("--fp8", default="none", metavar="PARTS",
                    help="linear layers stored as float8_e4m3fn with per-output-channel scales, activations "
-                        "quantized per token at run time: none (default) | mlp | mlp,attn | mlp,attn,head "
-                        "(docs/operations.md, FP8 linear layers)")
+                        "quantized per token at run time: none (default) | mlp | mlp,attn | mlp,attn,head; "
+                        "PART:ROWS keeps that part in the model dtype too and runs a GEMM of fewer activation "
+                        "rows on it, e.g. mlp:2048,attn:2048 (docs/operations.md, FP8 linear layers)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

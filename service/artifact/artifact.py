@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from . import acceptance
 from .buckets import BucketTable, default_bucket_table
 from .catalog import Catalog, CatalogError, build_catalog, load_catalog
-from ..model.checkpoint import FP8_PARTS, check_weights, expected_shapes, fp8_weight_names, weight_source
+from ..model.checkpoint import (FP8_PARTS, FULL, MIN_ROWS, check_weights, expected_shapes, fp8_min_rows, fp8_weight_names,
+                                weight_source)
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
 from .manifest import (ACCEPTANCE, FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest,
@@ -104,14 +105,26 @@ class Artifact:
         """The linear layers stored as float8_e4m3fn (parts of FP8_PARTS; `slmrank build --fp8`), () for none."""
         return tuple(self.manifest["weights"]["fp8"])
 
+    @property
+    def fp8_min_rows(self) -> dict[str, int]:
+        """Each fp8 part's row floor (`slmrank build --fp8 PART:ROWS`): a GEMM of fewer activation rows
+        runs on the weights' model-dtype copies. {} where every e4m3 GEMM always runs in FP8."""
+        return dict(self.manifest["weights"].get("fp8_min_rows", {}))
+
     def load_weights(self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """dtype: the other weights cast to it; the fp8 weights and their float32 scales stay as stored."""
+        """dtype: the other weights cast to it; the fp8 weights, their float32 scales and row floors
+        stay as stored."""
         regular_file_size(self.path / WEIGHTS)  # a device or FIFO here would never finish loading
         weights = load_file(str(self.path / WEIGHTS), device=str(device))
         check_weights(self.config, weights, self.fp8)
+        floors = self.fp8_min_rows
+        want = {name: floors[part] for part in floors for name in fp8_weight_names(self.config, (part,))}
+        if fp8_min_rows(weights) != want:
+            raise ArtifactError(f"{self.path / WEIGHTS}: the weights' fp8 row floors do not match the manifest's "
+                                f"weights.fp8_min_rows {floors}")
         if dtype is not None:
-            keep = {n for name in fp8_weight_names(self.config, self.fp8) for n in (name, name + ".scale")}
-            weights = {k: v if k in keep else v.to(dtype) for k, v in weights.items()}
+            weights = {k: v.to(dtype) if v.is_floating_point() and v.dtype != torch.float8_e4m3fn
+                       and not k.endswith(".scale") else v for k, v in weights.items()}
         return weights
 
     @property
@@ -128,14 +141,18 @@ class Artifact:
 def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: ServingLimits | None = None,
                    buckets: BucketTable | None = None, quiet: bool = False,
                    limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None,
-                   catalogs: dict[str, str | Path] | None = None, fp8: tuple[str, ...] | list[str] = ()) -> Path:
+                   catalogs: dict[str, str | Path] | None = None, fp8: tuple[str, ...] | list[str] = (),
+                   fp8_min_rows: dict[str, int] | None = None) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
     limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
     bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
     the log and the table's expected padding on it); default {"source": "default"}, or "given".
     catalogs: name -> catalog file (service/artifact/catalog.py), for constrained beam search.
     fp8: the linear layers to store as float8_e4m3fn (parts of FP8_PARTS: mlp, attn, head), each weight
-    with its per-output-channel float32 scale (kernels/fp8_linear.py quantize_rows, from the source's values)."""
+    with its per-output-channel float32 scale (kernels/fp8_linear.py quantize_rows, from the source's values).
+    fp8_min_rows: part -> row floor: that part's weights are kept in the model dtype too (NAME.full,
+    NAME.min_rows), and a GEMM of fewer activation rows runs on them (`--fp8 mlp:2048`: FP8 where
+    the GEMM is large enough to gain, docs/operations.md)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
@@ -150,7 +167,15 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
         if list(fp8).count(part) > 1:
             raise ArtifactError(f"fp8: {part!r} given twice")
     fp8 = tuple(part for part in FP8_PARTS if part in fp8)  # in one order
+    floors = dict(fp8_min_rows or {})
+    for part, rows in floors.items():
+        if part not in fp8:
+            raise ArtifactError(f"fp8_min_rows: {part!r} is not one of the fp8 parts {list(fp8) or 'none'}")
+        if type(rows) is not int or rows < 1:
+            raise ArtifactError(f"fp8_min_rows: {part}: a row floor must be an integer >= 1, got {rows!r}")
+    floors = {part: floors[part] for part in fp8 if part in floors}  # in one order
     quantized = set(fp8_weight_names(cfg, fp8))
+    floor_of = {name: floors[part] for part in floors for name in fp8_weight_names(cfg, (part,))}
     target = None if dtype == "auto" else DTYPES.get(dtype)
     if dtype != "auto" and target is None:
         raise ArtifactError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
@@ -163,6 +188,8 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
             want = target or src_dtype or tensor.dtype
             if name in quantized:  # from the source's values, not the target dtype's
                 weights[name], weights[name + ".scale"] = quantize_rows(tensor)
+                if name in floor_of:  # below the floor the GEMM runs on the model-dtype copy
+                    weights[name + FULL], weights[name + MIN_ROWS] = tensor.to(want).contiguous(), _floor(floor_of[name])
             else:
                 weights[name] = tensor.to(want).contiguous()
             if name == "embed":
@@ -171,9 +198,13 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     if "lm_head" in quantized and "lm_head" not in weights and embed_src is not None:
         # an fp8 head of tied embeddings: its own e4m3 table; the lookup keeps embed in the model dtype
         weights["lm_head"], weights["lm_head.scale"] = quantize_rows(embed_src)
+        if "lm_head" in floor_of:
+            weights["lm_head" + FULL] = weights["embed"].clone()
+            weights["lm_head" + MIN_ROWS] = _floor(floor_of["lm_head"])
     del embed_src
     check_weights(cfg, weights, fp8)
-    dtypes = {t.dtype for name, t in weights.items() if name not in quantized and not name.endswith(".scale")}
+    dtypes = {t.dtype for name, t in weights.items()
+              if name not in quantized and not name.endswith((".scale", MIN_ROWS))}
     if len(dtypes) != 1:
         raise ArtifactError(f"weights: mixed dtypes {dtypes}; pass dtype=float32 or bfloat16")
     weight_dtype = dtypes.pop()
@@ -204,13 +235,17 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
                  "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens, bool(catalog_entries), fp8))},
         "catalogs": catalog_entries,
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS),
-                    "fp8": list(fp8)},
+                    "fp8": list(fp8), **({"fp8_min_rows": floors} if floors else {})},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
         "build_seconds": round(time.monotonic() - t0, 3),
     }
     write_manifest(out, manifest)
     return out
+
+
+def _floor(rows: int) -> torch.Tensor:
+    return torch.tensor([rows], dtype=torch.int64)
 
 
 def _tokenizer_files(model: str) -> tuple[str, dict[str, bytes]]:

@@ -39,8 +39,10 @@ class Float64Model:
         self.cfg = cfg = artifact.config
         self.device = torch.device(device)
         self.w = artifact.load_weights(self.device, F64)
-        for name in fp8_weight_names(cfg, artifact.fp8):  # e4m3 weights (`build --fp8`): dequantized, exactly
-            self.w[name] = self.w[name].to(F64) * self.w.pop(name + ".scale").to(F64).unsqueeze(1)
+        for name in fp8_weight_names(cfg, artifact.fp8):  # e4m3 weights (`build --fp8`): dequantized, exactly,
+            scale = self.w.pop(name + ".scale").to(F64).unsqueeze(1)  # or their model-dtype copies where kept
+            full, _ = self.w.pop(name + ".full", None), self.w.pop(name + ".min_rows", None)
+            self.w[name] = full if full is not None else self.w[name].to(F64) * scale
         self.catalogs = {c.name: c for c in artifact.catalogs}
         e = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, e, 2, dtype=F64, device=self.device) / e))

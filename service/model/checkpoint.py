@@ -6,7 +6,9 @@ Artifact layout (fused where one GEMM serves several HF projections):
   layers.{i}.wo [D, HE], .mlp_norm [D], .wgu [2F, D] (gate rows first), .wdown [D, F]
 With FP8 linear layers (`slmrank build --fp8`, kernels/fp8_linear.py) the chosen GEMM weights are
 float8_e4m3fn, each with NAME.scale [rows] float32 (per output channel); an fp8 head of tied
-embeddings is its own lm_head (embed stays in the model dtype for the lookup).
+embeddings is its own lm_head (embed stays in the model dtype for the lookup). A part given a row
+floor (`--fp8 mlp:2048`) also keeps each weight in the model dtype, NAME.full, with NAME.min_rows
+(int64 [1]): a GEMM of fewer activation rows runs on NAME.full (fp8_min_rows, layers.gemm_weight).
 Nothing is ever downloaded and nothing is unpickled: safetensors only.
 """
 
@@ -22,9 +24,7 @@ from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig
 from .files import check_safetensors, read_json
-
-
-FP8_PARTS = ("mlp", "attn", "head")  # `slmrank build --fp8`: which linear layers are e4m3
+from .fp8_policy import FP8_PARTS  # noqa: F401  (re-exported: which linear layers `--fp8` makes e4m3)
 
 
 def fp8_weight_names(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -37,6 +37,15 @@ def fp8_weight_names(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) ->
     if "head" in fp8:
         names.append("cls_head" if cfg.has_cls_head else "lm_head")
     return names
+
+
+FULL, MIN_ROWS = ".full", ".min_rows"  # an e4m3 weight's model-dtype copy and its row floor (int64 [1])
+
+
+def fp8_min_rows(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each e4m3 weight with a row floor -> the floor (NAME.min_rows): a GEMM of fewer activation
+    rows runs on NAME.full instead. Read once, on the host, when a runtime is made."""
+    return {name[:-len(MIN_ROWS)]: int(t.reshape(-1)[0]) for name, t in weights.items() if name.endswith(MIN_ROWS)}
 
 
 def expected_shapes(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) -> dict[str, tuple[int, ...]]:
@@ -71,6 +80,10 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], fp8: tuple
     """Names and shapes as the config (and the fp8 policy) want; the fp8 policy's weights float8_e4m3fn
     with float32 scales, and no other weight fp8."""
     want = expected_shapes(cfg, fp8)
+    quantized = fp8_weight_names(cfg, fp8)
+    for name in quantized:  # a row floor's pair, both or neither (cpp_dag/artifact_loader.cpp::check_weights)
+        if name + FULL in weights or name + MIN_ROWS in weights:
+            want[name + FULL], want[name + MIN_ROWS] = want[name], (1,)
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
     if missing or extra:
@@ -78,13 +91,14 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], fp8: tuple
     for name, shape in want.items():
         if tuple(weights[name].shape) != shape:
             raise ConfigError(f"weight {name}: shape {tuple(weights[name].shape)} != expected {shape}")
-    quantized = fp8_weight_names(cfg, fp8)
     for name, t in weights.items():
         is_fp8 = t.dtype == torch.float8_e4m3fn
         if is_fp8 != (name in quantized):
             raise ConfigError(f"weight {name}: dtype {t.dtype} does not match the fp8 policy {list(fp8) or 'none'}")
         if name.endswith(".scale") and t.dtype != torch.float32:
             raise ConfigError(f"weight {name}: an fp8 scale must be float32, got {t.dtype}")
+        if name.endswith(MIN_ROWS) and (t.dtype != torch.int64 or int(t[0]) < 1):
+            raise ConfigError(f"weight {name}: a row floor must be one int64 >= 1, got {t.dtype} {t.tolist()}")
 
 
 # ---- Hugging Face checkpoints ---------------------------------------------------------------

@@ -5,12 +5,14 @@ These are the references the kernels and the C++ runtime are checked against: ke
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..siblings import sibling
+from .checkpoint import fp8_min_rows
 from .config import ModelConfig
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -83,8 +85,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def gemm_weight(weights: dict[str, torch.Tensor], min_rows: dict[str, int], name: str,
+                rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, e4m3 scale or None) of the GEMM `name` for activations of `rows` rows: the stored
+    weight, or below its fp8 row floor (min_rows: checkpoint.fp8_min_rows; `slmrank build --fp8
+    PART:ROWS`) the model-dtype copy NAME.full. A bucket's rows are fixed, so its CUDA graph takes
+    one of the two. cpp_dag/layer_ops.cpp::gemm_weight."""
+    if rows < min_rows.get(name, 0):
+        return weights[name + ".full"], None
+    return weights[name], weights.get(name + ".scale")
+
+
 class LayerWeights:
-    """Views of one layer's artifact tensors."""
+    """Views of one layer's artifact tensors (at_rows: those a GEMM of so many rows takes)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], i: int) -> None:
         p = f"layers.{i}."
@@ -102,6 +115,20 @@ class LayerWeights:
         self.wo_scale = weights.get(p + "wo.scale")
         self.wgu_scale = weights.get(p + "wgu.scale")
         self.wdown_scale = weights.get(p + "wdown.scale")
+        self._weights, self._prefix = weights, p
+        self._min_rows = {k: v for k, v in fp8_min_rows(weights).items() if k.startswith(p)}
+
+    def at_rows(self, rows: int) -> LayerWeights:
+        """This layer for activations of `rows` rows: an e4m3 weight below its row floor (gemm_weight)
+        gives way to its model-dtype copy. Itself when no weight of it has a floor."""
+        if not self._min_rows:
+            return self
+        view = copy.copy(self)
+        for attr in ("wqkv", "wo", "wgu", "wdown"):
+            w, scale = gemm_weight(self._weights, self._min_rows, self._prefix + attr, rows)
+            setattr(view, attr, w)
+            setattr(view, attr + "_scale", scale)
+        return view
 
 
 def residual_rms_norm(x: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float,

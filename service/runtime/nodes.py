@@ -8,7 +8,7 @@ The C++ runtime implements the same node types with the same ATen ops in the sam
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from ..model.config import ModelConfig
 from ..artifact.dag import Node
 from ..model.layers import (LayerWeights, Quantized, attention_output_and_mlp, blockwise_self_attention, fp8_in_kernel,
-                            linear, qkv_projection, residual_rms_norm, residual_rms_norm_for, two_part_attention,
-                            two_part_attention_by_runs)
+                            gemm_weight, linear, qkv_projection, residual_rms_norm, residual_rms_norm_for,
+                            two_part_attention, two_part_attention_by_runs)
 from ..siblings import sibling
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -40,6 +40,8 @@ class NodeContext:
     rope_cos: torch.Tensor  # [P, E] in the compute dtype
     rope_sin: torch.Tensor
     fused: Any = None  # fused Triton kernels (service.runtime.fused), or None: the plain-torch ops
+    # e4m3 weights' row floors (checkpoint.fp8_min_rows): below one, a GEMM takes NAME.full
+    fp8_min_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def scale(self) -> float:
@@ -95,7 +97,7 @@ def embedding(ctx: NodeContext, node: Node, env: Env) -> None:
 
 def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     cfg, i, mode = ctx.cfg, node.attrs["layer"], node.attrs["mode"]
-    w = ctx.layers[i]
+    w = ctx.layers[i].at_rows(env["x"].shape[0])  # the weights a GEMM of this many rows takes (fp8 row floors)
     pending = env["mlp_out"] if "mlp_out" in node.inputs else None  # the previous layer's MLP output
     # the first norm quantizes its output for an FP8 q/k/v GEMM on the fused path
     x, h = residual_rms_norm_for(env["x"], pending, w.attn_norm, cfg.rms_norm_eps, ctx.fused, w.wqkv, w.wqkv_scale)
@@ -167,13 +169,15 @@ def gather_rows(ctx: NodeContext, node: Node, env: Env) -> None:
 
 
 def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
-    w = ctx.weights.get("lm_head", ctx.weights["embed"])  # tied embeddings share the table (unless the head is fp8)
-    scale = ctx.weights.get("lm_head.scale")
+    x = env[node.inputs[0]]
+    if "lm_head" in ctx.weights:  # tied embeddings share the table (unless the head is fp8)
+        w, scale = gemm_weight(ctx.weights, ctx.fp8_min_rows, "lm_head", x.shape[0])
+    else:
+        w, scale = ctx.weights["embed"], None
     codes = optional_input(node, env, "beam_codes")
     if codes is not None:  # a batch normalised over a catalog's code tokens: their rows only, -inf past them
         rows = codes.clamp_min(0)
         w, scale = w.index_select(0, rows), None if scale is None else scale.index_select(0, rows)
-    x = env[node.inputs[0]]
     if fp8_in_kernel(ctx.fused, x, w, scale):  # the final norm's rows, quantized in one kernel
         x = Quantized(*ctx.fused.quantize_rows(x))
     logits = linear(x, w, None, scale)
@@ -185,7 +189,9 @@ def lm_head(ctx: NodeContext, node: Node, env: Env) -> None:
 
 
 def cls_head(ctx: NodeContext, node: Node, env: Env) -> None:
-    logits = linear(env[node.inputs[0]], ctx.weights["cls_head"], None, ctx.weights.get("cls_head.scale"))
+    x = env[node.inputs[0]]
+    w, scale = gemm_weight(ctx.weights, ctx.fp8_min_rows, "cls_head", x.shape[0])
+    logits = linear(x, w, None, scale)
     env[node.outputs[0]] = logits.float()
 
 

@@ -17,6 +17,7 @@ from ..artifact.catalog import Catalog, forest_capacity, trie_forest
 from .batch import BeamBatch, ScoreBatch
 from ..artifact.dag import Node
 from .fused import python_kernels
+from ..model.checkpoint import fp8_min_rows
 from ..model.layers import LayerWeights, rope_table
 from .env import NodeEnv
 from .nodes import NODE_FUNCS, Env, NodeContext
@@ -46,7 +47,7 @@ class PythonRuntime:
         self.kernels = kernels
         self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i) for i in range(self.cfg.num_layers)],
                                cos.to(self.dtype), sin.to(self.dtype),
-                               python_kernels(kernels, artifact, self.device, self.dtype))
+                               python_kernels(kernels, artifact, self.device, self.dtype), fp8_min_rows(weights))
         self.last_timings: BatchTimings | None = None
 
     def load_catalogs(self, catalogs: Sequence[Catalog]) -> None:

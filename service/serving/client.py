@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
+from ..model.fp8_policy import fp8_text
 from .proto_gen import load as load_stubs
 
 PRIORITIES = ("unspecified", "online", "normal", "background")  # the proto enum's order
@@ -138,7 +139,7 @@ def info_summary(info: Any) -> str:
         ("architecture", f"{info.arch}, {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}"),
         ("runtime", f"{info.runtime} on {info.device}, kernels {info.kernels}"),
         ("dtype", f"compute {info.compute_dtype}, weights {info.weights_dtype}"
-                  + (f" (fp8 e4m3 {','.join(info.weights_fp8)})" if info.weights_fp8 else "")),
+                  + (f" (fp8 e4m3 {fp8_text(info.weights_fp8, dict(info.weights_fp8_min_rows))})" if info.weights_fp8 else "")),
         ("limits", f"{head}; max_labels {lim.max_labels}"),
         ("", f"Score: max_samples {lim.max_samples}, max_score_tokens {lim.max_score_tokens}"),
         ("", f"BeamSearch: max_prompt_tokens {lim.max_prompt_tokens}, max_beam_width {lim.max_beam_width}, "

@@ -38,7 +38,7 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any, catalogs: 
         model=spec, source=str(artifact.manifest.get("source", "")), artifact_sha256=artifact_identity(artifact),
         arch=cfg.arch, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
         num_labels=cfg.num_labels, weights_dtype=str(artifact.manifest["weights"]["dtype"]),
-        weights_fp8=list(artifact.manifest["weights"].get("fp8", [])),
+        weights_fp8=list(artifact.manifest["weights"].get("fp8", [])), weights_fp8_min_rows=artifact.fp8_min_rows,
         compute_dtype=str(dtype).removeprefix("torch."), runtime=runtime.name, device=str(device),
         kernels=getattr(runtime, "kernels", "aten"),
         limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),

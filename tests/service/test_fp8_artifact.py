@@ -88,7 +88,7 @@ def test_weights_that_do_not_match_the_recorded_policy_are_refused_by_both_loade
         core.load_artifact(str(art), "cpu", None, False)
 
 
-@pytest.mark.parametrize("value", ["mlp,bogus", "fp16", "mlp,mlp", "", "MLP"])
+@pytest.mark.parametrize("value", ["mlp,bogus", "fp16", "mlp,mlp", "", "MLP", "mlp:0", "mlp:abc", "head:-3", "attn:"])
 def test_a_bad_fp8_flag_is_one_line_naming_it_and_exit_2(value: str, qwen2_tiny, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["build", "--model", str(qwen2_tiny.ckpt), "--out", str(tmp_path / "x"), "--fp8", value, "--quiet"])

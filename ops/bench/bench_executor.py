@@ -39,6 +39,7 @@ from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_
 from service.runtime.cpp_runtime import CppRuntime
 from service.runtime.engine import execute, plan_batches
 from service.model.checkpoint import hf_config_kwargs, hf_state_dict
+from service.model.fp8_policy import parse_fp8_policy
 from service.runtime.jsonl import format_result
 from service.runtime.python_runtime import PythonRuntime
 from service.runtime.requests import BeamRequest, ScoreRequest
@@ -100,10 +101,12 @@ def art_dir(spec: str) -> Path:
 
 
 def fp8_artifact(spec: str, policy: str):
-    """embedded:SPEC built with `--fp8` POLICY ('+' between parts), into /tmp/art-SPEC-fp8-POLICY:
-    the same weights and buckets as art_dir's, the policy's linear layers in e4m3."""
-    out = f"/tmp/art-{spec}-fp8-{policy}"
-    return load_artifact(build_artifact(f"embedded:{spec}", out, quiet=True, fp8=tuple(policy.split("+"))))
+    """embedded:SPEC built with `--fp8` POLICY ('+' between parts, each with an optional :ROWS floor,
+    e.g. mlp:2048+attn:2048), into /tmp/art-SPEC-fp8-POLICY: the same weights and buckets as
+    art_dir's, the policy's linear layers in e4m3."""
+    parts, floors = parse_fp8_policy(policy.replace("+", ","), "--fp8")
+    out = f"/tmp/art-{spec}-fp8-{policy.replace(':', '_')}"
+    return load_artifact(build_artifact(f"embedded:{spec}", out, quiet=True, fp8=parts, fp8_min_rows=floors))
 
 
 def timed(art, reqs) -> Timed:
@@ -544,8 +547,9 @@ def main() -> None:
     p.add_argument("--profile-batches", default="",
                    help="kernel profile of one batch each, e.g. W2:1,W2:8,W3:1 (W:requests; fused kernels)")
     p.add_argument("--fp8", default="",
-                   help="throughput of cpp_graph_triton on FP8 builds too: policies separated by '/', parts by '+' "
-                        "(e.g. mlp/mlp+attn/mlp+attn+head: `slmrank build --fp8 mlp,attn`); rows NAME/fp8-POLICY/xN")
+                   help="throughput of cpp_graph_triton on FP8 builds too: policies separated by '/', parts by '+', "
+                        "each with an optional :ROWS floor (e.g. mlp/mlp+attn+head/mlp:2048+attn:2048: `slmrank "
+                        "build --fp8 mlp:2048,attn:2048`); rows NAME/fp8-POLICY/xN")
     p.add_argument("--skip", default="",
                    help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf,strong")
     args = p.parse_args()

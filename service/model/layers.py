@@ -90,7 +90,7 @@ def gemm_weight(weights: dict[str, torch.Tensor], min_rows: dict[str, int], name
     """(weight, e4m3 scale or None) of the GEMM `name` for activations of `rows` rows: the stored
     weight, or below its fp8 row floor (min_rows: checkpoint.fp8_min_rows; `slmrank build --fp8
     PART:ROWS`) the model-dtype copy NAME.full. A bucket's rows are fixed, so its CUDA graph takes
-    one of the two. cpp_dag/layer_ops.cpp::gemm_weight."""
+    one of the two. cpp_dag/nodes.cpp::Context::gemm_weight."""
     if rows < min_rows.get(name, 0):
         return weights[name + ".full"], None
     return weights[name], weights.get(name + ".scale")

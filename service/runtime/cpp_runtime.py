@@ -150,7 +150,10 @@ class CppRuntime:
         kinds = self.artifact.buckets.kinds
         every = [b for kind in sorted(kinds) for b in kinds[kind]]
         catalogs = {c.name: c for c in self.artifact.catalogs}
-        columns = lambda b: len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
+
+        def columns(b: ScoreBucket | BeamBucket) -> int | None:  # a codes bucket's logits: its code columns
+            return len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
+
         return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b)), reverse=True)
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:

@@ -189,7 +189,8 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
             if name in quantized:  # from the source's values, not the target dtype's
                 weights[name], weights[name + ".scale"] = quantize_rows(tensor)
                 if name in floor_of:  # below the floor the GEMM runs on the model-dtype copy
-                    weights[name + FULL], weights[name + MIN_ROWS] = tensor.to(want).contiguous(), _floor(floor_of[name])
+                    weights[name + FULL] = tensor.to(want).contiguous()
+                    weights[name + MIN_ROWS] = _floor(floor_of[name])
             else:
                 weights[name] = tensor.to(want).contiguous()
             if name == "embed":

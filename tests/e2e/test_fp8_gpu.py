@@ -12,7 +12,10 @@ torch._scaled_mm for every quantized linear, and
   puts logits off by up to 448x, not a quality claim; `slmrank evaluate` with float64 truth measures
   the quality: ops/bench/fp8_policies.py).
 
-Marked gpu and slow (builds four 0.5B artifacts)."""
+- a build with row floors (`--fp8 mlp:512,attn:512`) answers a batch below the floor as the bf16
+  build and one above it as the FP8 build, byte for byte, in CUDA graphs.
+
+Marked gpu and slow (builds seven 0.5B artifacts)."""
 
 from __future__ import annotations
 
@@ -134,3 +137,29 @@ def test_quantizing_in_the_kernels_changes_no_byte(pair, monkeypatch: pytest.Mon
             f"differ {rows_q[:12]} ({len(rows_q)}), whose scales differ {rows_s[:12]} ({len(rows_s)}); scales "
             f"{sa[rows_s[:4]].tolist()} in the kernels, {sb[rows_s[:4]].tolist()} by the ATen ops")
     assert in_kernels == by_aten_ops
+
+
+@pytest.fixture(scope="module")
+def floored(tmp_path_factory: pytest.TempPathFactory):
+    """qwen3-0.6b built three ways: plain, its layers in FP8, its layers in FP8 from 512 rows up."""
+    from service.artifact.artifact import build_artifact, load_artifact
+
+    root = tmp_path_factory.mktemp("fp8floors")
+    build = lambda name, **kw: load_artifact(build_artifact("embedded:qwen3-0.6b", root / name, quiet=True, **kw))
+    return (build("bf16"), build("layers", fp8=("mlp", "attn")),
+            build("floored", fp8=("mlp", "attn"), fp8_min_rows={"mlp": 512, "attn": 512}))
+
+
+def test_row_floors_in_graphs_answer_as_the_build_each_batch_takes(floored) -> None:
+    """In CUDA graphs on the fused path: a Score batch below the floor answers byte for byte as the
+    bf16 build, one above it as the build with the layers always in FP8; the runtimes agree."""
+    plain, layers, floors = floored
+    rng = random.Random(31)
+    labels = _ids(rng, 3)
+    small = [ScoreRequest(tuple(_ids(rng, 12) for _ in range(4)), labels)]  # a bucket of < 512 token rows
+    large = [ScoreRequest(tuple(_ids(rng, 64) for _ in range(15)), labels, _ids(rng, 32)) for _ in range(2)]
+    answers = lambda art, reqs: run_both_runtimes(art, reqs, dtype=torch.bfloat16)  # noqa: E731
+    assert answers(floors, small) == answers(plain, small)
+    got = answers(floors, large)
+    assert got == answers(layers, large)
+    assert got != answers(plain, large)  # the e4m3 GEMMs ran

@@ -26,11 +26,16 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if args.traffic is None and (args.max_graphs or args.max_activation_mib):
         raise ValueError("--max-graphs and --max-activation-mib bound a table chosen with --traffic LOG")
     table, origin = _traffic_table(args, limits) if args.traffic is not None else (None, None)
-    fp8, floors = parse_fp8_policy(args.fp8)
+    auto = args.fp8 == "auto"
+    fp8, floors = parse_fp8_policy("none" if auto else args.fp8)
     out = build_artifact(args.model, args.out, dtype=args.dtype, quiet=args.quiet, limit_overrides=limits,
                          buckets=table, bucket_origin=origin, catalogs=_catalog_files(args.catalog), fp8=fp8,
-                         fp8_min_rows=floors)
+                         fp8_min_rows=floors, fp8_auto=auto)
     art = load_artifact(out)
+    if "fp8_measured" in art.manifest["weights"]:
+        from .artifact.fp8_measure import format_table
+
+        print(format_table(art.manifest["weights"]["fp8_measured"], art.fp8, art.fp8_min_rows))
     fp8_note = f" (fp8 e4m3: {fp8_text(art.fp8, art.fp8_min_rows)})" if art.fp8 else ""
     print(f"built {out}: {art.config.arch}, {art.config.num_layers} layers, weights {art.manifest['weights']['dtype']}"
           f"{fp8_note}, "
@@ -363,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="linear layers stored as float8_e4m3fn with per-output-channel scales, activations "
                         "quantized per token at run time: none (default) | mlp | mlp,attn | mlp,attn,head; "
                         "PART:ROWS keeps that part in the model dtype too and runs a GEMM of fewer activation "
-                        "rows on it, e.g. mlp:2048,attn:2048 (docs/operations.md, FP8 linear layers)")
+                        "rows on it, e.g. mlp:2048,attn:2048; auto: times every part at the buckets' rows on this "
+                        "machine's GPU and chooses (docs/operations.md, FP8 linear layers)")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(func=_cmd_build)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from kernels.attention import masked_attention_ref
 from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
 from kernels.segment_attention import segment_attention
 from ops.bench.workloads import WORKLOADS
+from service.artifact.fp8_measure import device_time_ms
 from service.model.layers import two_part_attention
 from service.runtime.nodes import varlen_layer_attention
 
@@ -53,25 +53,7 @@ def _model(name: str) -> str:
 
 def graph_time_ms(fn: Callable[[], Any], calls: int = CALLS, reps: int = REPS) -> float:
     """Device time of one fn() call: CALLS calls captured in one CUDA graph, median of REPS replays."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compiles (Triton JIT) and warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return device_time_ms(fn, calls, reps)
 
 
 # --- decode attention (kernels/decode_attention.py) -------------------------------------------

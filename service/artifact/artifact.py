@@ -142,7 +142,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
                    buckets: BucketTable | None = None, quiet: bool = False,
                    limit_overrides: dict[str, int] | None = None, bucket_origin: dict[str, Any] | None = None,
                    catalogs: dict[str, str | Path] | None = None, fp8: tuple[str, ...] | list[str] = (),
-                   fp8_min_rows: dict[str, int] | None = None) -> Path:
+                   fp8_min_rows: dict[str, int] | None = None, fp8_auto: bool = False) -> Path:
     """Builds DIR from an embedded spec or a local HF checkpoint. Returns the directory.
     limit_overrides: ServingLimits fields over the model's defaults (when `limits` is not given).
     bucket_origin: where `buckets` came from, recorded in the manifest (`slmrank build --traffic`:
@@ -152,7 +152,9 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     with its per-output-channel float32 scale (kernels/fp8_linear.py quantize_rows, from the source's values).
     fp8_min_rows: part -> row floor: that part's weights are kept in the model dtype too (NAME.full,
     NAME.min_rows), and a GEMM of fewer activation rows runs on them (`--fp8 mlp:2048`: FP8 where
-    the GEMM is large enough to gain, docs/operations.md)."""
+    the GEMM is large enough to gain, docs/operations.md).
+    fp8_auto: fp8 and fp8_min_rows chosen by timing the GEMMs at the buckets' rows on this machine's
+    GPU (service/artifact/fp8_measure.py; `--fp8 auto`), the timings recorded in weights.fp8_measured."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, src_dtype, weights_iter = weight_source(model)
@@ -161,6 +163,16 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
     given_buckets = buckets is not None
     buckets = buckets or default_bucket_table(limits)
     buckets.fits_one(limits)
+    measured = None
+    if fp8_auto:
+        if fp8 or fp8_min_rows:
+            raise ArtifactError("fp8_auto chooses the parts and floors itself: give it no fp8 / fp8_min_rows")
+        from .fp8_measure import choose_floors, measure, row_tiers
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        with Progress("fp8 auto: time the GEMMs", sum(map(len, row_tiers(buckets).values())), quiet=quiet) as bar:
+            measured = measure(cfg, buckets, device, lambda what: bar.advance(1, what))
+        fp8, fp8_min_rows = choose_floors(measured["parts"])
     for part in fp8:
         if part not in FP8_PARTS:
             raise ArtifactError(f"fp8: {part!r} is not one of {', '.join(FP8_PARTS)}")
@@ -236,7 +248,8 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
                  "beam": dag_to_list(beam_dag(cfg, limits.max_new_tokens, bool(catalog_entries), fp8))},
         "catalogs": catalog_entries,
         "weights": {"file": WEIGHTS, "dtype": _dtype_name(weight_dtype), "sha256": sha256_file(out / WEIGHTS),
-                    "fp8": list(fp8), **({"fp8_min_rows": floors} if floors else {})},
+                    "fp8": list(fp8), **({"fp8_min_rows": floors} if floors else {}),
+                    **({"fp8_measured": measured} if measured is not None else {})},
         "tokenizer": {"kind": tok_kind,
                       "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in tok_files.items()}},
         "build_seconds": round(time.monotonic() - t0, 3),

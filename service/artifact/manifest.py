@@ -228,8 +228,9 @@ SCHEMA = record({
                        "beam": array(of_dataclass(BeamBucket, {}), 1)}),
     "dags": record({"score": array(_NODE, 1), "beam": array(_NODE)}),  # a classification head has no beam DAG
     "weights": record({"file": text((WEIGHTS,)), "dtype": text(WEIGHT_DTYPES), "sha256": sha256_hex,
-                       "fp8": _fp8_parts, "fp8_min_rows": mapping(text(FP8_PARTS), integer(1), 3)},
-                      optional=frozenset({"fp8_min_rows"})),
+                       "fp8": _fp8_parts, "fp8_min_rows": mapping(text(FP8_PARTS), integer(1), 3),
+                       "fp8_measured": plain()},  # `--fp8 auto`'s timings (service/artifact/fp8_measure.py)
+                      optional=frozenset({"fp8_min_rows", "fp8_measured"})),
     "tokenizer": record({"kind": text(), "files": mapping(file_name, sha256_hex)}),
     "build_seconds": number(0, 1e7, open_lo=False),
     "bucket_origin": _BUCKET_ORIGIN,

@@ -13,7 +13,8 @@ torch._scaled_mm for every quantized linear, and
   the quality: ops/bench/fp8_policies.py).
 
 - a build with row floors (`--fp8 mlp:512,attn:512`) answers a batch below the floor as the bf16
-  build and one above it as the FP8 build, byte for byte, in CUDA graphs.
+  build and one above it as the FP8 build, byte for byte, in CUDA graphs;
+- `--fp8 auto` times every part at its buckets' rows and builds what its timings choose.
 
 Marked gpu and slow (builds seven 0.5B artifacts)."""
 
@@ -163,3 +164,22 @@ def test_row_floors_in_graphs_answer_as_the_build_each_batch_takes(floored) -> N
     got = answers(floors, large)
     assert got == answers(layers, large)
     assert got != answers(plain, large)  # the e4m3 GEMMs ran
+
+
+def test_fp8_auto_times_every_part_at_the_buckets_rows(tmp_path) -> None:
+    """`slmrank build --fp8 auto` on the GPU: every part timed at each row count its GEMMs run at,
+    the build being what choose_floors makes of the timings, and its answers equal in both runtimes."""
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.artifact.fp8_measure import choose_floors, row_tiers
+
+    art = load_artifact(build_artifact("embedded:qwen3-0.6b", tmp_path / "auto", quiet=True, fp8_auto=True))
+    measured = art.manifest["weights"]["fp8_measured"]
+    tiers = row_tiers(art.buckets)
+    assert {part: [r["rows"] for r in rows] for part, rows in measured["parts"].items()} == tiers
+    assert all(r["bf16_ms"] > 0 and r["fp8_ms"] > 0 for rows in measured["parts"].values() for r in rows)
+    assert (art.fp8, art.fp8_min_rows) == choose_floors(measured["parts"])
+    rng = random.Random(32)
+    labels = _ids(rng, 3)
+    run_both_runtimes(art, [ScoreRequest(tuple(_ids(rng, 64) for _ in range(15)), labels, _ids(rng, 32)),
+                            ScoreRequest(tuple(_ids(rng, 12) for _ in range(4)), labels),
+                            BeamRequest(_ids(rng, 128), 100, 5)], dtype=torch.bfloat16)

@@ -142,3 +142,60 @@ def test_the_build_line_names_the_floors(qwen2_tiny, tmp_path: Path, capsys: pyt
                    "--quiet"])
     assert rc == 0 and "(fp8 e4m3: mlp:2048,head)" in capsys.readouterr().out
     assert load_artifact(tmp_path / "a").fp8_min_rows == {"mlp": 2048}
+
+
+def _timed(*pairs: tuple[int, float, float]) -> list[dict[str, float]]:
+    return [{"rows": r, "bf16_ms": b, "fp8_ms": f} for r, b, f in pairs]
+
+
+def test_choose_floors_keeps_what_gains_from_where_it_gains_for_good() -> None:
+    from service.artifact.fp8_measure import choose_floors
+
+    timings = {
+        "mlp": _timed((64, 1.0, 1.5), (1024, 2.0, 2.2), (2048, 4.0, 3.1), (8192, 9.0, 7.0)),  # gains from 2048
+        "attn": _timed((64, 1.0, 0.9), (1024, 2.0, 2.5), (2048, 4.0, 3.0), (8192, 9.0, 8.0)),  # a lone early gain
+        "head": _timed((8, 1.0, 0.8), (400, 2.0, 1.7)),  # gains at every count: always FP8
+    }
+    assert choose_floors(timings) == (("mlp", "attn", "head"), {"mlp": 2048, "attn": 2048})
+    lost_at_the_top = {"mlp": _timed((64, 1.0, 0.5), (8192, 9.0, 9.5)), "head": []}
+    assert choose_floors(lost_at_the_top) == ((), {})
+
+
+def test_row_tiers_are_the_rows_each_part_runs_at(qwen2_tiny) -> None:
+    from service.artifact.fp8_measure import row_tiers
+
+    buckets = qwen2_tiny.artifact.buckets
+    tiers = row_tiers(buckets)
+    assert tiers["mlp"] == tiers["attn"] == sorted({b.max_tokens for b in buckets.score}
+                                                   | {b.max_prompt_tokens for b in buckets.beam}
+                                                   | {b.max_rows for b in buckets.beam})
+    assert tiers["head"] == sorted({b.max_samples for b in buckets.score} | {b.max_requests for b in buckets.beam}
+                                   | {b.max_rows for b in buckets.beam})
+
+
+def test_fp8_auto_needs_a_gpu_to_time_on(qwen2_tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tests/e2e/test_fp8_gpu.py times there")
+    rc = cli_main(["build", "--model", str(qwen2_tiny.ckpt), "--out", str(tmp_path / "a"), "--fp8", "auto", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--fp8 auto times the GEMMs on a CUDA device" in err, err
+    assert not (tmp_path / "a" / MANIFEST).exists()
+
+
+def test_fp8_auto_builds_what_its_timings_choose_and_records_them(qwen2_tiny, tmp_path: Path, monkeypatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The build's wiring, with the GPU timer replaced by fixed timings (it runs on a GPU only:
+    tests/e2e/test_fp8_gpu.py times for real): the parts and floors choose_floors picks are built,
+    the timings recorded in the manifest and printed."""
+    from service.artifact import fp8_measure
+
+    timed = {"device": "test timings", "parts": {
+        "mlp": _timed((64, 1.0, 1.2), (256, 2.0, 1.5)), "attn": _timed((64, 1.0, 1.2), (256, 2.0, 2.5)),
+        "head": _timed((8, 1.0, 0.5))}}
+    monkeypatch.setattr(fp8_measure, "measure", lambda cfg, buckets, device, progress: timed)
+    rc = cli_main(["build", "--model", str(qwen2_tiny.ckpt), "--out", str(tmp_path / "a"), "--fp8", "auto", "--quiet"])
+    out = capsys.readouterr().out
+    art = load_artifact(tmp_path / "a")
+    assert rc == 0 and art.fp8 == ("mlp", "head") and art.fp8_min_rows == {"mlp": 256}
+    assert art.manifest["weights"]["fp8_measured"] == timed
+    assert "(fp8 e4m3: mlp:256,head)" in out and "mlp  -> FP8 from 256 rows" in out and "attn -> bf16" in out, out

@@ -103,10 +103,12 @@ def art_dir(spec: str) -> Path:
 def fp8_artifact(spec: str, policy: str):
     """embedded:SPEC built with `--fp8` POLICY ('+' between parts, each with an optional :ROWS floor,
     e.g. mlp:2048+attn:2048), into /tmp/art-SPEC-fp8-POLICY: the same weights and buckets as
-    art_dir's, the policy's linear layers in e4m3."""
-    parts, floors = parse_fp8_policy(policy.replace("+", ","), "--fp8")
+    art_dir's, the policy's linear layers in e4m3. "auto": `--fp8 auto`, timed on this GPU."""
+    auto = policy == "auto"
+    parts, floors = parse_fp8_policy("none" if auto else policy.replace("+", ","), "--fp8")
     out = f"/tmp/art-{spec}-fp8-{policy.replace(':', '_')}"
-    return load_artifact(build_artifact(f"embedded:{spec}", out, quiet=True, fp8=parts, fp8_min_rows=floors))
+    return load_artifact(build_artifact(f"embedded:{spec}", out, quiet=True, fp8=parts, fp8_min_rows=floors,
+                                        fp8_auto=auto))
 
 
 def timed(art, reqs) -> Timed:
@@ -548,8 +550,8 @@ def main() -> None:
                    help="kernel profile of one batch each, e.g. W2:1,W2:8,W3:1 (W:requests; fused kernels)")
     p.add_argument("--fp8", default="",
                    help="throughput of cpp_graph_triton on FP8 builds too: policies separated by '/', parts by '+', "
-                        "each with an optional :ROWS floor (e.g. mlp/mlp+attn+head/mlp:2048+attn:2048: `slmrank "
-                        "build --fp8 mlp:2048,attn:2048`); rows NAME/fp8-POLICY/xN")
+                        "each with an optional :ROWS floor, or auto (e.g. mlp/mlp+attn+head/mlp:2048+attn:2048/auto: "
+                        "`slmrank build --fp8 mlp:2048,attn:2048`); rows NAME/fp8-POLICY/xN")
     p.add_argument("--skip", default="",
                    help="comma list of: identity,triton,soak,nodes,breakdown,lanes,throughput,hf,strong")
     args = p.parse_args()

@@ -932,6 +932,52 @@ def bench_fp8() -> list[dict[str, Any]]:
     return results
 
 
+QUANT_ROWS = (16, 100, 400, 1600, 8192)
+QUANT_TILES = ((1, 4), (1, 8), (2, 4), (4, 4), (4, 8), (8, 8))  # (rows a program, warps)
+
+
+def bench_quant() -> list[dict[str, Any]]:
+    """The one-kernel FP8 quantizer (kernels/fp8_quant.py quantize_rows_kernel) over every activation
+    width it quantizes (o's and the head's input: each model's q_size and hidden size; the norms' and
+    SiLU*up's widths beside), at each tile (rows a program, warps) beside its default
+    (row_tile_config), and the bf16 RMSNorm kernel of the same rows as the floor of a one-pass row
+    kernel. Measured 2026-12-05 inside `--only fp8`: ~2.6 us at K 1,024 / 2,048 but ~6.5 us at K 896
+    even at 16 rows, with PTX of the same shape; this sweep is to say why. Each tile's bytes are
+    checked equal to the default's first."""
+    from kernels import COMPILE_OPTIONS
+    from kernels.fp8_quant import fp8_rows, quantize_rows_kernel, quantize_rows_triton, row_tile_config
+    from kernels.norm_act import rms_norm
+
+    results = []
+    widths = sorted({k for d, h, g, e, inter, _ in GEMM_MODELS.values() for k in (d, h * e, inter)})
+    for k in widths:
+        block = row_tile_config(k)["BLOCK_D"]
+        for m in QUANT_ROWS:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want_q, want_s = quantize_rows_triton(a)
+            row = {"bench": "quant", "k": k, "rows": m, "default": row_tile_config(k),
+                   "default_ms": graph_time_ms(lambda: quantize_rows_triton(a)),
+                   "rms_norm_ms": graph_time_ms(lambda: rms_norm(a, torch.ones(k, device="cuda", dtype=a.dtype), 1e-6)),
+                   "tiles": {}}
+            for rows_per, warps in QUANT_TILES:
+                q, s = fp8_rows(m, k, a.device)
+
+                def run(q=q, s=s, rows_per=rows_per, warps=warps):
+                    quantize_rows_kernel[(triton.cdiv(m, rows_per),)](a, q, s, m, D=k, BLOCK_D=block, ROWS=rows_per,
+                                                                      num_warps=warps, **COMPILE_OPTIONS)
+
+                run()
+                if not (torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)):
+                    raise AssertionError(f"quant K={k} M={m} tile {rows_per}x{warps}: other bytes than the default's")
+                row["tiles"][f"{rows_per}x{warps}"] = graph_time_ms(run)
+            results.append(row)
+            best = min(row["tiles"].items(), key=lambda kv: kv[1])
+            print(f"quant K={k:5d} M={m:5d}: default {row['default']['ROWS']}x{row['default']['num_warps']} "
+                  f"{row['default_ms'] * 1e3:6.2f} us, best {best[0]} {best[1] * 1e3:6.2f} us, "
+                  f"rms_norm {row['rms_norm_ms'] * 1e3:6.2f} us", flush=True)
+    return results
+
+
 def bench_beam_merge() -> list[dict[str, Any]]:
     """The beam step's merge (top-B of each request's B x B unique keys, kernels/beam_topk.py):
     one torch top-k slice a request against top_keys' rounds over chunks of MERGE_GROUP x B keys,
@@ -959,6 +1005,7 @@ BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "gemm": bench_gemm,
     "beam_merge": bench_beam_merge,
     "fp8": bench_fp8,
+    "quant": bench_quant,
 }
 
 

@@ -16,7 +16,7 @@ torch._scaled_mm for every quantized linear, and
   build and one above it as the FP8 build, byte for byte, in CUDA graphs;
 - `--fp8 auto` times every part at its buckets' rows and builds what its timings choose.
 
-Marked gpu and slow (builds seven 0.5B artifacts)."""
+Marked gpu and slow (builds eight 0.5B artifacts)."""
 
 from __future__ import annotations
 

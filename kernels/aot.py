@@ -216,21 +216,20 @@ def fp8_specs(dt: str, hidden_size: int, intermediate_size: int, q_size: int) ->
             {"D": hidden_size, "BLOCK_D": norm["BLOCK_D"], "ROWS": norm["ROWS"], "HAS_RESIDUAL": res},
             num_warps=norm["num_warps"], divisible_by_16=("x_ptr", "res_ptr", "w_ptr", "q_ptr", "sum_ptr"),
             grid="(cdiv(rows, ROWS), 1, 1)"))
+
+    def rows_only(name: str, fn: Any, source: str, constexprs: dict[str, int], num_warps: int) -> KernelSpec:
+        # a kernel of one input (`source`) and the e4m3 outputs, over rows: its constexprs in signature order
+        signature = {source: f"*{dt}", **out, "num_rows": "i32", **dict.fromkeys(constexprs, "constexpr")}
+        return KernelSpec(name, fn, signature, constexprs, num_warps=num_warps, divisible_by_16=(source, "q_ptr"),
+                          grid="(cdiv(rows, ROWS), 1, 1)")
+
     act = silu_mul_fp8_config(intermediate_size)
-    specs.append(KernelSpec(
-        variant_name("silu_mul_fp8", dt, i=intermediate_size), silu_mul_fp8_kernel,
-        {"gu_ptr": f"*{dt}", **out, "num_rows": "i32", "INTER": "constexpr", "BLOCK": "constexpr",
-         "ROWS": "constexpr"},
-        {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, num_warps=act["num_warps"],
-        divisible_by_16=("gu_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
+    specs.append(rows_only(variant_name("silu_mul_fp8", dt, i=intermediate_size), silu_mul_fp8_kernel, "gu_ptr",
+                           {"INTER": intermediate_size, "BLOCK": act["BLOCK"], "ROWS": act["ROWS"]}, act["num_warps"]))
     for d in sorted({hidden_size, q_size}):
         cfg = row_tile_config(d)
-        specs.append(KernelSpec(
-            variant_name("quantize_rows", dt, n=d), quantize_rows_kernel,
-            {"x_ptr": f"*{dt}", **out, "num_rows": "i32", "D": "constexpr", "BLOCK_D": "constexpr",
-             "ROWS": "constexpr"},
-            {"D": d, "BLOCK_D": cfg["BLOCK_D"], "ROWS": cfg["ROWS"]}, num_warps=cfg["num_warps"],
-            divisible_by_16=("x_ptr", "q_ptr"), grid="(cdiv(rows, ROWS), 1, 1)"))
+        specs.append(rows_only(variant_name("quantize_rows", dt, n=d), quantize_rows_kernel, "x_ptr",
+                               {"D": d, "BLOCK_D": cfg["BLOCK_D"], "ROWS": cfg["ROWS"]}, cfg["num_warps"]))
     return specs
 
 

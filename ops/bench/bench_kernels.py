@@ -875,9 +875,9 @@ def bench_fp8() -> list[dict[str, Any]]:
     the kernel that produces its input, as the fused path runs them: bf16 (rms_norm / silu_mul /
     nothing, then F.linear) against FP8 (rms_norm_fp8 / silu_mul_fp8 / quantize_rows_triton, then
     _scaled_mm)."""
-    from kernels.fp8_linear import quantize_rows, scaled_linear
+    from kernels.fp8_linear import quantize_rows
     from kernels.fp8_quant import quantize_rows_triton
-    from kernels.norm_act import rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
+    from service.artifact.fp8_measure import producer_chains
 
     results = []
     gen = torch.Generator(device="cuda").manual_seed(29)
@@ -908,17 +908,7 @@ def bench_fp8() -> list[dict[str, Any]]:
                 alone = graph_time_ms(mm)
                 aten = graph_time_ms(lambda: mm(*quantize_rows(a)))
                 fused = graph_time_ms(lambda: mm(*quantize_rows_triton(a)))
-                if kind in ("qkv", "gate_up"):  # the norm before: its residual add too
-                    res, nw = torch.randn_like(a), 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
-                    chain_bf16 = lambda: F.linear(rms_norm(a, nw, 1e-6, residual=res)[0], w)
-                    chain_fp8 = lambda: scaled_linear(*rms_norm_fp8(a, nw, 1e-6, residual=res)[:2], w_q, w_s)
-                elif kind == "down":  # SiLU*up before, over a gate/up output twice as wide
-                    gu = torch.randn(m, 2 * k, generator=gen, device="cuda", dtype=torch.bfloat16)
-                    chain_bf16 = lambda: F.linear(silu_mul(gu), w)
-                    chain_fp8 = lambda: scaled_linear(*silu_mul_fp8(gu), w_q, w_s)
-                else:  # o (after the attention) and the head (after the final norm node): the quantizer alone
-                    chain_bf16 = lambda: F.linear(a, w)
-                    chain_fp8 = lambda: scaled_linear(*quantize_rows_triton(a), w_q, w_s)
+                chain_bf16, chain_fp8 = producer_chains(kind, a, w, w_q, w_s, gen)  # as `build --fp8 auto` times
                 c_bf16, c_fp8 = graph_time_ms(chain_bf16), graph_time_ms(chain_fp8)
                 row = {"bench": "fp8", "model": model, "kind": kind, "rows": m, "n": n, "k": k, "bf16_ms": bf16,
                        "fp8_gemm_ms": alone, "fp8_aten_quant_ms": aten, "fp8_triton_quant_ms": fused,

@@ -57,6 +57,27 @@ def device_time_ms(fn: Callable[[], Any], calls: int = CALLS, reps: int = REPS) 
     return statistics.median(times)
 
 
+def producer_chains(kind: str, a: torch.Tensor, w: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                    gen: torch.Generator) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(bf16, FP8) of one GEMM with the kernel that produces its activations on the fused path, for
+    activations like a [M, K] (module docstring); kind: qkv, o, gate_up, down, head. w [N, K] bf16,
+    w_q / w_s its e4m3 rows and scales. ops/bench/bench_kernels.py --only fp8 times these too."""
+    norm_act, fp8_quant = sibling("kernels.norm_act"), sibling("kernels.fp8_quant")
+    scaled_linear = sibling("kernels.fp8_linear").scaled_linear
+    m, k = a.shape
+    if kind == "down":  # SiLU*up over a gate/up output twice as wide, then the GEMM
+        gu = torch.randn(m, 2 * k, generator=gen, device=a.device, dtype=a.dtype)
+        return (lambda: F.linear(norm_act.silu_mul(gu), w),
+                lambda: scaled_linear(*norm_act.silu_mul_fp8(gu), w_q, w_s))
+    if kind in ("qkv", "gate_up"):  # the norm before, with its residual add
+        res = torch.randn(m, k, generator=gen, device=a.device, dtype=a.dtype)
+        nw = 1 + 0.1 * torch.randn(k, generator=gen, device=a.device, dtype=a.dtype)
+        return (lambda: F.linear(norm_act.rms_norm(a, nw, 1e-6, residual=res)[0], w),
+                lambda: scaled_linear(*norm_act.rms_norm_fp8(a, nw, 1e-6, residual=res)[:2], w_q, w_s))
+    # o (after the attention) and the head (after the final norm): the quantizer alone
+    return lambda: F.linear(a, w), lambda: scaled_linear(*fp8_quant.quantize_rows_triton(a), w_q, w_s)
+
+
 def row_tiers(buckets: BucketTable) -> dict[str, list[int]]:
     """Each part's activation row counts over the artifact's buckets: the decoder layers' (mlp,
     attn) and the head's."""
@@ -98,8 +119,7 @@ def measure(cfg: ModelConfig, buckets: BucketTable, device: torch.device,
     if device.type != "cuda":
         raise ValueError(f"--fp8 auto times the GEMMs on a CUDA device, and this build runs on {device.type}: "
                          "build on the GPU that will serve, or name the parts (--fp8 mlp:2048,attn:2048)")
-    fp8_linear, norm_act, fp8_quant = (sibling(f"kernels.{m}") for m in ("fp8_linear", "norm_act", "fp8_quant"))
-    quantize_rows, scaled_linear = fp8_linear.quantize_rows, fp8_linear.scaled_linear
+    quantize_rows = sibling("kernels.fp8_linear").quantize_rows
     gen = torch.Generator(device=device).manual_seed(29)
     d, inter = cfg.hidden_size, cfg.intermediate_size
 
@@ -120,21 +140,8 @@ def measure(cfg: ModelConfig, buckets: BucketTable, device: torch.device,
             bf16 = fp8 = 0.0
             for kind in kinds[part]:
                 w, w_q, w_s = weights[kind]
-                k = w.shape[1]
-                if kind == "down":  # SiLU*up over a gate/up output twice as wide, then the GEMM
-                    gu = torch.randn(m, 2 * k, generator=gen, device=device, dtype=torch.bfloat16)
-                    plain = lambda: F.linear(norm_act.silu_mul(gu), w)  # noqa: E731
-                    quant = lambda: scaled_linear(*norm_act.silu_mul_fp8(gu), w_q, w_s)  # noqa: E731
-                elif kind in ("qkv", "gate_up"):  # the norm before, with its residual add
-                    a, res = (torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
-                    nw = torch.ones(k, device=device, dtype=torch.bfloat16)
-                    plain = lambda: F.linear(norm_act.rms_norm(a, nw, 1e-6, residual=res)[0], w)  # noqa: E731
-                    quant = lambda: scaled_linear(*norm_act.rms_norm_fp8(a, nw, 1e-6, residual=res)[:2],  # noqa: E731
-                                                  w_q, w_s)
-                else:  # o (after the attention) and the head (after the final norm): the quantizer alone
-                    a = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
-                    plain = lambda: F.linear(a, w)  # noqa: E731
-                    quant = lambda: scaled_linear(*fp8_quant.quantize_rows_triton(a), w_q, w_s)  # noqa: E731
+                a = torch.randn(m, w.shape[1], generator=gen, device=device, dtype=torch.bfloat16)
+                plain, quant = producer_chains(kind, a, w, w_q, w_s, gen)
                 bf16 += device_time_ms(plain)
                 fp8 += device_time_ms(quant)
             rows_out.append({"rows": m, "bf16_ms": round(bf16, 5), "fp8_ms": round(fp8, 5)})

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from ..siblings import sibling
-from .checkpoint import fp8_min_rows
 from .config import ModelConfig
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
@@ -99,7 +98,8 @@ def gemm_weight(weights: dict[str, torch.Tensor], min_rows: dict[str, int], name
 class LayerWeights:
     """Views of one layer's artifact tensors (at_rows: those a GEMM of so many rows takes)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], i: int, min_rows: dict[str, int] | None = None) -> None:
+        """min_rows: the artifact's row floors (checkpoint.fp8_min_rows, read once for every layer)."""
         p = f"layers.{i}."
         self.attn_norm = weights[p + "attn_norm"]
         self.wqkv = weights[p + "wqkv"]
@@ -116,7 +116,7 @@ class LayerWeights:
         self.wgu_scale = weights.get(p + "wgu.scale")
         self.wdown_scale = weights.get(p + "wdown.scale")
         self._weights, self._prefix = weights, p
-        self._min_rows = {k: v for k, v in fp8_min_rows(weights).items() if k.startswith(p)}
+        self._min_rows = {k: v for k, v in (min_rows or {}).items() if k.startswith(p)}
 
     def at_rows(self, rows: int) -> LayerWeights:
         """This layer for activations of `rows` rows: an e4m3 weight below its row floor (gemm_weight)

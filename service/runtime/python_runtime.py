@@ -45,9 +45,10 @@ class PythonRuntime:
         num_positions = max(limits.max_prompt_tokens + limits.max_new_tokens, limits.max_score_tokens)
         cos, sin = rope_table(self.cfg, num_positions, self.device)
         self.kernels = kernels
-        self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i) for i in range(self.cfg.num_layers)],
+        floors = fp8_min_rows(weights)
+        self.ctx = NodeContext(self.cfg, weights, [LayerWeights(weights, i, floors) for i in range(self.cfg.num_layers)],
                                cos.to(self.dtype), sin.to(self.dtype),
-                               python_kernels(kernels, artifact, self.device, self.dtype), fp8_min_rows(weights))
+                               python_kernels(kernels, artifact, self.device, self.dtype), floors)
         self.last_timings: BatchTimings | None = None
 
     def load_catalogs(self, catalogs: Sequence[Catalog]) -> None:

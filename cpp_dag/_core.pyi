@@ -119,8 +119,12 @@ class TritonKernels:
     ) -> torch.Tensor: ...
     def beam_candidates(
         self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
-        allowed: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None, slot: torch.Tensor | None = None, src: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+    def beam_commit(
+        self, top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slot: torch.Tensor, vocab: int, step: int,
+        src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 class BeamWire:
     def __init__(self, token_bytes: list[bytes | None], model_vocab: int) -> None: ...

@@ -431,10 +431,25 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "beam_candidates",
           [](const TritonKernels& k, const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
-             int64_t num_parents, const std::optional<at::Tensor>& allowed) {
-            return k.beam_candidates(logits, beam_scores, num_candidates, num_parents, allowed.value_or(at::Tensor()));
+             int64_t num_parents, const std::optional<at::Tensor>& allowed, const std::optional<at::Tensor>& slot,
+             const std::optional<at::Tensor>& src) {
+            return k.beam_candidates(logits, beam_scores, num_candidates, num_parents, allowed.value_or(at::Tensor()),
+                                     slot.value_or(at::Tensor()), src.value_or(at::Tensor()));
           },
           py::arg("logits"), py::arg("beam_scores"), py::arg("num_candidates"), py::arg("num_parents"),
-          py::arg("allowed") = py::none());
+          py::arg("allowed") = py::none(), py::arg("slot") = py::none(), py::arg("src") = py::none())
+      .def(
+          "beam_commit",
+          [](const TritonKernels& k, const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths,
+             const at::Tensor& slot, int64_t vocab, int64_t step, const std::optional<at::Tensor>& src,
+             const std::optional<at::Tensor>& codes) {
+            auto out = k.beam_commit(top, seqs, widths, slot, vocab, step, src.value_or(at::Tensor()),
+                                     codes.value_or(at::Tensor()));
+            const at::Tensor& parent_rows = std::get<5>(out);
+            return py::make_tuple(std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
+                                  std::get<4>(out), parent_rows.defined() ? py::cast(parent_rows) : py::none());
+          },
+          py::arg("top"), py::arg("seqs"), py::arg("widths"), py::arg("slot"), py::arg("vocab"), py::arg("step"),
+          py::arg("src") = py::none(), py::arg("codes") = py::none());
 #endif
 }

@@ -5,12 +5,14 @@
 // The forward runs over N packed beam rows (each request's own width of rows); the bookkeeping is
 // [R, B] (beam_slot: each row's rank r * B + p, R * B for padding; beam_src: each rank's row, N for
 // a rank its request does not have). A request narrower than B keeps its extra ranks dead (-inf).
-// With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each row's top-B keys
-// in one pass over the model-dtype logits, then top-B of each request's B x B keys; every layer's
-// suffix K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all
-// after the last step. With catalogs, beam_allowed computes each row's allowed tokens from the trie
-// forest (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B]
-// (with the Triton kernels: kernels/trie.py's two lookups, a kernel each).
+// With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each packed row's top-B
+// keys in one pass over the model-dtype logits, written straight into its rank's place (slot / src),
+// then top-B of each request's B x B keys (torch), then one kernel for the bookkeeping (scores,
+// parents, tokens, sequences, each packed row's next token and parent row); every layer's suffix
+// K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all after the
+// last step. With catalogs, beam_allowed computes each row's allowed tokens from the trie forest
+// (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B] (with the
+// Triton kernels: kernels/trie.py's two lookups, a kernel each).
 // Mirrors service/runtime/nodes.py::beam_allowed / beam_init / beam_step, op for op.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/ops/arange.h>
@@ -73,8 +75,6 @@ class BeamState final : public SuffixOwner {
 };
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-// a rank its request does not have (nodes.py NO_KEY): below every candidate's key, decoded to parent 0, token 0
-constexpr int64_t kNoKey = std::numeric_limits<int64_t>::min() + 0xFFFFFFFF;
 
 at::Tensor mask_extra_beams(const at::Tensor& scores, const at::Tensor& widths) {
   at::Tensor rank = at::arange(scores.size(1), scores.options().dtype(at::kLong)).unsqueeze(0);
@@ -100,19 +100,12 @@ at::Tensor top_keys(at::Tensor keys, int64_t num_beams) {
   return std::get<0>(keys.topk(num_beams, -1));
 }
 
-// kernels/beam_topk.py::merge_candidates + decode_keys: keys [R x P, K] -> the B best of each
-// request's P x K (scores [R, B] float32, parents, tokens [R, B] int64). Exact integer ops on
-// unique keys: no ties, no rounding.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_candidates(const at::Tensor& keys, int64_t num_requests,
-                                                                int64_t num_beams, int64_t vocab) {
+// kernels/beam_topk.py::merge_keys: keys [R x P, K] -> the B best of each request's P x K, best first
+// [R, B] (one parent a request, the first token: already the answer). Exact integer ops on unique
+// keys: no ties, no rounding.
+at::Tensor merge_keys(const at::Tensor& keys, int64_t num_requests, int64_t num_beams) {
   at::Tensor per_request = keys.view({num_requests, -1});
-  if (per_request.size(1) != num_beams) per_request = top_keys(per_request, num_beams);
-  at::Tensor ordered = per_request.bitwise_right_shift(32);  // the score's ordered bits
-  at::Tensor flat = ordered.bitwise_left_shift(32).add(int64_t{0xFFFFFFFF}).sub(per_request);
-  at::Tensor scores =
-      ordered.bitwise_xor(ordered.bitwise_right_shift(31).bitwise_and(0x7FFFFFFF)).to(at::kInt).view(at::kFloat);
-  at::Tensor parents = flat.div(vocab, "floor");
-  return {scores, parents, flat.sub(parents.mul(vocab))};
+  return per_request.size(1) == num_beams ? per_request : top_keys(per_request, num_beams);
 }
 
 // nodes.py::code_columns_of: beam_codes [C] (a catalog's code tokens, then -1) -> [V]: each token's
@@ -205,25 +198,32 @@ class BeamInit final : public Node {
   void run(const Context& ctx, Env& env) const override {
     // [R, V] (model dtype when fused), [R], [N]
     const at::Tensor &logits = in(env, 0), &widths = in(env, 1), &slot = in(env, 3);
-    at::Tensor seqs = in(env, 2).clone();  // [R, B, n]; the batch's input buffer stays as the caller made it
+    at::Tensor seqs = in(env, 2);  // [R, B, n]; the batch's input buffer stays as the caller made it
     const int64_t b = seqs.size(1);
     const at::Tensor allowed = declares_input("allowed") ? read(env, "allowed") : at::Tensor();
-    at::Tensor scores, tokens;
-    if (ctx.fused) {  // one parent row per request, beam score 0
+    const at::Tensor codes = optional_input(env, "beam_codes");
+    at::Tensor scores, parents, tokens, row_tokens;
+    if (ctx.fused) {  // kernels/beam_topk.py: a parent row a request, beam score 0; the bookkeeping in one kernel
       const int64_t r = logits.size(0);
-      at::Tensor zero = at::zeros({r}, logits.options().dtype(at::kFloat));
-      std::tie(scores, std::ignore, tokens) =
-          merge_candidates(ctx.fused->beam_candidates(logits, zero, b, 1, allowed), r, b, logits.size(1));
+      const at::Tensor ranks = at::arange(r, logits.options().dtype(at::kLong));
+      const at::Tensor keys = ctx.fused->beam_candidates(logits, at::zeros({r}, logits.options().dtype(at::kFloat)),
+                                                         b, 1, allowed, ranks, ranks);
+      std::tie(seqs, scores, parents, tokens, row_tokens, std::ignore) =
+          ctx.fused->beam_commit(merge_keys(keys, r, b), seqs, widths, slot, logits.size(1), 0, at::Tensor(), codes);
     } else {
       std::tie(scores, tokens) = mask_logp(logits.log_softmax(-1), allowed).topk(b, -1);
+      tokens = to_code_tokens(codes, tokens);
+      seqs = seqs.clone();
+      seqs.select(2, 0).copy_(tokens);
+      scores = mask_extra_beams(scores, widths);
+      row_tokens = to_rows(tokens, slot, 0);
+      parents = at::zeros_like(tokens);
     }
-    tokens = to_code_tokens(optional_input(env, "beam_codes"), tokens);
     if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").expand_as(tokens), tokens));
-    seqs.select(2, 0).copy_(tokens);
     write(env, "beam_seqs", seqs);
-    write(env, "beam_scores", mask_extra_beams(scores, widths));
-    write(env, "beam_tokens", to_rows(tokens, slot, 0));  // [N]: the next step's input, per packed row
-    write(env, "beam_parents", at::zeros_like(tokens));
+    write(env, "beam_scores", scores);
+    write(env, "beam_tokens", row_tokens);  // [N]: the next step's input, per packed row
+    write(env, "beam_parents", parents);
   }
 };
 
@@ -241,30 +241,32 @@ class BeamStep final : public SuffixOwner {
     const at::Tensor &logits = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2), &widths = in(env, 3),
                      &slot = in(env, 4), &src = in(env, 5);
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
-    at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
     const at::Tensor allowed = declares_input("allowed") ? read(env, "allowed") : at::Tensor();
-    at::Tensor top_scores, parents, tokens;
+    const at::Tensor codes = optional_input(env, "beam_codes");
+    at::Tensor new_seqs, new_scores, parents, tokens, row_tokens, rows;
     if (ctx.fused) {
-      at::Tensor keys = ctx.fused->beam_candidates(logits, row_scores, b, 1, allowed);  // [N, B]: index = token
-      keys = keys.sub(slot.remainder(b).mul(vocab).unsqueeze(1));  // flat index p * V + token of the row's rank
-      keys = at::constant_pad_nd(keys, {0, 0, 0, 1}, kNoKey).index_select(0, src);  // [R*B, B]
-      std::tie(top_scores, parents, tokens) = merge_candidates(keys, r, b, vocab);
+      // each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), straight into its rank's place
+      // [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
+      const at::Tensor keys = ctx.fused->beam_candidates(logits, scores.reshape({-1}), b, b, allowed, slot, src);
+      std::tie(new_seqs, new_scores, parents, tokens, row_tokens, rows) =
+          ctx.fused->beam_commit(merge_keys(keys, r, b), seqs, widths, slot, vocab, spec_.step, src, codes);
     } else {
+      at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
       at::Tensor cand = mask_logp(logits.log_softmax(-1), allowed).add(row_scores.unsqueeze(1));  // [N, V]
       cand = at::constant_pad_nd(cand, {0, 0, 0, 1}, kNegInf).index_select(0, src);  // [R*B, V]
-      at::Tensor top_idx;
-      std::tie(top_scores, top_idx) = cand.reshape({r, b * vocab}).topk(b, -1);
+      auto [top_scores, top_idx] = cand.reshape({r, b * vocab}).topk(b, -1);
       parents = top_idx.div(vocab, "floor");
-      tokens = top_idx.sub(parents.mul(vocab));
+      tokens = to_code_tokens(codes, top_idx.sub(parents.mul(vocab)));
+      at::Tensor ranks = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
+      rows = to_rows(src.index_select(0, ranks), slot, 0);  // [N]: each packed row's parent row
+      new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();
+      new_seqs.select(2, spec_.step).copy_(tokens);
+      new_scores = mask_extra_beams(top_scores, widths);
+      row_tokens = to_rows(tokens, slot, 0);
     }
-    tokens = to_code_tokens(optional_input(env, "beam_codes"), tokens);
-    at::Tensor ranks = parents.add(at::arange(r, parents.options()).unsqueeze(1).mul(b)).reshape({-1});
-    at::Tensor rows = to_rows(src.index_select(0, ranks), slot, 0);  // [N]: each packed row's parent row
-    at::Tensor new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone();
-    new_seqs.select(2, spec_.step).copy_(tokens);
     write(env, "beam_seqs", new_seqs);
-    write(env, "beam_scores", mask_extra_beams(top_scores, widths));
-    write(env, "beam_tokens", to_rows(tokens, slot, 0));
+    write(env, "beam_scores", new_scores);
+    write(env, "beam_tokens", row_tokens);
     write(env, "beam_parents", parents);
     if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").gather(1, parents), tokens));
     if (!ctx.fused) {

@@ -7,6 +7,7 @@
 #include "msgpack_reader.h"
 #include "sha256.h"
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -400,18 +401,27 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor
 }
 
 at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores,
-                                          int64_t num_candidates, int64_t num_parents,
-                                          const at::Tensor& allowed) const {
+                                          int64_t num_candidates, int64_t num_parents, const at::Tensor& allowed,
+                                          const at::Tensor& slot_in, const at::Tensor& src_in) const {
   require(logits.dim() == 2 && logits.stride(1) == 1 && logits.stride(0) % 16 == 0,
           "beam_candidates: logits must be [rows, V] with contiguous rows of a multiple of 16 elements apart "
           "(the kernels are compiled for 16-byte vectors)");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  require(beam_scores.scalar_type() == at::kFloat && beam_scores.dim() == 1 && beam_scores.size(0) == rows &&
+  require(beam_scores.scalar_type() == at::kFloat && beam_scores.dim() == 1 && beam_scores.size(0) >= 1 &&
               beam_scores.is_contiguous(),
-          "beam_candidates: beam_scores must be a contiguous float32 [" + std::to_string(rows) + "]");
+          "beam_candidates: beam_scores must be a contiguous float32 [ranks]");
+  const int64_t ranks = beam_scores.size(0);
+  require(slot_in.defined() == src_in.defined(), "beam_candidates: give both slot and src, or neither");
+  const at::Tensor slot = slot_in.defined() ? slot_in : at::arange(rows, logits.options().dtype(at::kLong));
+  const at::Tensor src = src_in.defined() ? src_in : slot;
+  for (const auto& [name, t, n] : {std::tuple<const char*, const at::Tensor*, int64_t>{"slot", &slot, rows},
+                                   {"src", &src, ranks}}) {
+    require(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == n && t->is_contiguous(),
+            std::string("beam_candidates: ") + name + " must be a contiguous int64 [" + std::to_string(n) + "]");
+  }
   require(num_candidates >= 1 && num_candidates <= std::min<int64_t>(vocab, 1 << 16) && num_parents >= 1 &&
-              rows % num_parents == 0 && num_parents * vocab < (int64_t{1} << 32),
-          "beam_candidates: need 1 <= K <= V, rows a multiple of the parents per request, parents x V < 2^32");
+              ranks % num_parents == 0 && num_parents * vocab < (int64_t{1} << 32),
+          "beam_candidates: need 1 <= K <= V, ranks a multiple of the parents per request, parents x V < 2^32");
   const bool has_mask = allowed.defined();
   const int64_t words = (vocab + 31) / 32;
   require(!has_mask || (allowed.scalar_type() == at::kInt && allowed.dim() == 2 && allowed.size(0) == rows &&
@@ -430,19 +440,49 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Te
   at::Tensor pmax = at::empty({rows, parts}, f32), psum = at::empty({rows, parts}, f32);
   at::Tensor gpart = at::empty({rows, parts, ng}, f32), stats_buf = at::empty({rows, 4}, f32);
   at::Tensor count = at::empty({rows}, i32), buf = at::empty({rows, cap}, i32);
-  at::Tensor keys = at::empty({rows, num_candidates}, logits.options().dtype(at::kLong));
+  at::Tensor keys = at::empty({ranks, num_candidates}, logits.options().dtype(at::kLong));
   const at::Tensor& bits = has_mask ? allowed : count;  // never read without the mask
   const int32_t v = static_cast<int32_t>(vocab), stride = static_cast<int32_t>(logits.stride(0));
-  const int32_t w = static_cast<int32_t>(words);
+  const int32_t w = static_cast<int32_t>(words), n_ranks = static_cast<int32_t>(ranks);
   const uint32_t r = static_cast<uint32_t>(rows), p = static_cast<uint32_t>(parts);
-  launch(stats, {r, p, 1}, {logits, beam_scores, bits, pmax, psum, gpart, v, stride, w});
+  launch(stats, {r, p, 1}, {logits, beam_scores, slot, bits, pmax, psum, gpart, v, stride, w, n_ranks});
   launch(threshold, {r, 1, 1},
-         {beam_scores, pmax, psum, gpart, stats_buf, count, static_cast<int32_t>(num_candidates)});
-  launch(collect, {r, p, 1},
-         {logits, beam_scores, bits, stats_buf, count, buf, v, stride, w, static_cast<int32_t>(cap)});
-  launch(select, {r, 1, 1}, {logits, beam_scores, bits, stats_buf, count, buf, keys, v, stride, w,
-                             static_cast<int32_t>(num_candidates), static_cast<int32_t>(num_parents)});
+         {beam_scores, slot, pmax, psum, gpart, stats_buf, count, static_cast<int32_t>(num_candidates), n_ranks});
+  launch(collect, {r, p, 1}, {logits, bits, stats_buf, count, buf, v, stride, w, static_cast<int32_t>(cap)});
+  launch(select, {static_cast<uint32_t>(ranks), 1, 1},
+         {logits, bits, stats_buf, count, buf, src, keys, v, stride, w, static_cast<int32_t>(num_candidates),
+          static_cast<int32_t>(num_parents), static_cast<int32_t>(rows)});
   return keys;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
+    const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths, const at::Tensor& slot, int64_t vocab,
+    int64_t step, const at::Tensor& src, const at::Tensor& codes) const {
+  require(seqs.dim() == 3, "beam_commit: seqs must be [R, B, n]");
+  const int64_t r = seqs.size(0), b = seqs.size(1), n = seqs.size(2), rows = slot.numel();
+  for (const auto& [name, t, shape] : {std::tuple<const char*, const at::Tensor*, std::vector<int64_t>>{
+                                           "top", &top, {r, b}},
+                                       {"seqs", &seqs, {r, b, n}}, {"widths", &widths, {r}}, {"slot", &slot, {rows}},
+                                       {"src", &src, {r * b}}, {"codes", &codes, {}}}) {
+    if (!t->defined()) continue;
+    require(t->scalar_type() == at::kLong && t->is_contiguous() && (shape.empty() || t->sizes() == shape),
+            std::string("beam_commit: ") + name + " must be a contiguous int64 of the bookkeeping's shape");
+  }
+  require(step >= 0 && step < n, "beam_commit: step outside the sequence's columns");
+  constexpr int64_t kBlock = 128;  // kernels/beam_topk.py COMMIT_BLOCK (the variant's BLOCK)
+  const std::string variant = variant_name("beam_commit", at::kFloat, {{"codes", codes.defined() ? 1 : 0}});
+  require(impl_->get(variant).constexprs.at("BLOCK") == kBlock, "beam_commit: the compiled BLOCK is not 128");
+  at::Tensor seqs_out = at::empty_like(seqs), scores = at::empty({r, b}, top.options().dtype(at::kFloat));
+  at::Tensor parents = at::empty_like(top), tokens = at::empty_like(top);
+  at::Tensor row_tokens = at::empty({rows}, top.options()), parent_rows;
+  if (src.defined()) parent_rows = at::empty({rows}, top.options());
+  const int64_t rank_programs = (r * b + kBlock - 1) / kBlock;
+  launch(variant, {static_cast<uint32_t>(rank_programs + (rows + kBlock - 1) / kBlock), 1, 1},
+         {top, seqs, widths, slot, src.defined() ? src : slot, codes.defined() ? codes : slot, seqs_out, scores,
+          parents, tokens, row_tokens, src.defined() ? parent_rows : row_tokens, static_cast<int32_t>(r * b),
+          static_cast<int32_t>(b), static_cast<int32_t>(n), static_cast<int32_t>(step), static_cast<int32_t>(vocab),
+          static_cast<int32_t>(rows), static_cast<int32_t>(rank_programs), static_cast<int32_t>(src.defined())});
+  return {seqs_out, scores, parents, tokens, row_tokens, parent_rows};
 }
 
 #else  // no CUDA in this build: no object can be made (bindings.cpp binds the class only with CUDA)
@@ -497,8 +537,13 @@ at::Tensor TritonKernels::decode_attention(const at::Tensor&, const at::Tensor&,
                                            double) const {
   no_cuda();
 }
-at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                          const at::Tensor&) const {
+at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&) const {
+  no_cuda();
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+    const at::Tensor&) const {
   no_cuda();
 }
 

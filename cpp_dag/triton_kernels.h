@@ -1,9 +1,9 @@
 // Triton kernels compiled ahead of time (kernels/aot.py) into sm_90a cubins, loaded with the CUDA
 // driver API and launched on the current CUDA stream (so inside a graph capture too). Every module
 // is loaded when the object is made, before any capture; none is unloaded while the object lives.
-// The ops mirror the Python launchers of kernels/ (norm_act, qkv_rope, segment_attention, decode_attention, beam_topk)
-// (same variants, same grids); the Python runtime reaches these very launches through the
-// extension, which keeps both runtimes byte-identical.
+// The ops mirror the Python launchers of kernels/ (norm_act, fp8_quant, qkv_rope, segment_attention,
+// decode_attention, beam_topk, trie) (same variants, same grids); the Python runtime reaches these
+// very launches through the extension, which keeps both runtimes byte-identical.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,11 +76,23 @@ class TritonKernels {
                               const at::Tensor& kv_start, const at::Tensor& kv_len, const at::Tensor& suffix_k,
                               const at::Tensor& suffix_v, int64_t num_suffix, double scale) const;
   // The beam step's per-row selection (kernels/beam_topk.py::beam_candidates): logits [rows, V]
-  // (rows of one request consecutive, num_parents per request; contiguous rows); beam_scores [rows]
-  // float32 (-inf: a dead beam); allowed: undefined or an int32 [rows, ceil(V / 32)] token bitmask
-  // -> keys [rows, num_candidates] int64, each row's best candidates first (score, then flat index).
+  // (packed beam rows, contiguous); beam_scores [ranks] float32 (the [R, P] bookkeeping flattened;
+  // -inf: a dead beam); allowed: undefined or an int32 [rows, ceil(V / 32)] token bitmask; slot
+  // [rows] int64 (each row's rank; >= ranks: padding) and src [ranks] int64 (each rank's row; >= rows:
+  // none), both undefined: the rows are the ranks -> keys [ranks, num_candidates] int64, each rank's
+  // best candidates first (score, then flat index (rank % num_parents) * V + token); NO_KEY for a
+  // rank without a row.
   at::Tensor beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
-                             int64_t num_parents, const at::Tensor& allowed = at::Tensor()) const;
+                             int64_t num_parents, const at::Tensor& allowed = at::Tensor(),
+                             const at::Tensor& slot = at::Tensor(), const at::Tensor& src = at::Tensor()) const;
+  // A beam step's bookkeeping from the B best keys of each request (kernels/beam_topk.py::beam_commit):
+  // top [R, B], seqs [R, B, n], widths [R], slot [N], src [R * B] (undefined: the first token), codes
+  // [C] or undefined, all int64 -> (seqs with the parents' sequences and the new tokens at column step,
+  // scores [R, B] float32 (-inf past each width), parents, tokens [R, B], row_tokens [N], parent_rows
+  // [N] (undefined for the first token)).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_commit(
+      const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths, const at::Tensor& slot, int64_t vocab,
+      int64_t step, const at::Tensor& src = at::Tensor(), const at::Tensor& codes = at::Tensor()) const;
   // A catalog trie's lookups (kernels/trie.py; the forest of catalog_forest.h: int64 offsets, edge
   // tokens and children). trie [rows] int64 nodes (-1: unconstrained) -> the allowed-token bitmask
   // [rows, num_words] int32 that beam_candidates takes (cols [V] int64: the code column of each token,

@@ -240,40 +240,55 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
     from . import beam_topk
 
     widths = [1 << i for i in range(1, max_sort.bit_length()) if 1 << i <= max_sort]
-    ptrs = {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "allowed_ptr": "*i32"}
+    logits = {"x_ptr": f"*{dt}"}
     row = {"vocab": "i32", "stride_x": "i32", "words": "i32"}
     # 16-byte aligned buffers, and logits rows of a multiple of 16 elements (cpp_dag checks the stride)
-    aligned = ("x_ptr", "s_ptr", "allowed_ptr", "stride_x")
+    aligned = ("x_ptr", "s_ptr", "slot_ptr", "allowed_ptr", "stride_x")
     specs = []
     for ng, mask in itertools.product(sorted({beam_topk.sizes(k)["NG"] for k in widths}), (0, 1)):
         parts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": ng, "HAS_MASK": bool(mask), "INTERPRETED": False}
         specs.append(KernelSpec(
             variant_name("beam_stats", dt, g=ng, mask=mask), beam_topk.beam_stats_kernel,
-            {**ptrs, "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32", **row,
+            {**logits, "s_ptr": "*fp32", "slot_ptr": "*i64", "allowed_ptr": "*i32", "pmax_ptr": "*fp32",
+             "psum_ptr": "*fp32", "gpart_ptr": "*fp32", **row, "num_ranks": "i32",
              **dict.fromkeys(parts, "constexpr")}, parts,
             divisible_by_16=aligned + ("pmax_ptr", "psum_ptr", "gpart_ptr"), grid="(rows, NUM_PARTS, 1)"))
         specs.append(KernelSpec(
             variant_name("beam_collect", dt, g=ng, mask=mask), beam_topk.beam_collect_kernel,
-            {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", **row, "cap": "i32",
-             **dict.fromkeys(parts, "constexpr")}, parts,
-            divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr"), grid="(rows, NUM_PARTS, 1)"))
+            {**logits, "allowed_ptr": "*i32", "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", **row,
+             "cap": "i32", **dict.fromkeys(parts, "constexpr")}, parts,
+            divisible_by_16=("x_ptr", "allowed_ptr", "stride_x", "stats_ptr", "count_ptr", "buf_ptr"),
+            grid="(rows, NUM_PARTS, 1)"))
     for kp in widths:
         sz = beam_topk.sizes(kp)
         consts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": sz["NG"], "KP": kp}
         specs.append(KernelSpec(
             variant_name("beam_threshold", "fp32", g=sz["NG"], k=kp), beam_topk.beam_threshold_kernel,
-            {"s_ptr": "*fp32", "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32", "stats_ptr": "*fp32",
-             "count_ptr": "*i32", "num_candidates": "i32", **dict.fromkeys(consts, "constexpr")},
-            consts, divisible_by_16=("s_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr"),
+            {"s_ptr": "*fp32", "slot_ptr": "*i64", "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32",
+             "stats_ptr": "*fp32", "count_ptr": "*i32", "num_candidates": "i32", "num_ranks": "i32",
+             **dict.fromkeys(consts, "constexpr")},
+            consts, divisible_by_16=("s_ptr", "slot_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr"),
             grid="(rows, 1, 1)"))
         for mask in (0, 1):
             consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": bool(mask)}
             specs.append(KernelSpec(
                 variant_name("beam_select", dt, k=kp, mask=mask), beam_topk.beam_select_kernel,
-                {**ptrs, "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32", "out_ptr": "*i64", **row,
-                 "num_candidates": "i32", "num_parents": "i32", **dict.fromkeys(consts, "constexpr")},
+                {**logits, "allowed_ptr": "*i32", "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32",
+                 "src_ptr": "*i64", "out_ptr": "*i64", **row, "num_candidates": "i32", "num_parents": "i32",
+                 "num_rows": "i32", **dict.fromkeys(consts, "constexpr")},
                 consts, num_warps=sz["select_warps"],
-                divisible_by_16=aligned + ("stats_ptr", "count_ptr", "buf_ptr", "out_ptr"), grid="(rows, 1, 1)"))
+                divisible_by_16=("x_ptr", "allowed_ptr", "stride_x", "stats_ptr", "count_ptr", "buf_ptr", "src_ptr",
+                                 "out_ptr"), grid="(ranks, 1, 1)"))
+    i64 = ("top_ptr", "seqs_ptr", "widths_ptr", "slot_ptr", "src_ptr", "codes_ptr", "seqs_out_ptr")
+    for codes in (0, 1):  # the bookkeeping: integer work, one variant for every model (named fp32 as above)
+        specs.append(KernelSpec(
+            variant_name("beam_commit", "fp32", codes=codes), beam_topk.beam_commit_kernel,
+            {**dict.fromkeys(i64, "*i64"), "scores_out_ptr": "*fp32", "parents_out_ptr": "*i64",
+             "tokens_out_ptr": "*i64", "row_tokens_ptr": "*i64", "parent_rows_ptr": "*i64",
+             **dict.fromkeys(("num_ranks", "num_beams", "seq_len", "step", "vocab", "num_rows", "rank_programs",
+                              "is_step"), "i32"), "BLOCK": "constexpr", "HAS_CODES": "constexpr"},
+            {"BLOCK": beam_topk.COMMIT_BLOCK, "HAS_CODES": bool(codes)},
+            grid="(cdiv(ranks, BLOCK) + cdiv(rows, BLOCK), 1, 1)"))
     return specs
 
 

@@ -15,18 +15,24 @@ the work is per row, then a merge of P x K candidates. Per row, four launches:
      tokens close in id, often alike, land in different groups);
   2. `beam_threshold_kernel` (rows): log-sum-exp, and T = the K-th largest group max as a
      candidate score: K distinct tokens score >= T, so the row's top-K all score >= T;
-  3. `beam_collect_kernel` (rows x NUM_PARTS), second pass: the tokens scoring > T into a
-     per-row buffer of CAP slots (typically ~K of them: about one group in NG/K holds one);
-  4. `beam_select_kernel` (rows): the buffered tokens, plus the first tokens (by id) scoring
-     exactly T when fewer than K score above it, sorted as 64-bit keys (score, then flat index)
-     -> the row's K best keys (a sort of 2 KP keys when at most that many are buffered, the usual
-     case, else of all CAP). A row whose buffer overflowed finds its K-th score by bisection
-     over the row instead (exact, slow, rare).
+  3. `beam_collect_kernel` (rows x NUM_PARTS), second pass: the tokens scoring >= T (> T when T
+     is -inf: a masked row with fewer than K allowed groups) into a per-row buffer of CAP slots
+     (typically ~K of them: about one group in NG/K holds one, and the ties at T, which bf16
+     logits make common: ~7 at K = 100);
+  4. `beam_select_kernel` (ranks): the buffered tokens of the rank's row sorted as 64-bit keys
+     (score, then flat index) -> the K best keys (a sort of 2 KP keys when at most that many are
+     buffered, the usual case, else of all CAP). With T = -inf, fewer than K may be buffered: the
+     first tokens (by id) scoring -inf complete them. A row whose buffer overflowed finds its
+     K-th score by bisection over the row instead (exact, slow, rare).
 A row whose beam score is -inf (a dead beam of a narrow request) reads nothing: its K candidates
 are tokens 0..K-1 at -inf, as the reference orders them.
-Then `merge_candidates` (torch: top-B of the request's P x K keys, which are unique, so no ties
-remain; then the keys decoded) gives (scores [R, B], parents, tokens). Both runtimes run those
-very ATen ops after the same kernels, which keeps them byte-identical.
+The rows are packed (each request its own width of rows, padding after them) while the
+bookkeeping is [R, P]: slot (each row's rank) gives a row its score, src (each rank's row) gives a
+rank its keys, with the flat index (rank % P) * V + token; a rank without a row gets NO_KEYs.
+Then `merge_keys` (torch: top-B of the request's P x K keys, which are unique, so no ties remain)
+and `beam_commit_kernel` (the keys decoded into scores, parents, tokens, the sequences and each
+packed row's next token and parent row, in one launch) finish the step. Both runtimes run those
+very ops, which keeps them byte-identical.
 
 Keys: int64 (ordered float bits of c) << 32 | (2^32 - 1 - flat index): larger is better, and one
 signed comparison orders by score, then by lower flat index.
@@ -42,6 +48,11 @@ import triton.language as tl
 
 from . import COMPILE_OPTIONS
 
+# a rank without a row (a request narrower than its bucket): below every candidate's key (its score
+# bits under -inf's) and decoded to parent 0, token 0 (service/runtime/nodes.py and
+# cpp_dag/node_beam.cpp name the same value)
+NO_KEY_VALUE = -(2 ** 63) + 0xFFFFFFFF
+NO_KEY = tl.constexpr(NO_KEY_VALUE)
 NUM_PARTS = 8  # programs per row in the streaming kernels (1, 3): parallelism for few rows (8: measured best, H200)
 
 
@@ -111,14 +122,22 @@ def _stats_line(x_ptr, allowed_ptr, row, stride_x, words, vocab, line, run_max, 
 
 
 @triton.jit
-def beam_stats_kernel(x_ptr, s_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, vocab, stride_x, words,
-                      NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _row_score(s_ptr, slot_ptr, row, num_ranks):
+    """The beam score of a packed row: scores[slot[row]]; -inf for a padding row (slot >= num_ranks)."""
+    rank = tl.load(slot_ptr + row)
+    return tl.load(s_ptr + rank, mask=rank < num_ranks, other=float("-inf"))
+
+
+@triton.jit
+def beam_stats_kernel(x_ptr, s_ptr, slot_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, vocab, stride_x, words,
+                      num_ranks, NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     """Program (row, part) reads lines part, part + NUM_PARTS, ... of the row seen as [V / NG, NG]:
     its max and sum of exp(x - max) (online over lines), and per column j (group j) the max of the
     allowed tokens. Writes pmax/psum [rows, NUM_PARTS], gpart [rows, NUM_PARTS, NG]."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    live = tl.load(s_ptr + row) > float("-inf")
+    live = _row_score(s_ptr, slot_ptr, row, num_ranks) > float("-inf")
     j = tl.arange(0, NG)
     run_max = tl.full([NG], float("-inf"), tl.float32)  # per column: the online softmax of its tokens
     run_sum = tl.zeros([NG], tl.float32)
@@ -144,13 +163,13 @@ def beam_stats_kernel(x_ptr, s_ptr, allowed_ptr, pmax_ptr, psum_ptr, gpart_ptr, 
 
 
 @triton.jit
-def beam_threshold_kernel(s_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr, num_candidates,
-                          NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
+def beam_threshold_kernel(s_ptr, slot_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr, num_candidates,
+                          num_ranks, NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
     """Per row: its max and log(sum exp(x - max)), and T = the K-th largest group max as a
     candidate score (-inf with fewer than K allowed groups). Writes stats [rows, 4] = (max,
-    log-sum, T, -) and zeroes the row's collect count."""
+    log-sum, T, the row's beam score s) and zeroes the row's collect count."""
     row = tl.program_id(0).to(tl.int64)
-    s = tl.load(s_ptr + row)
+    s = _row_score(s_ptr, slot_ptr, row, num_ranks)
     live = s > float("-inf")
     p = tl.arange(0, NUM_PARTS)
     pmax = tl.load(pmax_ptr + row * NUM_PARTS + p)
@@ -167,6 +186,7 @@ def beam_threshold_kernel(s_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count
     tl.store(stats_ptr + row * 4 + 0, row_max)
     tl.store(stats_ptr + row * 4 + 1, log_sum)
     tl.store(stats_ptr + row * 4 + 2, thr)
+    tl.store(stats_ptr + row * 4 + 3, s)
     tl.store(count_ptr + row, 0)
 
 
@@ -176,21 +196,23 @@ def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, 
     cols = line * NG + tl.arange(0, NG)
     inb = cols < vocab
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, cols, inb, row_max, log_sum, s, HAS_MASK)
-    sel = (c > thr) & inb
+    # >= T takes the ties at T too (the select kernel then needs no scan for them); a -inf T would take
+    # every disallowed token
+    sel = tl.where(thr > float("-inf"), c >= thr, c > thr) & inb
     # a slot per selected token from the row's counter (few tokens a row: no reduction over the line)
     pos = tl.atomic_add(count_ptr + row + tl.zeros_like(cols), 1, mask=sel, sem="relaxed")
     tl.store(buf_ptr + row * cap + pos, cols, mask=sel & (pos < cap))
 
 
 @triton.jit
-def beam_collect_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab, stride_x, words, cap,
+def beam_collect_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab, stride_x, words, cap,
                         NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring > T to the row's
+    """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring >= T (> -inf) to the row's
     buffer buf [rows, cap] (slots taken with an atomic counter: any order, `beam_select_kernel` sorts);
     the count keeps growing past cap, which tells `beam_select_kernel` that the buffer overflowed."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    s = tl.load(s_ptr + row)
+    s = tl.load(stats_ptr + row * 4 + 3)
     row_max = tl.load(stats_ptr + row * 4 + 0)
     log_sum = tl.load(stats_ptr + row * 4 + 1)
     thr = tl.load(stats_ptr + row * 4 + 2)
@@ -224,12 +246,28 @@ def _count_at_least(x_ptr, allowed_ptr, row, stride_x, words, vocab, row_max, lo
 
 
 @triton.jit
-def beam_select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, out_ptr, vocab, stride_x, words,
-                       num_candidates, num_parents,
+def beam_select_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, src_ptr, out_ptr, vocab, stride_x, words,
+                       num_candidates, num_parents, num_rows,
                        NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Per row: its K best candidates as keys, best first, into out [rows, K]."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.load(s_ptr + row)
+    """Per rank (program): the K best candidates of its packed row src[rank], best first, as keys
+    whose flat index is (rank % num_parents) * V + token, into out [ranks, K]; a rank with no row
+    (src[rank] >= num_rows) gets K NO_KEYs."""
+    rank = tl.program_id(0).to(tl.int64)
+    row = tl.load(src_ptr + rank)
+    if row < num_rows:
+        top = _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, rank % num_parents, vocab,
+                          stride_x, words, num_candidates, NG, KP, CAP, HAS_MASK)
+    else:
+        top = tl.full([KP], NO_KEY, tl.int64)
+    kk = tl.arange(0, KP)
+    tl.store(out_ptr + rank * num_candidates + kk, top, mask=kk < num_candidates)
+
+
+@triton.jit
+def _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, parent, vocab, stride_x, words,
+                num_candidates, NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
+    """A row's KP best keys, best first (the caller stores the first K)."""
+    s = tl.load(stats_ptr + row * 4 + 3)
     row_max = tl.load(stats_ptr + row * 4 + 0)
     log_sum = tl.load(stats_ptr + row * 4 + 1)
     thr = tl.load(stats_ptr + row * 4 + 2)
@@ -261,8 +299,8 @@ def beam_select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr,
             n += tl.sum(sel, axis=0)
             start += NG
     if n < k:
-        # the K-th largest score is T itself: add the first K - n tokens (by id) scoring exactly T.
-        # At least K tokens score >= T, so the scan ends before the row does.
+        # the K-th largest score is T itself (-inf, or the bisection's): add the first K - n tokens (by
+        # id) scoring exactly T. At least K tokens score >= T, so the scan ends before the row does.
         need = k - n
         got = 0
         start = 0
@@ -279,40 +317,44 @@ def beam_select_kernel(x_ptr, s_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr,
     tl.debug_barrier()  # this program's buffer stores are visible to all its threads
     # typically ~K tokens are buffered: sort the first 2 KP slots then, all CAP only when more are
     if n <= 2 * KP:
-        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max,
+        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max,
                             log_sum, s, CAP, 2 * KP, KP, HAS_MASK)
     else:
-        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max,
+        top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max,
                             log_sum, s, CAP, CAP, KP, HAS_MASK)
-    kk = tl.arange(0, KP)
-    tl.store(out_ptr + row * k + kk, top, mask=kk < k)
+    return top
 
 
 @triton.jit
-def _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, num_parents, n, row_max, log_sum, s,
+def _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max, log_sum, s,
                   CAP: tl.constexpr, WIDTH: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr):
-    """The KP best keys of the row's first n (<= WIDTH) buffered tokens, best first."""
+    """The KP best keys of the row's first n (<= WIDTH) buffered tokens, best first (flat index
+    parent * V + token)."""
     i = tl.arange(0, WIDTH)
     valid = i < n
     tok = tl.load(buf_ptr + row * CAP + i, mask=valid, other=0)
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, tok, valid, row_max, log_sum, s, HAS_MASK)
-    flat = (row % num_parents) * vocab + tok
+    flat = parent * vocab + tok
     key = tl.where(valid, _key(c, flat), -(2 ** 63))
     return tl.topk(key, KP)
 
 
 def _check(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
-           allowed: torch.Tensor | None) -> None:
+           allowed: torch.Tensor | None, slot: torch.Tensor, src: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.bfloat16,
                                                                             torch.float16):
         raise ValueError(f"beam_topk: logits must be [rows, V] float32/bfloat16/float16 with contiguous rows, got "
                          f"{list(logits.shape)} {logits.dtype} strides {logits.stride()}")
     rows, vocab = logits.shape
-    if beam_scores.dtype != torch.float32 or beam_scores.shape != (rows,) or not beam_scores.is_contiguous():
-        raise ValueError(f"beam_topk: beam_scores must be a contiguous float32 [{rows}], got "
+    ranks = beam_scores.shape[0] if beam_scores.dim() == 1 else -1
+    if beam_scores.dtype != torch.float32 or ranks < 1 or not beam_scores.is_contiguous():
+        raise ValueError(f"beam_topk: beam_scores must be a contiguous float32 [ranks], got "
                          f"{list(beam_scores.shape)} {beam_scores.dtype}")
-    if not 1 <= num_candidates <= min(vocab, 1 << 16) or num_parents < 1 or rows % num_parents:
-        raise ValueError(f"beam_topk: need 1 <= K ({num_candidates}) <= V ({vocab}) and rows ({rows}) a multiple "
+    for name, t, n in (("slot", slot, rows), ("src", src, ranks)):
+        if t.dtype != torch.int64 or t.shape != (n,) or not t.is_contiguous():
+            raise ValueError(f"beam_topk: {name} must be a contiguous int64 [{n}], got {list(t.shape)} {t.dtype}")
+    if not 1 <= num_candidates <= min(vocab, 1 << 16) or num_parents < 1 or ranks % num_parents:
+        raise ValueError(f"beam_topk: need 1 <= K ({num_candidates}) <= V ({vocab}) and ranks ({ranks}) a multiple "
                          f"of the parents per request ({num_parents})")
     if num_parents * vocab >= 1 << 32:
         raise ValueError("beam_topk: parents x vocabulary must stay below 2^32 (the key's index field)")
@@ -322,11 +364,33 @@ def _check(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int,
 
 
 def beam_candidates(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
-                    allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [rows, V] (rows = R x P, request-major); beam_scores [rows] float32 (the parent's
-    score; -inf: a dead beam); allowed: None or an int32 [rows, ceil(V / 32)] bitmask (bit v % 32
-    of word v // 32: token v allowed). Returns keys [rows, K] int64, each row's K best first."""
-    _check(logits, beam_scores, num_candidates, num_parents, allowed)
+                    allowed: torch.Tensor | None = None, slot: torch.Tensor | None = None,
+                    src: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, V] (packed beam rows); beam_scores [ranks] float32 (the [R, P] bookkeeping
+    flattened, request-major; -inf: a dead beam); slot [rows] int64: each row's rank (>= ranks: a
+    padding row, read as dead); src [ranks] int64: each rank's row (>= rows: a rank without one);
+    slot and src None: rows are the ranks. allowed: None or an int32 [rows, ceil(V / 32)] bitmask
+    (bit v % 32 of word v // 32: token v allowed). Returns keys [ranks, K] int64: each rank's K best
+    first, flat index (rank % P) * V + token; NO_KEY for a rank without a row."""
+    rows, vocab = logits.shape
+    if slot is None and src is None:
+        slot = src = torch.arange(rows, device=logits.device)
+    _check(logits, beam_scores, num_candidates, num_parents, allowed, slot, src)
+    ranks = beam_scores.shape[0]
+    sz = sizes(num_candidates)
+    stats, count, buf = row_passes(logits, beam_scores, slot, num_candidates, allowed)
+    keys = torch.empty(ranks, num_candidates, dtype=torch.int64, device=logits.device)
+    beam_select_kernel[(ranks,)](logits, allowed if allowed is not None else count, stats, count, buf, src, keys,
+                                 vocab, logits.stride(0), (vocab + 31) // 32, num_candidates, num_parents, rows,
+                                 NG=sz["NG"], KP=sz["KP"], CAP=sz["CAP"], HAS_MASK=allowed is not None,
+                                 num_warps=sz["select_warps"], **COMPILE_OPTIONS)
+    return keys
+
+
+def row_passes(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tensor, num_candidates: int,
+               allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three launches before the select (stats, threshold, collect): stats [rows, 4] (max,
+    log-sum, T, s), count [rows] (tokens buffered; > CAP: overflowed) and buf [rows, CAP]."""
     rows, vocab = logits.shape
     sz = sizes(num_candidates)
     ng, kp, cap = sz["NG"], sz["KP"], sz["CAP"]
@@ -337,24 +401,20 @@ def beam_candidates(logits: torch.Tensor, beam_scores: torch.Tensor, num_candida
     stats = torch.empty(rows, 4, dtype=torch.float32, device=dev)
     count = torch.empty(rows, dtype=torch.int32, device=dev)
     buf = torch.empty(rows, cap, dtype=torch.int32, device=dev)
-    keys = torch.empty(rows, num_candidates, dtype=torch.int64, device=dev)
     mask = allowed if allowed is not None else count  # never read without HAS_MASK
-    words = (vocab + 31) // 32
+    words, ranks = (vocab + 31) // 32, beam_scores.shape[0]
     has_mask = allowed is not None
     stride = logits.stride(0)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    beam_stats_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, pmax, psum, gpart, vocab, stride, words,
-                                         NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
-                                         **COMPILE_OPTIONS)
-    beam_threshold_kernel[(rows,)](beam_scores, pmax, psum, gpart, stats, count, num_candidates,
+    beam_stats_kernel[(rows, NUM_PARTS)](logits, beam_scores, slot, mask, pmax, psum, gpart, vocab, stride, words,
+                                         ranks, NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask,
+                                         INTERPRETED=interpreted, **COMPILE_OPTIONS)
+    beam_threshold_kernel[(rows,)](beam_scores, slot, pmax, psum, gpart, stats, count, num_candidates, ranks,
                                    NUM_PARTS=NUM_PARTS, NG=ng, KP=kp, **COMPILE_OPTIONS)
-    beam_collect_kernel[(rows, NUM_PARTS)](logits, beam_scores, mask, stats, count, buf, vocab, stride, words, cap,
+    beam_collect_kernel[(rows, NUM_PARTS)](logits, mask, stats, count, buf, vocab, stride, words, cap,
                                            NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
                                            **COMPILE_OPTIONS)
-    beam_select_kernel[(rows,)](logits, beam_scores, mask, stats, count, buf, keys, vocab, stride, words,
-                                num_candidates, num_parents, NG=ng, KP=kp, CAP=cap, HAS_MASK=has_mask,
-                                num_warps=sz["select_warps"], **COMPILE_OPTIONS)
-    return keys
+    return stats, count, buf
 
 
 def decode_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -364,6 +424,102 @@ def decode_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Ten
     scores = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(torch.int32).view(torch.float32)
     parents = torch.div(flat, vocab, rounding_mode="floor")
     return scores, parents, flat - parents * vocab
+
+
+@triton.jit
+def _decode_key(key, vocab):
+    """A key (int64) -> its score (float32), parent (key's flat index // V) and token (% V)."""
+    ordered = key >> 32  # the score's ordered bits (an int32's range)
+    flat = ((ordered + 1) << 32) - 1 - key
+    parent = flat // vocab
+    return _from_ordered(ordered.to(tl.int32)), parent, flat - parent * vocab
+
+
+@triton.jit
+def _code_token(codes_ptr, col, ok, HAS_CODES: tl.constexpr):
+    """A chosen column's token: itself, or through codes (a padding column -1, only ever a dead beam's: 0)."""
+    if HAS_CODES:
+        return tl.maximum(tl.load(codes_ptr + col, mask=ok, other=0), 0)
+    return col
+
+
+@triton.jit
+def beam_commit_kernel(top_ptr, seqs_ptr, widths_ptr, slot_ptr, src_ptr, codes_ptr, seqs_out_ptr, scores_out_ptr,
+                       parents_out_ptr, tokens_out_ptr, row_tokens_ptr, parent_rows_ptr, num_ranks, num_beams,
+                       seq_len, step, vocab, num_rows, rank_programs, is_step,
+                       BLOCK: tl.constexpr, HAS_CODES: tl.constexpr):
+    """The programs below rank_programs take BLOCK ranks each: decode the rank's key, write its score
+    (-inf past its request's width), parent, token and sequence (its parent's, is_step; its own, the
+    first step), token at column `step`. The others take BLOCK packed rows each: the row's next input
+    token and (is_step) its parent's row, both 0 for a padding row."""
+    pid = tl.program_id(0)
+    if pid < rank_programs:
+        rank = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = rank < num_ranks
+        score, parent, col = _decode_key(tl.load(top_ptr + rank, mask=ok, other=0), vocab)
+        token = _code_token(codes_ptr, col, ok, HAS_CODES)
+        r = rank // num_beams
+        p = rank - r * num_beams
+        width = tl.load(widths_ptr + r, mask=ok, other=0)
+        tl.store(scores_out_ptr + rank, tl.where(p < width, score, float("-inf")), mask=ok)
+        tl.store(parents_out_ptr + rank, parent, mask=ok)
+        tl.store(tokens_out_ptr + rank, token, mask=ok)
+        from_rank = r * num_beams + tl.where(is_step != 0, parent, p)
+        j = 0
+        while j < seq_len:
+            v = tl.load(seqs_ptr + from_rank * seq_len + j, mask=ok, other=0)
+            tl.store(seqs_out_ptr + rank * seq_len + j, tl.where(j == step, token, v), mask=ok)
+            j += 1
+    else:
+        row = (pid - rank_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = row < num_rows
+        rank = tl.load(slot_ptr + row, mask=ok, other=0)
+        real = ok & (rank < num_ranks)
+        _, parent, col = _decode_key(tl.load(top_ptr + rank, mask=real, other=0), vocab)
+        token = _code_token(codes_ptr, col, real, HAS_CODES)
+        tl.store(row_tokens_ptr + row, tl.where(real, token, 0), mask=ok)
+        if is_step != 0:
+            prow = tl.load(src_ptr + (rank // num_beams) * num_beams + parent, mask=real, other=0)
+            tl.store(parent_rows_ptr + row, tl.where(real, prow, 0), mask=ok)
+
+
+COMMIT_BLOCK = 128  # ranks or rows a beam_commit program
+
+
+def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slot: torch.Tensor, vocab: int,
+                step: int, src: torch.Tensor | None = None, codes: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ...]:
+    """A beam step's bookkeeping from its B best keys a request, in one kernel. top [R, B] int64
+    (top_keys); seqs [R, B, n] int64; widths [R] int64; slot [N] int64 (each packed row's rank,
+    R * B: padding); vocab: the logits' columns (the key's flat index is parent * vocab + column);
+    step: the column of seqs the new tokens go to; src [R * B] int64 (each rank's row) for a decode
+    step, None for the first token (one parent: every beam keeps its own sequence); codes [C] int64
+    or None: the tokens of the columns. Returns (seqs [R, B, n] with the parents' sequences and the
+    new tokens, scores [R, B] float32 (-inf past each request's width), parents [R, B], tokens
+    [R, B], row_tokens [N] (each packed row's next input; 0 for padding), parent_rows [N] (each
+    packed row's parent row; None for the first token))."""
+    r, b, n = seqs.shape
+    rows = slot.shape[0]
+    for name, t, shape in (("top", top, (r, b)), ("seqs", seqs, (r, b, n)), ("widths", widths, (r,)),
+                           ("slot", slot, (rows,)), ("src", src, (r * b,)), ("codes", codes, None)):
+        if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or (shape and t.shape != shape)):
+            raise ValueError(f"beam_commit: {name} must be a contiguous int64 {list(shape or ['C'])}, got "
+                             f"{list(t.shape)} {t.dtype}")
+    if not 0 <= step < n:
+        raise ValueError(f"beam_commit: step {step} outside the sequence's {n} columns")
+    dev = top.device
+    seqs_out = torch.empty_like(seqs)
+    scores = torch.empty(r, b, dtype=torch.float32, device=dev)
+    parents, tokens = torch.empty_like(top), torch.empty_like(top)
+    row_tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    parent_rows = torch.empty(rows, dtype=torch.int64, device=dev) if src is not None else None
+    rank_programs = triton.cdiv(r * b, COMMIT_BLOCK)
+    beam_commit_kernel[(rank_programs + triton.cdiv(rows, COMMIT_BLOCK),)](
+        top, seqs, widths, slot, src if src is not None else slot, codes if codes is not None else slot, seqs_out,
+        scores, parents, tokens, row_tokens, parent_rows if parent_rows is not None else row_tokens, r * b, b, n,
+        step, vocab, rows, rank_programs, int(src is not None), BLOCK=COMMIT_BLOCK, HAS_CODES=codes is not None,
+        **COMPILE_OPTIONS)
+    return seqs_out, scores, parents, tokens, row_tokens, parent_rows
 
 
 # The merge in rounds: top-B of every MERGE_GROUP x B keys, then of the winners. torch's top-k
@@ -387,15 +543,18 @@ def top_keys(keys: torch.Tensor, num_beams: int) -> torch.Tensor:
     return keys.topk(num_beams, dim=-1).values
 
 
+def merge_keys(keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.Tensor:
+    """keys [R x P, K] (beam_candidates) -> the B best of each request's P x K, best first [R, B]:
+    one parent a request (the first token) is already the answer. The keys are unique, so the
+    top-k has no ties to break. cpp_dag/node_beam.cpp runs the same ops."""
+    per_request = keys.view(num_requests, -1)
+    return per_request if per_request.shape[1] == num_beams else top_keys(per_request, num_beams)
+
+
 def merge_candidates(keys: torch.Tensor, num_requests: int, num_beams: int,
                      vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys [R x P, K] (beam_candidates) -> the B best of each request's P x K candidates:
-    (scores [R, B] float32, parents [R, B] int64, tokens [R, B] int64), best first. The keys are
-    unique, so the top-k has no ties to break. cpp_dag/node_beam.cpp runs the same ops."""
-    per_request = keys.view(num_requests, -1)
-    if per_request.shape[1] != num_beams:  # one parent per request (beam_init): already the answer
-        per_request = top_keys(per_request, num_beams)
-    return decode_keys(per_request, vocab)
+    """merge_keys, decoded: (scores [R, B] float32, parents [R, B] int64, tokens [R, B] int64)."""
+    return decode_keys(merge_keys(keys, num_requests, num_beams), vocab)
 
 
 def beam_topk(logits: torch.Tensor, beam_scores: torch.Tensor, num_beams: int,

@@ -25,7 +25,7 @@ from ..siblings import sibling
 _attention = sibling("kernels.attention")
 masked_attention_ref, segment_bounds = _attention.masked_attention_ref, _attention.segment_bounds
 segment_key_ranges, varlen_attention = _attention.segment_key_ranges, _attention.varlen_attention
-merge_candidates = sibling("kernels.beam_topk").merge_candidates
+merge_keys = sibling("kernels.beam_topk").merge_keys
 _trie = sibling("kernels.trie")
 trie_children_ref, trie_advance_ref = _trie.trie_children_ref, _trie.trie_advance_ref
 
@@ -223,11 +223,6 @@ def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
     set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=seqs.device))
 
 
-# a rank its request does not have (kernels/beam_topk.py keys): below every candidate's key (its
-# score bits under -inf's) and decoded to parent 0, token 0, so that every index stays in range
-NO_KEY = -(2 ** 63) + 0xFFFFFFFF
-
-
 def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:
     """[R, B] bookkeeping -> [N] packed beam rows: row i takes rect.view(-1)[slot[i]]; a padding row
     (slot R*B, one past the end) takes pad."""
@@ -315,23 +310,28 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     logits, widths, seqs, slot = (env[n] for n in node.inputs[:4])
     num_beams = seqs.shape[1]
     allowed = env["allowed"] if "allowed" in node.inputs else None
-    if ctx.fused is not None:  # kernels/beam_topk.py with one parent row per request, beam score 0
+    codes = optional_input(node, env, "beam_codes")
+    if ctx.fused is not None:  # kernels/beam_topk.py: a parent row a request, beam score 0; the bookkeeping in one kernel
         r, vocab = logits.shape
-        zero = torch.zeros(r, dtype=torch.float32, device=logits.device)
-        scores, _, tokens = merge_candidates(ctx.fused.beam_candidates(logits, zero, num_beams, 1, allowed), r,
-                                             num_beams, vocab)
+        ranks = torch.arange(r, device=logits.device)
+        keys = ctx.fused.beam_candidates(logits, torch.zeros(r, dtype=torch.float32, device=logits.device), num_beams,
+                                         1, allowed, ranks, ranks)
+        seqs, scores, parents, tokens, row_tokens, _ = ctx.fused.beam_commit(
+            merge_keys(keys, r, num_beams), seqs, widths, slot, vocab, 0, None, codes)
     else:
         logp = _mask_logp(torch.log_softmax(logits, dim=-1), allowed)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
-    tokens = to_code_tokens(optional_input(node, env, "beam_codes"), tokens)
+        tokens = to_code_tokens(codes, tokens)
+        seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
+        seqs[:, :, 0] = tokens
+        scores, parents = _mask_extra_beams(scores, widths), torch.zeros_like(tokens)
+        row_tokens = to_rows(tokens, slot, 0)
     if allowed is not None:
         env["beam_trie"] = advance_trie(ctx, env["beam_trie"].expand_as(tokens), tokens)
-    seqs = seqs.clone()  # the batch's input buffer stays as the caller made it
-    seqs[:, :, 0] = tokens
     env["beam_seqs"] = seqs
-    env["beam_scores"] = _mask_extra_beams(scores, widths)
-    env["beam_tokens"] = to_rows(tokens, slot, 0)  # [N]: the next step's input, per packed row
-    env["beam_parents"] = torch.zeros_like(tokens)
+    env["beam_scores"] = scores
+    env["beam_tokens"] = row_tokens  # [N]: the next step's input, per packed row
+    env["beam_parents"] = parents
 
 
 def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
@@ -343,27 +343,29 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     logits, scores, seqs, widths, slot, src = (env[n] for n in node.inputs[:6])
     r, b = scores.shape
     vocab = logits.shape[-1]
-    row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
     allowed = env["allowed"] if "allowed" in node.inputs else None
-    if ctx.fused is not None:  # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), then top-B of B x B
-        keys = ctx.fused.beam_candidates(logits, row_scores, b, 1, allowed)  # [N, B], one parent a row: index = token
-        keys = keys - (slot.remainder(b) * vocab).unsqueeze(1)  # flat index p * V + token of the row's rank p
-        keys = torch.constant_pad_nd(keys, [0, 0, 0, 1], NO_KEY).index_select(0, src)  # [R*B, B]
-        top_scores, parents, tokens = merge_candidates(keys, r, b, vocab)
+    codes = optional_input(node, env, "beam_codes")
+    if ctx.fused is not None:
+        # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), straight into its rank's place
+        # [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
+        keys = ctx.fused.beam_candidates(logits, scores.reshape(-1), b, b, allowed, slot, src)
+        new_seqs, new_scores, parents, tokens, row_tokens, rows = ctx.fused.beam_commit(
+            merge_keys(keys, r, b), seqs, widths, slot, vocab, node.step, src, codes)
     else:
+        row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
         cand = _mask_logp(torch.log_softmax(logits, dim=-1), allowed) + row_scores.unsqueeze(1)  # [N, V]
         cand = torch.constant_pad_nd(cand, [0, 0, 0, 1], float("-inf")).index_select(0, src)  # [R*B, V]
         top_scores, top_idx = cand.reshape(r, b * vocab).topk(b, dim=-1)  # [R, B]
         parents = torch.div(top_idx, vocab, rounding_mode="floor")
-        tokens = top_idx - parents * vocab
-    tokens = to_code_tokens(optional_input(node, env, "beam_codes"), tokens)
-    ranks = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]: parent ranks
-    rows = to_rows(src.index_select(0, ranks), slot, 0)  # [N]: each packed row's parent row
-    new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()
-    new_seqs[:, :, node.step] = tokens
+        tokens = to_code_tokens(codes, top_idx - parents * vocab)
+        ranks = (parents + torch.arange(r, device=parents.device).unsqueeze(1) * b).reshape(-1)  # [R*B]: parent ranks
+        rows = to_rows(src.index_select(0, ranks), slot, 0)  # [N]: each packed row's parent row
+        new_seqs = seqs.gather(1, parents.unsqueeze(-1).expand_as(seqs)).clone()
+        new_seqs[:, :, node.step] = tokens
+        new_scores, row_tokens = _mask_extra_beams(top_scores, widths), to_rows(tokens, slot, 0)
     env["beam_seqs"] = new_seqs
-    env["beam_scores"] = _mask_extra_beams(top_scores, widths)
-    env["beam_tokens"] = to_rows(tokens, slot, 0)
+    env["beam_scores"] = new_scores
+    env["beam_tokens"] = row_tokens
     env["beam_parents"] = parents
     if allowed is not None:
         env["beam_trie"] = advance_trie(ctx, env["beam_trie"].gather(1, parents), tokens)

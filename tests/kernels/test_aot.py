@@ -49,7 +49,9 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
                         "rms_norm_fp8.n128.res0.bf16", "rms_norm_fp8.n128.res1.bf16", "silu_mul_fp8.i384.bf16",
                         "quantize_rows.n128.bf16",
                         # a catalog trie's lookups: integer kernels, one variant for every model
-                        "trie_allowed.cols0.fp32", "trie_allowed.cols1.fp32", "trie_advance.fp32"} | BEAM_TOPK_VARIANTS
+                        "trie_allowed.cols0.fp32", "trie_allowed.cols1.fp32", "trie_advance.fp32",
+                        # the beam step's bookkeeping: integer kernels, one variant for every model
+                        "beam_commit.codes0.fp32", "beam_commit.codes1.fp32"} | BEAM_TOPK_VARIANTS
     assert msgpack.unpackb((out / "kernels.msgpack").read_bytes()) == manifest
     for k in manifest["kernels"]:
         blob = (out / k["cubin"]).read_bytes()

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.beam_topk import (MERGE_GROUP, MERGE_ROUNDS_WIDTHS, allowed_bitmask, beam_candidates, beam_topk, beam_topk_ref, sizes,
-                               top_keys)
+from kernels.beam_topk import (MERGE_GROUP, MERGE_ROUNDS_WIDTHS, NO_KEY_VALUE, allowed_bitmask, beam_candidates,
+                               beam_commit, beam_topk, beam_topk_ref, decode_keys, row_passes, sizes, top_keys)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,12 +189,112 @@ def test_top_keys_in_rounds_is_topk(device: str, r: int, n: int, b: int) -> None
     assert torch.equal(top_keys(keys, b)[:, 0], keys[:, -1])
 
 
+def _packing(widths: list[int], b: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """service/runtime/batch.py::pack_beam's placement: (slot [rows], src [R * B]) for requests of
+    these widths, each its width of rows back to back, padding rows after."""
+    slot, src = [], []
+    for r, w in enumerate(widths):
+        src += [len(slot) + p for p in range(w)] + [rows] * (b - w)
+        slot += [r * b + p for p in range(w)]
+    return torch.tensor(slot + [len(widths) * b] * (rows - len(slot))), torch.tensor(src)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", [False, True])
+def test_packed_rows_give_each_rank_its_rows_keys(device: str, mask: bool) -> None:
+    """Packed rows (requests of widths 3, 1, 4 and an empty slot in a [4, 4] bookkeeping, two
+    padding rows): each rank gets the keys its row would get alone with the rank's flat index,
+    a rank without a row gets NO_KEYs: the ATen ops the runtimes ran before."""
+    b, vocab, widths, rows = 4, 3000, [3, 1, 4, 0], 10
+    slot, src = _packing(widths, b, rows)
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, torch.bfloat16)
+    scores = (-5 * torch.rand(len(widths), b, generator=g)).to(device)
+    scores[0, 2] = float("-inf")  # a dead beam of a live request
+    slot, src = slot.to(device), src.to(device)
+    allowed = allowed_bitmask(torch.rand(rows, vocab, generator=g).to(device) < 0.3) if mask else None
+    got = beam_candidates(logits, scores.reshape(-1), b, b, allowed, slot=slot, src=src)
+    row_scores = torch.constant_pad_nd(scores.reshape(-1), [0, 1], float("-inf")).index_select(0, slot)
+    alone = beam_candidates(logits, row_scores, b, 1, allowed) - ((slot % b) * vocab).unsqueeze(1)
+    want = torch.constant_pad_nd(alone, [0, 0, 0, 1], NO_KEY_VALUE).index_select(0, src)
+    assert torch.equal(got, want)
+    assert (got[src == rows] == NO_KEY_VALUE).all() and (src == rows).sum() == 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_collect_buffers_the_ties_at_the_threshold(device: str) -> None:
+    """bf16 logits tie often at the K-th group max T (~7 tokens at K = 100 here). The collect pass
+    buffers every token scoring >= T, so at least K, and the select never scans a row for ties:
+    each count equals the reference's count of candidates >= T, and is >= K."""
+    k, vocab, rows = 100, 20000, 6
+    logits, scores = _inputs(31, 1, rows, vocab, torch.bfloat16, device, scale=3.0)
+    flat = scores.reshape(-1).contiguous()
+    stats, count, _ = row_passes(logits, flat, torch.arange(rows, device=device), k, None)
+    assert torch.allclose(stats[:, 0] + stats[:, 1], torch.logsumexp(logits.float(), -1))
+    cand = ((logits.float() - stats[:, :1]) - stats[:, 1:2]) + flat.unsqueeze(1)  # the kernels' arithmetic
+    thr = stats[:, 2:3]
+    assert torch.equal(count.long().cpu(), (cand >= thr).sum(1).cpu()) and (count >= k).all()
+    assert ((cand == thr).sum(1) > 1).any(), "no row has a tie at T: the test shows nothing"
+
+
+def _keys(scores: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Keys of (score, flat index), as the kernels make them (decode_keys' inverse)."""
+    bits = scores.view(torch.int32).to(torch.int64)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return ((ordered + 1) << 32) - 1 - flat
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("first,codes", [(False, False), (True, False), (False, True), (True, True)])
+def test_beam_commit_equals_the_aten_bookkeeping(device: str, first: bool, codes: bool) -> None:
+    """The commit kernel against the ATen ops the runtimes ran (service/runtime/nodes.py before):
+    decoded keys, scores masked past each width, the parents' sequences with the new tokens, each
+    packed row's token and parent row; through a catalog's code columns (a padding column -1
+    becomes token 0), and the first token (one parent, each beam its own sequence)."""
+    b, n, widths, rows = 5, 4, [5, 2, 0, 3], 12
+    r, vocab, step = len(widths), 50, 0 if first else 2
+    slot, src = _packing(widths, b, rows)
+    g = torch.Generator().manual_seed(9 + first + 2 * codes)
+    parents = torch.zeros(r, b, dtype=torch.int64) if first else torch.randint(0, b, (r, b), generator=g)
+    cols = torch.randint(0, vocab, (r, b), generator=g)
+    scores = -10 * torch.rand(r, b, generator=g)
+    scores[1, 3] = float("-inf")
+    top = _keys(scores, parents * vocab + cols)
+    top[2] = NO_KEY_VALUE  # an empty request slot: parent 0, token 0
+    seqs = torch.randint(0, 1000, (r, b, n), generator=g)
+    code_tokens = torch.cat([torch.randint(0, 151936, (vocab - 3,), generator=g), torch.full((3,), -1)]) \
+        if codes else None
+    width_t = torch.tensor(widths)
+    to = lambda *ts: [t.to(device) if t is not None else None for t in ts]  # noqa: E731
+    got = beam_commit(*to(top, seqs, width_t, slot), vocab, step, *to(None if first else src, code_tokens))
+    # the ATen ops (nodes.py's decode_keys, to_code_tokens, _mask_extra_beams, to_rows, gather)
+    w_scores, w_parents, w_cols = decode_keys(top, vocab)
+    w_tokens = w_cols if code_tokens is None else code_tokens.index_select(0, w_cols.reshape(-1)).clamp_min(0) \
+        .view_as(w_cols)
+    rank = torch.arange(b).unsqueeze(0)
+    w_scores = w_scores.masked_fill(rank >= width_t.unsqueeze(1), float("-inf"))
+    w_seqs = (seqs.clone() if first else seqs.gather(1, w_parents.unsqueeze(-1).expand_as(seqs)).clone())
+    w_seqs[:, :, step] = w_tokens
+    pad_rows = lambda rect: torch.constant_pad_nd(rect.reshape(-1), [0, 1], 0).index_select(0, slot)  # noqa: E731
+    w_row_tokens = pad_rows(w_tokens)
+    want = [w_seqs, w_scores, w_parents, w_tokens, w_row_tokens]
+    if not first:
+        want.append(pad_rows(src.index_select(0, (w_parents + torch.arange(r).unsqueeze(1) * b).reshape(-1))))
+    assert (got[5] is None) == first
+    for name, x, y in zip(("seqs", "scores", "parents", "tokens", "row_tokens", "parent_rows"), got, want):
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y), name
+    if codes:
+        assert (got[3] >= 0).all() and (code_tokens < 0).any()
+
+
 def test_bad_arguments_are_refused() -> None:
     x = torch.randn(4, 100)
     with pytest.raises(ValueError, match="contiguous rows"):
         beam_candidates(x.t(), torch.zeros(100), 2, 1)
-    with pytest.raises(ValueError, match=r"beam_scores must be a contiguous float32 \[4\]"):
+    with pytest.raises(ValueError, match=r"src must be a contiguous int64 \[3\]"):
         beam_candidates(x, torch.zeros(3), 2, 1)
+    with pytest.raises(ValueError, match=r"beam_scores must be a contiguous float32"):
+        beam_candidates(x, torch.zeros(4, 1), 2, 1)
     with pytest.raises(ValueError, match="multiple of the parents"):
         beam_candidates(x, torch.zeros(4), 2, 3)
     with pytest.raises(ValueError, match=r"K \(101\) <= V \(100\)"):
@@ -243,3 +344,40 @@ def test_aot_beam_candidates_equal_the_jit_kernels_in_a_cuda_graph(aot_kernels, 
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codes", [False, True])
+def test_aot_packed_beam_step_equals_the_jit_kernels_in_a_cuda_graph(aot_kernels, codes: bool) -> None:
+    """A packed beam step as the runtimes run it (requests of widths 100, 37, 0 in a [3, 100]
+    bookkeeping, padding rows): the AOT candidates with slot/src, the merge and the commit kernel
+    equal the JIT kernels' eagerly and replayed from a CUDA graph."""
+    from kernels.beam_topk import merge_keys
+
+    b, vocab, widths, rows = 100, 151936, [100, 37, 0], 160
+    slot, src = (t.cuda() for t in _packing(widths, b, rows))
+    g = torch.Generator().manual_seed(77)
+    logits = (4 * torch.randn(rows, vocab, generator=g)).to("cuda", torch.bfloat16)
+    scores = (-5 * torch.rand(len(widths), b, generator=g)).cuda()
+    seqs = torch.randint(0, vocab, (len(widths), b, 5), generator=g).cuda()
+    width_t = torch.tensor(widths).cuda()
+    code_tokens = torch.randint(0, 151936, (vocab,), generator=g).cuda() if codes else None
+
+    def step(kern):
+        keys = kern.beam_candidates(logits, scores.reshape(-1), b, b, None, slot, src)
+        return kern.beam_commit(merge_keys(keys, len(widths), b), seqs, width_t, slot, vocab, 2, src, code_tokens)
+
+    jit = types.SimpleNamespace(beam_candidates=beam_candidates, beam_commit=beam_commit)
+    eager, want = step(aot_kernels), step(jit)
+    for x, y in zip(eager, want):
+        assert torch.equal(x, y), "AOT cubins and JIT kernels disagree"
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step(aot_kernels)  # warm-up on the stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step(aot_kernels)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(captured, eager):
+        assert torch.equal(x, y)

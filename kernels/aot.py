@@ -267,8 +267,8 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
             {"s_ptr": "*fp32", "slot_ptr": "*i64", "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32",
              "stats_ptr": "*fp32", "count_ptr": "*i32", "num_candidates": "i32", "num_ranks": "i32",
              **dict.fromkeys(consts, "constexpr")},
-            consts, divisible_by_16=("s_ptr", "slot_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr"),
-            grid="(rows, 1, 1)"))
+            consts, grid="(rows, 1, 1)",
+            divisible_by_16=("s_ptr", "slot_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr")))
         for mask in (0, 1):
             consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": bool(mask)}
             specs.append(KernelSpec(

@@ -311,7 +311,7 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
     num_beams = seqs.shape[1]
     allowed = env["allowed"] if "allowed" in node.inputs else None
     codes = optional_input(node, env, "beam_codes")
-    if ctx.fused is not None:  # kernels/beam_topk.py: a parent row a request, beam score 0; the bookkeeping in one kernel
+    if ctx.fused is not None:  # kernels/beam_topk.py: a parent row a request, score 0; the bookkeeping: one kernel
         r, vocab = logits.shape
         ranks = torch.arange(r, device=logits.device)
         keys = ctx.fused.beam_candidates(logits, torch.zeros(r, dtype=torch.float32, device=logits.device), num_beams,

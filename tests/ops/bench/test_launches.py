@@ -1,0 +1,42 @@
+"""ops/bench/launches.py on the CPU: the launches a fused BeamSearch batch dispatches, node by node.
+A decoder layer is 4 GEMMs and 5 Triton kernels; a beam step is its 5 Triton kernels, the merge's
+top-k and the suffix gather (the bookkeeping is one kernel, beam_commit)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ops.bench import launches
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="counts through Triton's interpreter (the CPU test run)")
+
+
+def test_views_and_allocations_make_no_kernel() -> None:
+    a = torch.zeros(4, 3)
+    with launches.Counter() as c:
+        a.view(12).unsqueeze(0).t()
+        torch.empty(5)
+        a.reshape(3, 4)  # contiguous: a view
+        a.t().reshape(12)  # not: a copy
+        a.add_(1)
+    assert dict(c.aten) == {"clone": 1, "add_": 1}
+
+
+def test_a_fused_beam_batch_dispatches_9_a_layer_and_7_a_beam_step() -> None:
+    result = launches.count("embedded:tiny", "beam,prompt=6,beam=4,new=3", 2)
+    layers = [n for n in result["nodes"] if n["type"] == "decoder_layer"]
+    assert len(layers) == 3 * result["layers"]
+    assert all(sum(n["aten"].values()) == 4 and sum(n["triton"].values()) == 5 for n in layers)
+    steps = [n for n in result["nodes"] if n["type"] == "beam_step"]
+    assert [n["step"] for n in steps] == [1, 2]
+    for n in steps:
+        assert n["triton"] == {"beam_stats_kernel": 1, "beam_threshold_kernel": 1, "beam_collect_kernel": 1,
+                               "beam_select_kernel": 1, "beam_commit_kernel": 1}
+    assert steps[0]["aten"] == {"topk": 1, "index_select": 1}  # the merge, the suffix K/V's gather
+    assert steps[1]["aten"] == {"topk": 1}  # the last step reorders no suffix
+    text = "\n".join(launches.table(result))
+    assert "| beam_step |  | 2 + 5 | 1 + 5 |" in text

@@ -113,9 +113,11 @@ class TritonKernels:
     def segment_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ranges: torch.Tensor, scale: float,
     ) -> torch.Tensor: ...
-    def decode_attention(
-        self, q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
-        kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
+    def decode_attention_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+        prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
+        suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
     ) -> torch.Tensor: ...
     def beam_candidates(
         self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,

@@ -425,9 +425,21 @@ PYBIND11_MODULE(_core, m) {
            py::arg("tokens"), py::arg("child"))
       .def("segment_attention", &TritonKernels::segment_attention, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("key_ranges"), py::arg("scale"))
-      .def("decode_attention", &TritonKernels::decode_attention, py::arg("q"), py::arg("prompt_k"),
-           py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
-           py::arg("num_suffix"), py::arg("scale"))
+      .def(
+          "decode_attention_qkv",
+          [](const TritonKernels& k, const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset,
+             const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, const std::optional<at::Tensor>& q_norm,
+             const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& prompt_k,
+             const at::Tensor& prompt_v, const at::Tensor& kv_start, const at::Tensor& kv_len,
+             const at::Tensor& suffix_k, const at::Tensor& suffix_v, int64_t num_suffix, double scale) {
+            return k.decode_attention_qkv(qkv, positions, pos_offset, cos, sin, num_heads,
+                                          q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), eps, prompt_k,
+                                          prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale);
+          },
+          py::arg("qkv"), py::arg("positions"), py::arg("pos_offset"), py::arg("cos"), py::arg("sin"),
+          py::arg("num_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("prompt_k"),
+          py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
+          py::arg("num_suffix"), py::arg("scale"))
       .def(
           "beam_candidates",
           [](const TritonKernels& k, const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,

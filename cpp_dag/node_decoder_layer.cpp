@@ -81,19 +81,27 @@ class DecoderLayer final : public Node {
       const int64_t t = spec_.step;
       at::Tensor& suffix_k = update(env, "suffix_k." + i_);  // [R*B, n-1, G, E]
       at::Tensor& suffix_v = update(env, "suffix_v." + i_);
-      // this token's k and v go straight into suffix slot t-1
-      at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, read(env, "beam_pos"), t - 1, ctx.rope_cos, ctx.rope_sin,
-                                                fused, suffix_k.select(1, t - 1), suffix_v.select(1, t - 1)));
       const at::Tensor &prompt_k = read(env, "prompt_k." + i_), &prompt_v = read(env, "prompt_v." + i_);
-      if (fused) {  // one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
-        attn = fused->decode_attention(q, prompt_k, prompt_v, read(env, "kv_start"), read(env, "kv_len"), suffix_k,
-                                       suffix_v, t, ctx.scale);
-      } else if (q.device().is_cpu()) {  // the prompt part a request's rows at a time: the same bytes as alone
-        attn = two_part_attention_by_runs(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
-                                          suffix_v.slice(1, 0, t), ctx.scale);
-      } else {
-        attn = two_part_attention(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
-                                  suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+      if (fused) {
+        // one kernel: q/k norm + RoPE of the GEMM's output, this token's k/v into suffix slot t-1, then the
+        // row's own prompt range (beam_masks) + its first t suffix slots
+        const bool norm = cfg.qk_norm;
+        attn = fused->decode_attention_qkv(linear(h, w.wqkv, w.bqkv, w.wqkv_scale), read(env, "beam_pos"), t - 1,
+                                           ctx.rope_cos, ctx.rope_sin, cfg.num_heads, norm ? w.q_norm : at::Tensor(),
+                                           norm ? w.k_norm : at::Tensor(), cfg.rms_norm_eps, prompt_k, prompt_v,
+                                           read(env, "kv_start"), read(env, "kv_len"), suffix_k, suffix_v, t,
+                                           ctx.scale);
+      } else {  // this token's k and v go straight into suffix slot t-1, then the two parts
+        at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, read(env, "beam_pos"), t - 1, ctx.rope_cos,
+                                                  ctx.rope_sin, nullptr, suffix_k.select(1, t - 1),
+                                                  suffix_v.select(1, t - 1)));
+        if (q.device().is_cpu()) {  // the prompt part a request's rows at a time: the same bytes as alone
+          attn = two_part_attention_by_runs(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
+                                            suffix_v.slice(1, 0, t), ctx.scale);
+        } else {
+          attn = two_part_attention(q, prompt_k, prompt_v, read(env, "mask_beam"), suffix_k.slice(1, 0, t),
+                                    suffix_v.slice(1, 0, t), at::Tensor(), ctx.scale);
+        }
       }
     }
     auto [y, mlp_out] = attention_output_and_mlp(cfg, w, x, attn, fused);

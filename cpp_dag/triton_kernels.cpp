@@ -373,30 +373,48 @@ at::Tensor TritonKernels::segment_attention(const at::Tensor& q, const at::Tenso
   return out;
 }
 
-at::Tensor TritonKernels::decode_attention(const at::Tensor& q, const at::Tensor& prompt_k,
-                                           const at::Tensor& prompt_v, const at::Tensor& kv_start,
-                                           const at::Tensor& kv_len, const at::Tensor& suffix_k,
-                                           const at::Tensor& suffix_v, int64_t num_suffix, double scale) const {
-  require(q.dim() == 3 && prompt_k.dim() == 3 && suffix_k.dim() == 4, "decode_attention: q [N, H, E], "
+at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset,
+                                               const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                                               const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
+                                               const at::Tensor& prompt_k, const at::Tensor& prompt_v,
+                                               const at::Tensor& kv_start, const at::Tensor& kv_len,
+                                               const at::Tensor& suffix_k, const at::Tensor& suffix_v,
+                                               int64_t num_suffix, double scale) const {
+  require(qkv.dim() == 2 && prompt_k.dim() == 3 && suffix_k.dim() == 4, "decode_attention_qkv: qkv [N, (H + 2G) * E], "
           "prompt_k [P, G, E], suffix_k [N, S, G, E] expected");
-  const int64_t n = q.size(0), h = q.size(1), e = q.size(2), g = prompt_k.size(1), slots = suffix_k.size(1);
-  require(h % g == 0 && prompt_k.size(2) == e && suffix_k.size(0) == n && suffix_k.size(2) == g &&
-              suffix_k.size(3) == e && prompt_v.sizes() == prompt_k.sizes() && suffix_v.sizes() == suffix_k.sizes(),
-          "decode_attention: shapes do not agree");
-  require(num_suffix >= 1 && num_suffix <= slots, "decode_attention: num_suffix outside [1, " + std::to_string(slots) + "]");
-  for (const at::Tensor* t : {&q, &prompt_k, &prompt_v, &suffix_k, &suffix_v, &kv_start, &kv_len}) {
-    require(t->is_contiguous(), "decode_attention: every tensor must be contiguous");
+  const int64_t n = qkv.size(0), h = num_heads, g = prompt_k.size(1), e = prompt_k.size(2), slots = suffix_k.size(1);
+  require(g > 0 && h % g == 0 && qkv.size(1) == (h + 2 * g) * e && qkv.is_contiguous() &&
+              qkv.scalar_type() == prompt_k.scalar_type(),
+          "decode_attention_qkv: qkv must be a contiguous [N, (H + 2G) * E] of the cache's dtype");
+  require(suffix_k.size(0) == n && suffix_k.size(2) == g && suffix_k.size(3) == e &&
+              prompt_v.sizes() == prompt_k.sizes() && suffix_v.sizes() == suffix_k.sizes(),
+          "decode_attention_qkv: shapes do not agree");
+  require(num_suffix >= 1 && num_suffix <= slots,
+          "decode_attention_qkv: num_suffix outside [1, " + std::to_string(slots) + "]");
+  for (const at::Tensor* t : {&prompt_k, &prompt_v, &suffix_k, &suffix_v, &kv_start, &kv_len, &positions, &cos, &sin}) {
+    require(t->is_contiguous(), "decode_attention_qkv: every tensor must be contiguous");
   }
   require(kv_start.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_start.numel() == n &&
-              kv_len.numel() == n,
-          "decode_attention: kv_start and kv_len must be int64 [N]");
+              kv_len.numel() == n && positions.scalar_type() == at::kLong && positions.numel() == n,
+          "decode_attention_qkv: kv_start, kv_len and positions must be int64 [N]");
+  require(cos.dim() == 2 && cos.size(1) == e && sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type(),
+          "decode_attention_qkv: cos and sin must be [P, E] tables of qkv's dtype");
+  const bool has_norm = q_norm.defined();
+  require(has_norm == k_norm.defined() &&
+              (!has_norm || (q_norm.numel() == e && k_norm.numel() == e && q_norm.scalar_type() == qkv.scalar_type() &&
+                             k_norm.scalar_type() == qkv.scalar_type())),
+          "decode_attention_qkv: q_norm and k_norm must both be [E] of qkv's dtype, or both undefined");
   // one program per (tile of BEAMS consecutive beam rows, KV head); any slot count (a loop over num_suffix)
-  const std::string variant = variant_name("decode_attention", q.scalar_type(), {{"h", h}, {"g", g}, {"e", e}});
+  const std::string variant = variant_name("decode_attention", qkv.scalar_type(),
+                                           {{"h", h}, {"g", g}, {"e", e}, {"norm", has_norm ? 1 : 0}});
   const int64_t beams = impl_->get(variant).constexprs.at("BEAMS");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty({n, h, e}, qkv.options());
   launch(variant, {static_cast<uint32_t>((n + beams - 1) / beams), static_cast<uint32_t>(g), 1},
-         {q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, static_cast<int32_t>(n),
-          static_cast<int32_t>(slots), static_cast<int32_t>(num_suffix), static_cast<float>(scale)});
+         {qkv, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions, cos, sin,
+          has_norm ? q_norm : qkv, has_norm ? k_norm : qkv, static_cast<int32_t>(n), static_cast<int32_t>(slots),
+          static_cast<int32_t>(num_suffix), static_cast<int32_t>(pos_offset), static_cast<float>(scale),
+          static_cast<float>(eps)});
   return out;
 }
 
@@ -532,9 +550,11 @@ at::Tensor TritonKernels::segment_attention(const at::Tensor&, const at::Tensor&
                                             double) const {
   no_cuda();
 }
-at::Tensor TritonKernels::decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                           double) const {
+at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                                               const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                                               double, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                               double) const {
   no_cuda();
 }
 at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,

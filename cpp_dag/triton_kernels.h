@@ -70,11 +70,17 @@ class TritonKernels {
   // with no key (padding) gets 0. Score and BeamSearch-prefill attention in one kernel.
   at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& key_ranges, double scale) const;
-  // q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64; suffix_k/v [N, S, G, E] with
-  // num_suffix live slots -> out [N, H, E]
-  at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
-                              const at::Tensor& kv_start, const at::Tensor& kv_len, const at::Tensor& suffix_k,
-                              const at::Tensor& suffix_v, int64_t num_suffix, double scale) const;
+  // A decode step's attention from the q/k/v GEMM's output (kernels/decode_attention.py::
+  // decode_attention_qkv, qkv_rope's work included): qkv [N, (H + 2G) * E]; positions [N] int64 (+
+  // pos_offset); cos/sin [P, E]; q_norm/k_norm [E] or undefined; prompt_k/v [P, G, E]; kv_start/kv_len
+  // [N] int64; suffix_k/v [N, S, G, E]: each row's k and v go into slot num_suffix - 1, then the row
+  // attends to its prompt range and its first num_suffix slots -> out [N, H, E]
+  at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset,
+                                  const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                                  const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
+                                  const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& kv_start,
+                                  const at::Tensor& kv_len, const at::Tensor& suffix_k, const at::Tensor& suffix_v,
+                                  int64_t num_suffix, double scale) const;
   // The beam step's per-row selection (kernels/beam_topk.py::beam_candidates): logits [rows, V]
   // (packed beam rows, contiguous); beam_scores [ranks] float32 (the [R, P] bookkeeping flattened;
   // -inf: a dead beam); allowed: undefined or an int32 [rows, ceil(V / 32)] token bitmask; slot

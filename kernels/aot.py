@@ -153,18 +153,22 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
     if dtype == "bfloat16":  # FP8 GEMMs (`slmrank build --fp8`) take bf16 activations only
         specs += fp8_specs(dt, hidden_size, intermediate_size, num_heads * head_dim)
     tile = decode_attention.default_tile(head_dim, dtype == "float32")
-    specs.append(KernelSpec(
-        variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),
-        decode_attention.decode_attention_kernel,
-        {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
-         "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "num_rows": "i32", "num_slots": "i32",
-         "num_suffix": "i32", "scale": "fp32", "H": "constexpr", "G": "constexpr", "E": "constexpr",
-         "QPG": "constexpr", "BEAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-         "BLOCK_B": "constexpr", "INTERPRETED": "constexpr"},
-        decode_attention.kernel_constexprs(num_heads, num_kv_heads, head_dim, tile),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-        divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr"),
-        grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
+    for has_norm in (False, True):  # the runtimes' form: from the q/k/v GEMM's output (decode_attention_qkv)
+        specs.append(KernelSpec(
+            variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim, norm=int(has_norm)),
+            decode_attention.decode_attention_kernel,
+            {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
+             "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": f"*{dt}",
+             "sin_ptr": f"*{dt}", "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "num_rows": "i32", "num_slots": "i32",
+             "num_suffix": "i32", "pos_offset": "i32", "scale": "fp32", "eps": "fp32", "H": "constexpr",
+             "G": "constexpr", "E": "constexpr", "QPG": "constexpr", "BEAMS": "constexpr", "BLOCK_M": "constexpr",
+             "BLOCK_N": "constexpr", "BLOCK_B": "constexpr", "ROPE": "constexpr", "QK_NORM": "constexpr",
+             "INTERPRETED": "constexpr"},
+            decode_attention.kernel_constexprs(num_heads, num_kv_heads, head_dim, tile, rope=True, qk_norm=has_norm),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr",
+                             "pos_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr"),
+            grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
     tile = segment_attention.default_tile(head_dim, dtype == "float32")
     specs.append(KernelSpec(
         variant_name("segment_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim),

@@ -72,11 +72,42 @@ def _prompt_block(q, pk_ptr, pv_ptr, n0, hi, r_start, r_end, g, m_i, l_i, acc, q
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, sv_ptr, out_ptr,
-                            num_rows, num_slots, num_suffix, scale,
+def _roped(qkv_ptr, rows, heads, ok, pos, cos_ptr, sin_ptr, w_ptr, eps, H: tl.constexpr, G: tl.constexpr,
+           E: tl.constexpr, QK_NORM: tl.constexpr):
+    """[M, E]: row rows[m] of head heads[m] (qkv's head order: the q heads, then k, then v) of the
+    q/k/v GEMM's output, normed per head (QK_NORM, Qwen3) and rotated at position pos[m]: kernels/
+    qkv_rope.py's arithmetic, element for element (each column next to its rotate_half partner)."""
+    d = tl.arange(0, E)
+    partner = (d + E // 2) % E
+    src = qkv_ptr + (rows * ((H + 2 * G) * E) + heads * E)[:, None]
+    x = tl.load(src + d[None, :], mask=ok[:, None], other=0.0)
+    dt = x.dtype
+    fx = x.to(tl.float32)
+    fp = tl.load(src + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if QK_NORM:  # the sum of squares in float64: exact for 16-bit inputs, so any order gives qkv_rope's
+        wide = fx.to(tl.float64)
+        inv = tl.rsqrt(tl.sum(wide * wide, axis=1).to(tl.float32) / E + eps)[:, None]
+        fx = (tl.load(w_ptr + d).to(tl.float32)[None, :] * (fx * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        fp = (tl.load(w_ptr + partner).to(tl.float32)[None, :] * (fp * inv).to(dt).to(tl.float32)).to(dt) \
+            .to(tl.float32)
+    table = pos[:, None] * E + d[None, :]
+    c = tl.load(cos_ptr + table, mask=ok[:, None], other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + table, mask=ok[:, None], other=0.0).to(tl.float32)
+    rot = tl.where((d < E // 2)[None, :], -fp, fp)  # rotate_half: (-x2, x1)
+    return ((fx * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, sv_ptr, out_ptr, pos_ptr, cos_ptr,
+                            sin_ptr, qw_ptr, kw_ptr, num_rows, num_slots, num_suffix, pos_offset, scale, eps,
                             H: tl.constexpr, G: tl.constexpr, E: tl.constexpr, QPG: tl.constexpr,
                             BEAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_B: tl.constexpr, INTERPRETED: tl.constexpr):
+                            BLOCK_B: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+    """ROPE: q_ptr is the q/k/v GEMM's output [N, (H + 2G) * E]; the program norms (QK_NORM) and
+    rotates its q rows and its beams' k of head g at positions pos + pos_offset, writes its beams'
+    k and v of head g into suffix slot num_suffix - 1 and attends to them from registers (qkv_rope
+    and the attention in one launch). Else q_ptr is q [N, H, E] and every suffix slot is read."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     # matrix row m = (beam m // QPG of the tile, query head g * QPG + m % QPG); BLOCK_M >= BEAMS * QPG.
@@ -85,8 +116,22 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
     row = tile * BEAMS + m // QPG
     is_row = (m < BEAMS * QPG) & (row < num_rows)
     dims = tl.arange(0, E)
-    q_rows = (row * H + g * QPG + m % QPG) * E
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=is_row[:, None], other=0.0)  # [BLOCK_M, E]
+    b = tl.arange(0, BLOCK_B)  # the suffix key blocks: the tile's beams
+    b_row = tile * BEAMS + b
+    b_ok = (b < BEAMS) & (b_row < num_rows)
+    if ROPE:
+        pos = tl.load(pos_ptr + row, mask=is_row, other=0) + pos_offset
+        q = _roped(q_ptr, row, g * QPG + m % QPG, is_row, pos, cos_ptr, sin_ptr, qw_ptr, eps, H, G, E, QK_NORM)
+        b_pos = tl.load(pos_ptr + b_row, mask=b_ok, other=0) + pos_offset
+        k_new = _roped(q_ptr, b_row, H + g, b_ok, b_pos, cos_ptr, sin_ptr, kw_ptr, eps, H, G, E, QK_NORM)
+        v_new = tl.load(q_ptr + (b_row * ((H + 2 * G) * E) + (H + G + g) * E)[:, None] + dims[None, :],
+                        mask=b_ok[:, None], other=0.0)
+        slot = ((b_row * num_slots + num_suffix - 1) * G + g)[:, None] * E + dims[None, :]
+        tl.store(sk_ptr + slot, k_new, mask=b_ok[:, None])
+        tl.store(sv_ptr + slot, v_new, mask=b_ok[:, None])
+    else:
+        q_rows = (row * H + g * QPG + m % QPG) * E
+        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=is_row[:, None], other=0.0)  # [BLOCK_M, E]
     qk_scale = scale * 1.4426950408889634  # scores in the log2 domain: exp(x) = exp2(x * log2(e))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -111,17 +156,20 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
             n0 += BLOCK_N
 
     # 2. the suffix slots 0 .. num_suffix-1: slot j of the tile's beams [BLOCK_B, E], row m sees its beam's
-    b = tl.arange(0, BLOCK_B)
-    b_row = tile * BEAMS + b
-    b_ok = (b < BEAMS) & (b_row < num_rows)
+    # (with ROPE the last slot is this program's k_new / v_new, in registers)
     own = (m // QPG)[:, None] == b[None, :]
+    stop = num_suffix
+    if ROPE:
+        stop = num_suffix - 1
     j = 0
-    while j < num_suffix:
+    while j < stop:
         offs = ((b_row * num_slots + j) * G + g)[:, None] * E + dims[None, :]
         k = tl.load(sk_ptr + offs, mask=b_ok[:, None], other=0.0)
         v = tl.load(sv_ptr + offs, mask=b_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend(q, k, v, own, m_i, l_i, acc, qk_scale, INTERPRETED)
         j += 1
+    if ROPE:
+        m_i, l_i, acc = _attend(q, k_new, v_new, own, m_i, l_i, acc, qk_scale, INTERPRETED)
 
     out = acc / l_i[:, None]  # l_i >= 1 on every real row: it sees at least its first suffix key
     q_rows = (row * H + g * QPG + m % QPG) * E
@@ -152,17 +200,54 @@ def default_tile(head_dim: int, is_float32: bool) -> Tile:
     return Tile(64, 64, 4, 3)
 
 
-def kernel_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, tile: Tile,
-                      interpreted: bool = False) -> dict[str, int | bool]:
+def kernel_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, tile: Tile, interpreted: bool = False,
+                      rope: bool = False, qk_norm: bool = False) -> dict[str, int | bool]:
     """The kernel's constexprs for one head layout (the launcher and kernels/aot.py share them):
     BEAMS whole beams of QPG query rows each fill at most block_m rows; a suffix key block holds
-    BLOCK_B >= BEAMS keys (one per beam; an MMA needs >= 16)."""
+    BLOCK_B >= BEAMS keys (one per beam; an MMA needs >= 16). rope: the kernel takes the q/k/v GEMM's
+    output (decode_attention_qkv); qk_norm: with Qwen3's q/k norms."""
     qpg = num_heads // num_kv_heads
     if qpg > tile.block_m:
         raise ValueError(f"decode_attention: {qpg} query heads per KV head exceed block_m {tile.block_m}")
     beams = tile.block_m // qpg
     return {"H": num_heads, "G": num_kv_heads, "E": head_dim, "QPG": qpg, "BEAMS": beams, "BLOCK_M": tile.block_m,
-            "BLOCK_N": tile.block_n, "BLOCK_B": max(16, triton.next_power_of_2(beams)), "INTERPRETED": interpreted}
+            "BLOCK_N": tile.block_n, "BLOCK_B": max(16, triton.next_power_of_2(beams)), "ROPE": rope,
+            "QK_NORM": qk_norm, "INTERPRETED": interpreted}
+
+
+def _check_cache(n: int, g: int, e: int, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
+                 kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int) -> None:
+    if (prompt_k.dim() != 3 or prompt_k.shape[1:] != (g, e) or prompt_v.shape != prompt_k.shape
+            or suffix_k.dim() != 4 or suffix_k.shape[0] != n or suffix_k.shape[2:] != (g, e)
+            or suffix_v.shape != suffix_k.shape):
+        raise ValueError(f"decode_attention: shapes prompt_k {list(prompt_k.shape)}, suffix_k {list(suffix_k.shape)} "
+                         f"do not agree with {n} rows, {g} KV heads of {e}")
+    if not 1 <= num_suffix <= suffix_k.shape[1]:
+        raise ValueError(f"decode_attention: num_suffix {num_suffix} outside [1, {suffix_k.shape[1]}]")
+    if e & (e - 1) or e < 16:
+        raise ValueError(f"decode_attention: head_dim {e} must be a power of two >= 16")
+    if kv_start.dtype != torch.int64 or kv_len.dtype != torch.int64 or kv_start.shape != (n,) or kv_len.shape != (n,):
+        raise ValueError("decode_attention: kv_start and kv_len must be int64 [N]")
+    for t in (prompt_k, prompt_v, suffix_k, suffix_v, kv_start, kv_len):
+        if not t.is_contiguous():
+            raise ValueError("decode_attention: every tensor must be contiguous")
+
+
+def _launch(q: torch.Tensor, num_heads: int, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
+            kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
+            tile: Tile | None, rope: tuple | None) -> torch.Tensor:
+    n, g, e = q.shape[0], prompt_k.shape[1], prompt_k.shape[2]
+    tile = tile or default_tile(e, q.dtype == torch.float32)
+    qk_norm = rope is not None and rope[4] is not None
+    consts = kernel_constexprs(num_heads, g, e, tile, interpreted=not isinstance(decode_attention_kernel, JITFunction),
+                               rope=rope is not None, qk_norm=qk_norm)
+    out = torch.empty(n, num_heads, e, dtype=q.dtype, device=q.device)
+    positions, pos_offset, cos, sin, q_norm, k_norm, eps = rope or (kv_start, 0, q, q, None, None, 0.0)
+    decode_attention_kernel[(triton.cdiv(n, consts["BEAMS"]), g)](
+        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions, cos, sin,
+        q_norm if qk_norm else q, k_norm if qk_norm else q, n, suffix_k.shape[1], num_suffix, pos_offset, scale, eps,
+        **consts, num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
+    return out
 
 
 def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
@@ -174,27 +259,40 @@ def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Te
     Fast when the rows sharing a prompt range are consecutive (a request's beams). tile: None for
     default_tile (what kernels/aot.py compiles)."""
     n, h, e = q.shape
-    g = prompt_k.shape[1]
-    if (h % g or prompt_k.shape[2] != e or prompt_v.shape != prompt_k.shape or suffix_k.shape[0] != n
-            or suffix_k.shape[2:] != (g, e) or suffix_v.shape != suffix_k.shape):
+    if h % prompt_k.shape[1] or prompt_k.shape[2] != e or not q.is_contiguous():
         raise ValueError(f"decode_attention: shapes q {list(q.shape)}, prompt_k {list(prompt_k.shape)}, "
                          f"suffix_k {list(suffix_k.shape)} do not agree")
-    if not 1 <= num_suffix <= suffix_k.shape[1]:
-        raise ValueError(f"decode_attention: num_suffix {num_suffix} outside [1, {suffix_k.shape[1]}]")
-    if e & (e - 1) or e < 16:
-        raise ValueError(f"decode_attention: head_dim {e} must be a power of two >= 16")
-    if kv_start.dtype != torch.int64 or kv_len.dtype != torch.int64 or kv_start.shape != (n,) or kv_len.shape != (n,):
-        raise ValueError("decode_attention: kv_start and kv_len must be int64 [N]")
-    for t in (q, prompt_k, prompt_v, suffix_k, suffix_v, kv_start, kv_len):
-        if not t.is_contiguous():
-            raise ValueError("decode_attention: every tensor must be contiguous")
-    tile = tile or default_tile(e, q.dtype == torch.float32)
-    consts = kernel_constexprs(h, g, e, tile, interpreted=not isinstance(decode_attention_kernel, JITFunction))
-    out = torch.empty_like(q)
-    decode_attention_kernel[(triton.cdiv(n, consts["BEAMS"]), g)](
-        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, n, suffix_k.shape[1], num_suffix, scale,
-        **consts, num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
-    return out
+    _check_cache(n, prompt_k.shape[1], e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
+    return _launch(q, h, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile, None)
+
+
+def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
+                         sin: torch.Tensor, num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                         eps: float, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
+                         kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int,
+                         scale: float, tile: Tile | None = None) -> torch.Tensor:
+    """A decode step's attention from the q/k/v GEMM's output, kernels/qkv_rope.py's work included:
+    qkv [N, (H + 2G) * E]; positions [N] int64 (+ pos_offset: the rows' RoPE positions); cos/sin
+    [P, E] (the model's tables, qkv's dtype); q_norm/k_norm [E] (Qwen3) or None. Each row's k and v
+    go into suffix slot num_suffix - 1 (as qkv_rope(..., k_out=suffix_k[:, num_suffix - 1]) puts
+    them), then the attention as decode_attention's. Returns out [N, H, E]; equal to qkv_rope
+    followed by decode_attention (bit for bit in 16 bits: the q/k norm sums squares in float64)."""
+    n = qkv.shape[0]
+    g, e = prompt_k.shape[1], prompt_k.shape[2]
+    if (qkv.dim() != 2 or not qkv.is_contiguous() or num_heads % g or qkv.shape[1] != (num_heads + 2 * g) * e
+            or prompt_k.dtype != qkv.dtype):
+        raise ValueError(f"decode_attention_qkv: qkv must be a contiguous [N, (H + 2G) * E] of the cache's dtype; got "
+                         f"{list(qkv.shape)} {qkv.dtype}, H {num_heads}, prompt_k {list(prompt_k.shape)}")
+    if positions.shape != (n,) or positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError(f"decode_attention_qkv: positions must be a contiguous int64 [{n}]")
+    if (cos.dim() != 2 or cos.shape[1] != e or sin.shape != cos.shape or not cos.is_contiguous()
+            or not sin.is_contiguous() or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype):
+        raise ValueError("decode_attention_qkv: cos and sin must be contiguous [P, E] tables of qkv's dtype")
+    if (q_norm is None) != (k_norm is None) or any(w is not None and w.shape != (e,) for w in (q_norm, k_norm)):
+        raise ValueError(f"decode_attention_qkv: q_norm and k_norm must both be [{e}] or both None")
+    _check_cache(n, g, e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
+    return _launch(qkv, num_heads, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile,
+                   (positions, pos_offset, cos, sin, q_norm, k_norm, eps))
 
 
 def decode_attention_ref(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,

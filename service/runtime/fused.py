@@ -49,7 +49,7 @@ class JitKernels:
         self._rms_norm_fp8 = norm_act.rms_norm_fp8
         self._trie_allowed, self.trie_advance = trie.trie_allowed, trie.trie_advance
         self.segment_attention = segment_attention.segment_attention
-        self.decode_attention = decode_attention.decode_attention
+        self.decode_attention_qkv = decode_attention.decode_attention_qkv
         self.beam_candidates, self.beam_commit = beam_topk.beam_candidates, beam_topk.beam_commit
         self._rms_norm, self._qkv_rope = norm_act.rms_norm, qkv_rope.qkv_rope
 

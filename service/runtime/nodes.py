@@ -119,17 +119,23 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
     else:  # decode step t: this token's K/V goes to suffix slot t-1, then prompt part + suffix part
         t = node.step
         suffix_k, suffix_v = env[f"suffix_k.{i}"], env[f"suffix_v.{i}"]  # [R*B, n-1, G, E]
-        q, _, _ = qkv_projection(cfg, w, h, env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin, ctx.fused,
-                                 k_out=suffix_k[:, t - 1], v_out=suffix_v[:, t - 1])
-        if ctx.fused is not None:  # one kernel: the row's own prompt range (beam_masks) + its first t suffix slots
-            attn = ctx.fused.decode_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
-                                              env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
-        elif q.device.type == "cpu":  # the prompt part a request's rows at a time: the same bytes packed as alone
-            attn = two_part_attention_by_runs(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
-                                              suffix_k[:, :t], suffix_v[:, :t], ctx.scale)
-        else:
-            attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
-                                      suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
+        if ctx.fused is not None:
+            # one kernel: q/k norm + RoPE of the GEMM's output, this token's k/v into suffix slot t-1, then
+            # the row's own prompt range (beam_masks) + its first t suffix slots
+            norms = (w.q_norm, w.k_norm) if cfg.qk_norm else (None, None)
+            attn = ctx.fused.decode_attention_qkv(
+                linear(h, w.wqkv, w.bqkv, w.wqkv_scale), env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin,
+                cfg.num_heads, *norms, cfg.rms_norm_eps, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
+                env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
+        else:  # this token's k and v go straight into suffix slot t-1, then the two parts
+            q, _, _ = qkv_projection(cfg, w, h, env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin, None,
+                                     k_out=suffix_k[:, t - 1], v_out=suffix_v[:, t - 1])
+            if q.device.type == "cpu":  # the prompt part a request's rows at a time: the same bytes packed as alone
+                attn = two_part_attention_by_runs(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
+                                                  suffix_k[:, :t], suffix_v[:, :t], ctx.scale)
+            else:
+                attn = two_part_attention(q, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["mask_beam"],
+                                          suffix_k[:, :t], suffix_v[:, :t], None, ctx.scale)
     x, mlp_out = attention_output_and_mlp(cfg, w, x, attn, ctx.fused)
     if "mlp_out" in node.outputs:  # the next layer's (or the final) norm adds it, in the same kernel
         env["x"], env["mlp_out"] = x, mlp_out

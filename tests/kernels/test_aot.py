@@ -44,7 +44,7 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
     # embedded:tiny: hidden 128, head_dim 32, 4 heads / 2 KV heads
     assert variants == {"rms_norm.n128.res0.bf16", "rms_norm.n128.res1.bf16", "silu_mul.i384.bf16",
                         "qkv_rope.h4.g2.e32.norm0.bf16", "qkv_rope.h4.g2.e32.norm1.bf16",
-                        "decode_attention.h4.g2.e32.bf16", "segment_attention.h4.g2.e32.bf16",
+                        "decode_attention.h4.g2.e32.norm0.bf16", "decode_attention.h4.g2.e32.norm1.bf16", "segment_attention.h4.g2.e32.bf16",
                         # before FP8 GEMMs (bf16 only); q_size = hidden here: one quantizer
                         "rms_norm_fp8.n128.res0.bf16", "rms_norm_fp8.n128.res1.bf16", "silu_mul_fp8.i384.bf16",
                         "quantize_rows.n128.bf16",
@@ -69,15 +69,19 @@ def test_manifest_states_the_launch_abi(compiled) -> None:
     assert [p["type"] for p in fp8_norm][3:5] == ["CUdeviceptr", "CUdeviceptr"]
     assert [p["name"] for p in by_name["silu_mul_fp8.i384.bf16"]["params"]][:4] == ["gu_ptr", "q_ptr", "scale_ptr",
                                                                                    "num_rows"]
-    (attn,) = [k for k in manifest["kernels"] if k["variant"].startswith("decode_attention.")]
+    attn = by_name["decode_attention.h4.g2.e32.norm1.bf16"]
     names = [p["name"] for p in attn["params"]]
     # constexprs are baked in and absent; the two scratch pointers of Triton >= 3.5 come last
-    assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr",
-                     "num_rows", "num_slots", "num_suffix", "scale", "global_scratch", "profile_scratch"]
+    assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr", "pos_ptr",
+                     "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "num_rows", "num_slots", "num_suffix", "pos_offset",
+                     "scale", "eps", "global_scratch", "profile_scratch"]
     types = {p["name"]: p["type"] for p in attn["params"]}
     assert types["scale"] == "float" and types["num_suffix"] == "int32_t" and types["q_ptr"] == "CUdeviceptr"
     assert attn["constexprs"]["E"] == 32 and attn["function"] == "decode_attention_kernel"  # embedded:tiny head_dim
     assert attn["constexprs"]["BEAMS"] == 32 and attn["constexprs"]["INTERPRETED"] is False  # 64 rows / 2 q heads
+    # the runtimes' form only: from the q/k/v GEMM's output, with and without Qwen3's q/k norms
+    assert attn["constexprs"]["ROPE"] is True and attn["constexprs"]["QK_NORM"] is True
+    assert by_name["decode_attention.h4.g2.e32.norm0.bf16"]["constexprs"]["QK_NORM"] is False
     (seg,) = [k for k in manifest["kernels"] if k["variant"].startswith("segment_attention.")]
     assert [p["name"] for p in seg["params"]] == ["q_ptr", "k_ptr", "v_ptr", "ranges_ptr", "out_ptr", "num_rows",
                                                   "scale", "global_scratch", "profile_scratch"]

@@ -98,35 +98,54 @@ def test_qkv_rope_equals_the_aten_path(kernels) -> None:
         assert (a.float() - b.float()).abs().max() <= 2 * 2 ** -8 * b.float().abs().max()
 
 
-def test_decode_attention_in_a_cuda_graph(kernels) -> None:
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_attention_from_qkv_in_a_cuda_graph(kernels, qk_norm: bool) -> None:
+    """The C++ launch of the decode-attention cubin (from the q/k/v GEMM's output, qkv_rope's work
+    included): the same bytes as the JIT kernel, k/v included, as accurate against float64 as the
+    ATen parts, and the same inside a CUDA graph; fewer suffix slots take the same variant."""
+    from kernels.decode_attention import decode_attention_qkv
+    from kernels.qkv_rope import qkv_rope
+
     g = torch.Generator().manual_seed(4)
-    rows, slots = 64, 4
-    q = torch.randn(rows, 14, 64, generator=g).to("cuda", torch.bfloat16)
-    pk, pv = (torch.randn(200, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-    sk, sv = (torch.randn(rows, slots, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    rows, slots, h, kv, e = 64, 4, 14, 2, 64
+    bf16 = lambda *shape: torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    qkv, pk, pv = bf16(rows, (h + 2 * kv) * e), bf16(200, kv, e), bf16(200, kv, e)
+    sk, sv = bf16(rows, slots, kv, e), bf16(rows, slots, kv, e)
+    cos, sin = bf16(256, e), bf16(256, e)
+    norms = (bf16(e), bf16(e)) if qk_norm else (None, None)
     start = torch.tensor([0] * 32 + [120] * 32, device="cuda")
     length = torch.tensor([120] * 32 + [80] * 32, device="cuda")
+    pos = length.clone()
     seg = torch.tensor([0] * 120 + [1] * 80, device="cuda")
     mask = torch.arange(2, device="cuda").repeat_interleave(32)[:, None] == seg[None, :]
     scale = 0.125
-    eager = kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)
-    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, sk[:, :3].double(), sv[:, :3].double(),
-                               None, scale)
-    ref = two_part_attention(q, pk, pv, mask, sk[:, :3], sv[:, :3], None, scale)
+
+    def run(fn, k_cache, v_cache, t=3):
+        return fn(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, k_cache, v_cache, t, scale)
+
+    eager_k, eager_v = sk.clone(), sv.clone()
+    eager = run(kernels.decode_attention_qkv, eager_k, eager_v)
+    jit_k, jit_v = sk.clone(), sv.clone()
+    assert torch.equal(eager, run(decode_attention_qkv, jit_k, jit_v)), "AOT cubin and JIT kernel disagree"
+    assert torch.equal(eager_k, jit_k) and torch.equal(eager_v, jit_v)
+    q, _, _ = qkv_rope(qkv, pos, cos, sin, h, kv, *norms, 1e-6, pos_offset=2)
+    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, eager_k[:, :3].double(),
+                               eager_v[:, :3].double(), None, scale)
+    ref = two_part_attention(q, pk, pv, mask, eager_k[:, :3], eager_v[:, :3], None, scale)
     assert (eager.double() - truth).abs().max() <= (ref.double() - truth).abs().max() + 1e-3
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)  # warm-up on the stream
+        run(kernels.decode_attention_qkv, sk, sv)  # warm-up on the stream
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            captured = kernels.decode_attention(q, pk, pv, start, length, sk, sv, 3, scale)
+            captured = run(kernels.decode_attention_qkv, sk, sv)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert torch.equal(captured, eager) and torch.equal(sk, eager_k)
     # a bucket with fewer new tokens has fewer suffix slots: the same compiled variant serves it
-    few = kernels.decode_attention(q, pk, pv, start, length, sk[:, :2].contiguous(), sv[:, :2].contiguous(), 2, scale)
-    ref2 = two_part_attention(q, pk, pv, mask, sk[:, :2], sv[:, :2], None, scale)
-    assert (few.float() - ref2.float()).abs().max() <= 0.05
+    few_k, few_v = sk[:, :2].contiguous(), sv[:, :2].contiguous()
+    few = run(kernels.decode_attention_qkv, few_k, few_v, t=2)
+    assert torch.equal(few, run(decode_attention_qkv, sk[:, :2].contiguous(), sv[:, :2].contiguous(), t=2))
 
 
 def test_segment_attention_in_a_cuda_graph(kernels) -> None:

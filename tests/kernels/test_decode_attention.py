@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
+from kernels.decode_attention import Tile, decode_attention, decode_attention_qkv, decode_attention_ref
+from kernels.qkv_rope import qkv_rope
 from service.model.layers import two_part_attention
 
 LAYOUTS = {"qwen2.5-0.5b": (14, 2, 64), "qwen3": (16, 8, 128), "mha": (4, 4, 16)}
@@ -94,6 +95,51 @@ def test_any_row_layout_is_correct(seed: int) -> None:
     got = decode_attention(q, pk, pv, start, length, sk, sv, 2, 0.3, tile=Tile(16, 16, 4, 2))
     torch.testing.assert_close(got, decode_attention_ref(q, pk, pv, start, length, sk, sv, 2, 0.3),
                                atol=2e-6, rtol=2e-6)
+
+
+def _qkv_case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: int, qk_norm: bool,
+              slots: int):
+    """A decode step's inputs from the q/k/v GEMM: qkv [N, (H + 2G) * E], each row's position, RoPE
+    tables, q/k norms; the cache of _case (three requests of 5 beams, a padding slot)."""
+    q, pk, pv, start, length, sk, sv, _ = _case(seed, dtype, device, heads, kv_heads, dim, [7, 30, 12], 5, slots)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = q.shape[0]
+    qkv = (2 * torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g)).to(device, dtype)
+    pos = length.clone()  # a beam's first generated token sits at its prompt's length
+    angles = torch.arange(64).unsqueeze(1) * (10000.0 ** (-torch.arange(dim // 2) / (dim // 2)))
+    angles = torch.cat([angles, angles], 1)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    norms = tuple((1 + 0.3 * torch.randn(dim, generator=g)).to(device, dtype) for _ in range(2)) if qk_norm \
+        else (None, None)
+    return qkv, pos, cos, sin, norms, pk, pv, start, length, sk, sv
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("layout", ["qwen2.5-0.5b", "mha"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_attention_from_qkv_equals_qkv_rope_then_the_attention(dtype: torch.dtype, qk_norm: bool, layout: str,
+                                                              t: int) -> None:
+    """The fused kernel (q/k norm + RoPE of the GEMM's output, k/v into suffix slot t-1, attention)
+    against kernels/qkv_rope.py followed by decode_attention: the same suffix bytes and the same
+    output, bit for bit in 16 bits (the norm's float64 sum of squares); in float32 the norm's sum may
+    round otherwise (1e-6), RoPE alone is exact."""
+    h, g, e = LAYOUTS[layout]
+    qkv, pos, cos, sin, norms, pk, pv, start, length, sk, sv = _qkv_case(3 + t, dtype, "cpu", h, g, e, qk_norm, 4)
+    sk2, sv2 = sk.clone(), sv.clone()
+    got = decode_attention_qkv(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, sk, sv, t, 0.3)
+    q, _, _ = qkv_rope(qkv, pos, cos, sin, h, g, *norms, 1e-6, pos_offset=t - 1, k_out=sk2[:, t - 1],
+                       v_out=sv2[:, t - 1])
+    want = decode_attention(q, pk, pv, start, length, sk2, sv2, t, 0.3)
+    assert torch.equal(sv, sv2)
+    if dtype == torch.bfloat16 or not qk_norm:
+        assert torch.equal(sk, sk2) and torch.equal(got, want)
+    else:
+        torch.testing.assert_close(sk, sk2, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    others = [j for j in range(sk.shape[1]) if j != t - 1]
+    assert torch.equal(sk[:, others], sk2[:, others])  # only slot t-1 is written
 
 
 def test_decode_attention_refuses_bad_arguments() -> None:

@@ -105,9 +105,9 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
                             BLOCK_B: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
                             INTERPRETED: tl.constexpr):
     """ROPE: q_ptr is the q/k/v GEMM's output [N, (H + 2G) * E]; the program norms (QK_NORM) and
-    rotates its q rows and its beams' k of head g at positions pos + pos_offset, writes its beams'
-    k and v of head g into suffix slot num_suffix - 1 and attends to them from registers (qkv_rope
-    and the attention in one launch). Else q_ptr is q [N, H, E] and every suffix slot is read."""
+    rotates its q rows and its beams' k of head g at positions pos + pos_offset and writes its
+    beams' k and v of head g into suffix slot num_suffix - 1 (qkv_rope and the attention in one
+    launch). Else q_ptr is q [N, H, E]. Either way every suffix slot is read from the cache."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     # matrix row m = (beam m // QPG of the tile, query head g * QPG + m % QPG); BLOCK_M >= BEAMS * QPG.
@@ -129,6 +129,9 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
         slot = ((b_row * num_slots + num_suffix - 1) * G + g)[:, None] * E + dims[None, :]
         tl.store(sk_ptr + slot, k_new, mask=b_ok[:, None])
         tl.store(sv_ptr + slot, v_new, mask=b_ok[:, None])
+        # the suffix loop reads them back with the other slots (this program's threads wrote them: a
+        # barrier makes them visible), so that they hold no registers through the prompt loop
+        tl.debug_barrier()
     else:
         q_rows = (row * H + g * QPG + m % QPG) * E
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=is_row[:, None], other=0.0)  # [BLOCK_M, E]
@@ -156,20 +159,14 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
             n0 += BLOCK_N
 
     # 2. the suffix slots 0 .. num_suffix-1: slot j of the tile's beams [BLOCK_B, E], row m sees its beam's
-    # (with ROPE the last slot is this program's k_new / v_new, in registers)
     own = (m // QPG)[:, None] == b[None, :]
-    stop = num_suffix
-    if ROPE:
-        stop = num_suffix - 1
     j = 0
-    while j < stop:
+    while j < num_suffix:
         offs = ((b_row * num_slots + j) * G + g)[:, None] * E + dims[None, :]
         k = tl.load(sk_ptr + offs, mask=b_ok[:, None], other=0.0)
         v = tl.load(sv_ptr + offs, mask=b_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend(q, k, v, own, m_i, l_i, acc, qk_scale, INTERPRETED)
         j += 1
-    if ROPE:
-        m_i, l_i, acc = _attend(q, k_new, v_new, own, m_i, l_i, acc, qk_scale, INTERPRETED)
 
     out = acc / l_i[:, None]  # l_i >= 1 on every real row: it sees at least its first suffix key
     q_rows = (row * H + g * QPG + m % QPG) * E

@@ -5,7 +5,8 @@
 the cubin file and its SHA-256, the function name, the launch parameters in order (name and C
 type; constexpr arguments are baked in and absent, and the two trailing scratch pointers of
 Triton >= 3.3/3.5 are listed), `num_warps` (block = 32 x num_warps threads), dynamic shared
-memory bytes, and the scratch sizes: the launch ABI that cpp_dag/triton_kernels.cpp checks and uses.
+memory bytes, and the scratch sizes: the launch ABI that cpp_dag/triton_kernels.cpp checks and uses;
+and, read from the cubin, the registers a thread and the local-memory bytes (register spills).
 `model_kernel_specs(...)` lists the variants one model needs.
 
   python -m kernels.aot --shape '{"hidden_size": 896, ...}' --out DIR [--arch 90] [--dtype bfloat16]
@@ -19,6 +20,9 @@ import argparse
 import hashlib
 import itertools
 import json
+import re
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +69,21 @@ def _compile(spec: KernelSpec, arch: int):
                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages, **COMPILE_OPTIONS})
 
 
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """The cubin's registers a thread, and its stack and local-memory bytes (local memory: register
+    spills), read by the cuobjdump that Triton ships ({} when it has none)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
+    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"]), "local_bytes": int(found["LOCAL"])} \
+        if len(found) == 3 else {}
+
+
 def _params(spec: KernelSpec) -> list[dict[str, str]]:
     params = []
     for name, ty in spec.signature.items():
@@ -95,7 +114,8 @@ def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90
             "function": md.name, "num_warps": md.num_warps, "shared_bytes": md.shared,
             "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size,
             "params": _params(spec), "constexprs": {k: v for k, v in spec.constexprs.items()},
-            "grid": spec.grid, **spec.extra, "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            "grid": spec.grid, **spec.extra, **resource_usage(cubin),
+            "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)})
     manifest = {"triton_version": triton.__version__, "target": f"sm_{arch}a" if arch >= 90 else f"sm_{arch}",
                 "kernels": entries}
     (out / "kernels.json").write_text(json.dumps(manifest, indent=1))
@@ -310,7 +330,7 @@ def main() -> None:
     manifest = compile_kernels(specs, args.out, args.arch)
     for k in manifest["kernels"]:
         print(f"{k['variant']:36s} {k['function']:28s} warps {k['num_warps']} shared {k['shared_bytes']:6d} B "
-              f"{k['compile_ms']:8.1f} ms")
+              f"registers {k.get('registers', '?'):>3} spills {k.get('local_bytes', '?'):>4} B {k['compile_ms']:8.1f} ms")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def test_every_variant_is_a_cubin_for_sm90a(compiled) -> None:
         blob = (out / k["cubin"]).read_bytes()
         assert blob[:4] == b"\x7fELF" and hashlib.sha256(blob).hexdigest() == k["sha256"]
         assert k["num_warps"] in (1, 4, 8) and k["shared_bytes"] >= 0
+        # read from the cubin (Triton's cuobjdump): no variant spills registers to local memory
+        assert 0 < k["registers"] <= 255 and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["variant"]
 
 
 def test_manifest_states_the_launch_abi(compiled) -> None:

@@ -457,7 +457,8 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Te
   const auto f32 = logits.options().dtype(at::kFloat), i32 = logits.options().dtype(at::kInt);
   at::Tensor pmax = at::empty({rows, parts}, f32), psum = at::empty({rows, parts}, f32);
   at::Tensor gpart = at::empty({rows, parts, ng}, f32), stats_buf = at::empty({rows, 4}, f32);
-  at::Tensor count = at::empty({rows}, i32), buf = at::empty({rows, cap}, i32);
+  // count [rows, 2]: the tokens the collect pass buffered (>= T) and those strictly above T
+  at::Tensor count = at::empty({rows, 2}, i32), buf = at::empty({rows, cap}, i32);
   at::Tensor keys = at::empty({ranks, num_candidates}, logits.options().dtype(at::kLong));
   const at::Tensor& bits = has_mask ? allowed : count;  // never read without the mask
   const int32_t v = static_cast<int32_t>(vocab), stride = static_cast<int32_t>(logits.stride(0));

@@ -22,8 +22,10 @@ the work is per row, then a merge of P x K candidates. Per row, four launches:
   4. `beam_select_kernel` (ranks): the buffered tokens of the rank's row sorted as 64-bit keys
      (score, then flat index) -> the K best keys (a sort of 2 KP keys when at most that many are
      buffered, the usual case, else of all CAP). With T = -inf, fewer than K may be buffered: the
-     first tokens (by id) scoring -inf complete them. A row whose buffer overflowed finds its
-     K-th score by bisection over the row instead (exact, slow, rare).
+     first tokens (by id) scoring -inf complete them. A row whose buffer overflowed takes one more
+     pass: when the tokens strictly above T fit (a plateau of equal scores at T overflowed it) it
+     collects them again and scans for the first ties at T by id; else it finds its K-th score by
+     bisection over the row (exact, slow, rare).
 A row whose beam score is -inf (a dead beam of a narrow request) reads nothing: its K candidates
 are tokens 0..K-1 at -inf, as the reference orders them.
 The rows are packed (each request its own width of rows, padding after them) while the
@@ -167,7 +169,7 @@ def beam_threshold_kernel(s_ptr, slot_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_
                           num_ranks, NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
     """Per row: its max and log(sum exp(x - max)), and T = the K-th largest group max as a
     candidate score (-inf with fewer than K allowed groups). Writes stats [rows, 4] = (max,
-    log-sum, T, the row's beam score s) and zeroes the row's collect count."""
+    log-sum, T, the row's beam score s) and zeroes the row's collect counts."""
     row = tl.program_id(0).to(tl.int64)
     s = _row_score(s_ptr, slot_ptr, row, num_ranks)
     live = s > float("-inf")
@@ -187,7 +189,7 @@ def beam_threshold_kernel(s_ptr, slot_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_
     tl.store(stats_ptr + row * 4 + 1, log_sum)
     tl.store(stats_ptr + row * 4 + 2, thr)
     tl.store(stats_ptr + row * 4 + 3, s)
-    tl.store(count_ptr + row, 0)
+    tl.store(count_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
 @triton.jit
@@ -198,10 +200,13 @@ def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, 
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, cols, inb, row_max, log_sum, s, HAS_MASK)
     # >= T takes the ties at T too (the select kernel then needs no scan for them); a -inf T would take
     # every disallowed token
+    above = (c > thr) & inb
     sel = tl.where(thr > float("-inf"), c >= thr, c > thr) & inb
-    # a slot per selected token from the row's counter (few tokens a row: no reduction over the line)
-    pos = tl.atomic_add(count_ptr + row + tl.zeros_like(cols), 1, mask=sel, sem="relaxed")
+    # a slot per selected token from the row's counter (few tokens a row: no reduction over the line);
+    # the second counter: those strictly above T (the select's way out when the ties overflow)
+    pos = tl.atomic_add(count_ptr + row * 2 + tl.zeros_like(cols), 1, mask=sel, sem="relaxed")
     tl.store(buf_ptr + row * cap + pos, cols, mask=sel & (pos < cap))
+    tl.atomic_add(count_ptr + row * 2 + 1 + tl.zeros_like(cols), 1, mask=above, sem="relaxed")
 
 
 @triton.jit
@@ -209,7 +214,8 @@ def beam_collect_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab
                         NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring >= T (> -inf) to the row's
     buffer buf [rows, cap] (slots taken with an atomic counter: any order, `beam_select_kernel` sorts);
-    the count keeps growing past cap, which tells `beam_select_kernel` that the buffer overflowed."""
+    the count keeps growing past cap, which tells `beam_select_kernel` that the buffer overflowed; count
+    [rows, 2] holds (tokens >= T, tokens > T)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.load(stats_ptr + row * 4 + 3)
@@ -271,24 +277,28 @@ def _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, parent, 
     row_max = tl.load(stats_ptr + row * 4 + 0)
     log_sum = tl.load(stats_ptr + row * 4 + 1)
     thr = tl.load(stats_ptr + row * 4 + 2)
-    n = tl.load(count_ptr + row)
+    n = tl.load(count_ptr + row * 2)
+    above = tl.load(count_ptr + row * 2 + 1)
     k = num_candidates
     j = tl.arange(0, NG)
     if n > CAP:
-        # the buffer overflowed (many tokens above T: a row of many near-equal scores). Bisection
+        # the buffer overflowed. When the tokens strictly above T fit (a plateau of many equal scores
+        # at T overflowed it), T stays the threshold; else (many near-equal scores above T) bisection
         # over the ordered bits of the score for the K-th largest: the largest b with
-        # count(c >= b) >= K; lo always qualifies, hi never does.
-        bits = thr.to(tl.int32, bitcast=True)
-        lo = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-        hi = tl.full([], 0x7F800000 + 1, tl.int64)  # past +inf
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            cnt = _count_at_least(x_ptr, allowed_ptr, row, stride_x, words, vocab, row_max, log_sum, s,
-                                  _from_ordered(mid.to(tl.int32)), NG, HAS_MASK)
-            lo = tl.where(cnt >= k, mid, lo)
-            hi = tl.where(cnt >= k, hi, mid)
-        thr = _from_ordered(lo.to(tl.int32))
-        n = 0  # fewer than K score above the K-th: they all fit
+        # count(c >= b) >= K; lo always qualifies, hi never does. Then the tokens above it, again
+        # (fewer than CAP: they fit), and the scan below for the ties.
+        if above > CAP:
+            bits = thr.to(tl.int32, bitcast=True)
+            lo = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+            hi = tl.full([], 0x7F800000 + 1, tl.int64)  # past +inf
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                cnt = _count_at_least(x_ptr, allowed_ptr, row, stride_x, words, vocab, row_max, log_sum, s,
+                                      _from_ordered(mid.to(tl.int32)), NG, HAS_MASK)
+                lo = tl.where(cnt >= k, mid, lo)
+                hi = tl.where(cnt >= k, hi, mid)
+            thr = _from_ordered(lo.to(tl.int32))
+        n = 0
         start = 0
         while start < vocab:
             cols = start + j
@@ -390,7 +400,7 @@ def beam_candidates(logits: torch.Tensor, beam_scores: torch.Tensor, num_candida
 def row_passes(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tensor, num_candidates: int,
                allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three launches before the select (stats, threshold, collect): stats [rows, 4] (max,
-    log-sum, T, s), count [rows] (tokens buffered; > CAP: overflowed) and buf [rows, CAP]."""
+    log-sum, T, s), count [rows, 2] (tokens scoring >= T, buffered up to CAP; those > T) and buf [rows, CAP]."""
     rows, vocab = logits.shape
     sz = sizes(num_candidates)
     ng, kp, cap = sz["NG"], sz["KP"], sz["CAP"]
@@ -399,7 +409,7 @@ def row_passes(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tens
     psum = torch.empty_like(pmax)
     gpart = torch.empty(rows, NUM_PARTS, ng, dtype=torch.float32, device=dev)
     stats = torch.empty(rows, 4, dtype=torch.float32, device=dev)
-    count = torch.empty(rows, dtype=torch.int32, device=dev)
+    count = torch.empty(rows, 2, dtype=torch.int32, device=dev)
     buf = torch.empty(rows, cap, dtype=torch.int32, device=dev)
     mask = allowed if allowed is not None else count  # never read without HAS_MASK
     words, ranks = (vocab + 31) // 32, beam_scores.shape[0]

@@ -233,8 +233,30 @@ def test_the_collect_buffers_the_ties_at_the_threshold(device: str) -> None:
     assert torch.allclose(stats[:, 0] + stats[:, 1], torch.logsumexp(logits.float(), -1))
     cand = ((logits.float() - stats[:, :1]) - stats[:, 1:2]) + flat.unsqueeze(1)  # the kernels' arithmetic
     thr = stats[:, 2:3]
-    assert torch.equal(count.long().cpu(), (cand >= thr).sum(1).cpu()) and (count >= k).all()
+    assert torch.equal(count[:, 0].long().cpu(), (cand >= thr).sum(1).cpu()) and (count[:, 0] >= k).all()
+    assert torch.equal(count[:, 1].long().cpu(), (cand > thr).sum(1).cpu())
     assert ((cand == thr).sum(1) > 1).any(), "no row has a tie at T: the test shows nothing"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plateau_of_ties_at_the_threshold_overflowing_the_buffer(device: str) -> None:
+    """1,000 tokens of one equal logit at T overflow the collect buffer (CAP 256 at K = 4) while the
+    tokens above T fit (2 of them; none): the select keeps T, collects those again and takes the
+    plateau's first tokens by id, without the bisection (the full-buffer test above has it). Exact."""
+    g = torch.Generator().manual_seed(8)
+    vocab, k = 3000, 4
+    logits = -10 - torch.rand(2, vocab, generator=g)
+    plateau = torch.randperm(vocab, generator=g)[:1000]
+    logits[:, plateau] = 5.0
+    logits[0, plateau[:2]] = torch.tensor([10.0, 9.0])  # row 0: two above the plateau; row 1: the plateau alone
+    logits = logits.to(device, torch.bfloat16)
+    scores = torch.zeros(2, 1, device=device)
+    _, count, _ = row_passes(logits, scores.reshape(-1), torch.arange(2, device=device), k, None)
+    assert (count[:, 0] > sizes(k)["CAP"]).all() and count[:, 1].tolist() == [2, 0], count
+    got, want = beam_topk(logits, scores, k), beam_topk_ref(logits, scores, k)
+    _check(got, want, logits, scores)
+    assert torch.equal(got[2], want[2])  # exact ties: the lower ids first, as the reference orders them
+    assert got[2][1].tolist() == plateau.sort().values[:k].tolist()
 
 
 def _keys(scores: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,8 @@ def main() -> None:
     manifest = compile_kernels(specs, args.out, args.arch)
     for k in manifest["kernels"]:
         print(f"{k['variant']:36s} {k['function']:28s} warps {k['num_warps']} shared {k['shared_bytes']:6d} B "
-              f"registers {k.get('registers', '?'):>3} spills {k.get('local_bytes', '?'):>4} B {k['compile_ms']:8.1f} ms")
+              f"registers {k.get('registers', '?'):>3} spills {k.get('local_bytes', '?'):>4} B "
+              f"{k['compile_ms']:8.1f} ms")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ import triton.language as tl
 from . import COMPILE_OPTIONS
 
 # a rank without a row (a request narrower than its bucket): below every candidate's key (its score
-# bits under -inf's) and decoded to parent 0, token 0 (service/runtime/nodes.py and
-# cpp_dag/node_beam.cpp name the same value)
+# bits under -inf's) and decoded to parent 0, token 0; the merge never keeps one (a request's rank 0
+# always has a row, with B candidates)
 NO_KEY_VALUE = -(2 ** 63) + 0xFFFFFFFF
 NO_KEY = tl.constexpr(NO_KEY_VALUE)
 NUM_PARTS = 8  # programs per row in the streaming kernels (1, 3): parallelism for few rows (8: measured best, H200)
@@ -212,10 +212,10 @@ def _collect_line(x_ptr, allowed_ptr, count_ptr, buf_ptr, row, stride_x, words, 
 @triton.jit
 def beam_collect_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, vocab, stride_x, words, cap,
                         NUM_PARTS: tl.constexpr, NG: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring >= T (> -inf) to the row's
-    buffer buf [rows, cap] (slots taken with an atomic counter: any order, `beam_select_kernel` sorts);
-    the count keeps growing past cap, which tells `beam_select_kernel` that the buffer overflowed; count
-    [rows, 2] holds (tokens >= T, tokens > T)."""
+    """Program (row, part), the lines of `beam_stats_kernel`: appends the tokens scoring >= T (> T when T
+    is -inf) to the row's buffer buf [rows, cap] (slots taken with an atomic counter: any order,
+    `beam_select_kernel` sorts); count [rows, 2] holds (tokens >= T, tokens > T), the first growing
+    past cap, which tells `beam_select_kernel` that the buffer overflowed."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.load(stats_ptr + row * 4 + 3)
@@ -309,8 +309,9 @@ def _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, parent, 
             n += tl.sum(sel, axis=0)
             start += NG
     if n < k:
-        # the K-th largest score is T itself (-inf, or the bisection's): add the first K - n tokens (by
-        # id) scoring exactly T. At least K tokens score >= T, so the scan ends before the row does.
+        # the K-th largest score is T itself (-inf, an overflowing plateau's, or the bisection's): add the
+        # first K - n tokens (by id) scoring exactly T. At least K tokens score >= T, so the scan ends
+        # before the row does.
         need = k - n
         got = 0
         start = 0

@@ -61,3 +61,36 @@ def test_fused_beam_state_is_one_suffix_buffer(fused, hf_ref) -> None:
     assert seen["step1.beam_step"][1] != seen["beam_init"][1]  # step 1 reordered into a new buffer
     assert seen["step2.beam_step"][1] == seen["step1.beam_step"][1]  # the last step did not
     assert rt.dtype == torch.float32  # the tiny checkpoints are float32
+
+
+@pytest.mark.parametrize("fp8", [(), ("mlp", "attn", "head")], ids=["bf16", "fp8"])
+def test_the_one_kernel_decode_attention_equals_qkv_rope_then_the_attention(qwen2_tiny, hf_ref, tmp_path,
+                                                                            fp8: tuple) -> None:
+    """Whole BeamSearch batches in bfloat16 through the fused kernels, where the decode attention
+    takes the q/k/v GEMM's output (its RoPE inside) against the same runtime with the two kernels
+    before it (kernels/qkv_rope.py into the suffix slot, then the attention from q): the same beams
+    and log-probs to the bit, on a plain build and an all-FP8 one (the norms quantizing their
+    output for the e4m3 q/k/v GEMM whose output the attention reads)."""
+    from kernels.decode_attention import decode_attention
+    from service.artifact.artifact import build_artifact, load_artifact
+
+    art = load_artifact(build_artifact(str(qwen2_tiny.ckpt), tmp_path / "art", quiet=True, fp8=fp8))
+    fused = PythonRuntime(art, dtype=torch.bfloat16, kernels="triton")
+    two = PythonRuntime(art, dtype=torch.bfloat16, kernels="triton")
+    calls = []
+
+    def qkv_rope_then_attention(qkv, positions, pos_offset, cos, sin, num_heads, q_norm, k_norm, eps, prompt_k,
+                                prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale):
+        calls.append(num_suffix)
+        q, _, _ = two.ctx.fused.qkv_rope(qkv, positions, pos_offset, cos, sin, num_heads, prompt_k.shape[1], q_norm,
+                                         k_norm, eps, suffix_k[:, num_suffix - 1], suffix_v[:, num_suffix - 1])
+        return decode_attention(q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale)
+
+    two.ctx.fused.decode_attention_qkv = qkv_rope_then_attention
+    rng = random.Random(5)
+    reqs = [BeamRequest(hf_ref.rand_ids(rng, 9), 4, 4), BeamRequest(hf_ref.rand_ids(rng, 5), 2, 4)]
+    got, want = execute(art, fused, reqs), execute(art, two, reqs)
+    assert calls and max(calls) == 3  # the decode steps' attention went through the two kernels
+    for res, ref in zip(got, want):
+        assert isinstance(res, BeamResult) and isinstance(ref, BeamResult), (res, ref)
+        assert [(b.ids, b.logprob) for b in res.beams] == [(b.ids, b.logprob) for b in ref.beams]

@@ -19,6 +19,12 @@ run in float64.
 Work per call: one pass over a request's prompt per (tile, KV head) instead of per (beam row, KV
 head) — at W2 (100 beams, 7 query heads a KV head, BLOCK_M 64: 9 beams a tile, 12 tiles a
 request) ~8x fewer K/V reads, as 64-row MMAs instead of 16-row ones 7/16 used.
+
+The runtimes call it as `decode_attention_qkv`, from the q/k/v GEMM's output: the program's
+prologue does kernels/qkv_rope.py's work for what it reads (its q rows, and its beams' k and v of
+head g, normed for Qwen3 and rotated, element for element as qkv_rope does) and writes the step's
+k and v into their suffix slot; one launch a layer instead of two (2026-12-05). `decode_attention`
+takes q as qkv_rope leaves it (benchmarks and tests).
 """
 
 from __future__ import annotations
@@ -84,7 +90,8 @@ def _roped(qkv_ptr, rows, heads, ok, pos, cos_ptr, sin_ptr, w_ptr, eps, H: tl.co
     dt = x.dtype
     fx = x.to(tl.float32)
     fp = tl.load(src + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    if QK_NORM:  # the sum of squares in float64: exact for 16-bit inputs, so any order gives qkv_rope's
+    if QK_NORM:  # squares summed in float64: exact for 16-bit inputs (unless they span > 2^30), so in any
+        # order the sum qkv_rope takes
         wide = fx.to(tl.float64)
         inv = tl.rsqrt(tl.sum(wide * wide, axis=1).to(tl.float32) / E + eps)[:, None]
         fx = (tl.load(w_ptr + d).to(tl.float32)[None, :] * (fx * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)

@@ -7,7 +7,7 @@ the GEMM epilogue before the one rounding, so adding it here would round twice a
 path). Per token and head the kernel does, in torch's order and roundings (the ATen path's ops,
 service.model.layers):
   q/k norm: y = w * (x * rsqrt(mean(x^2) + eps)).to(dtype)  (float32 statistics; the sum of
-            squares taken in float64, exact for 16-bit inputs)
+            squares taken in float64, exact for 16-bit inputs of a usual range)
   RoPE:     out = x * cos + rotate_half(x) * sin             (each product and the sum rounded)
   v:        a copy.
 The reference is the ATen path of service.model.layers (rms_norm, apply_rope);
@@ -45,8 +45,9 @@ def _rms_norm_halves(x1, x2, w_ptr, eps, E: tl.constexpr):
     # x1, x2: [T, HB, E/2] the two halves of each head's row; torch's rms_norm over E per head
     half = tl.arange(0, E // 2)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    # the sum of squares in float64: exact for 16-bit inputs, so it does not depend on the reduction's
-    # order (kernels/decode_attention.py norms the same rows in another layout and must agree)
+    # the sum of squares in float64: exact for 16-bit inputs (unless they span > 2^30), so it does not
+    # depend on the reduction's order (kernels/decode_attention.py norms the same rows in another
+    # layout and must agree)
     d1, d2 = f1.to(tl.float64), f2.to(tl.float64)
     ss = (tl.sum(d1 * d1, axis=2) + tl.sum(d2 * d2, axis=2)).to(tl.float32)
     inv = tl.rsqrt(ss / E + eps)[:, :, None]

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention import masked_attention_ref
-from kernels.decode_attention import Tile, decode_attention, decode_attention_ref
+from kernels.decode_attention import Tile, decode_attention, decode_attention_qkv, decode_attention_ref
+from kernels.qkv_rope import qkv_rope
 from kernels.segment_attention import segment_attention
 from ops.bench.workloads import WORKLOADS
 from service.artifact.fp8_measure import device_time_ms
@@ -102,10 +103,29 @@ def _decode_workload(name: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     variants = {"aten": aten}
     for tile in DECODE_TILES:
         variants["triton" if tile is None else "triton_m{}n{}w{}s{}".format(*vars(tile).values())] = triton_tile(tile)
+    # what the runtimes run: from the q/k/v GEMM's output, qkv_rope then the attention (before 2c7509d)
+    # against the one kernel with qkv_rope's work in its prologue; their error column: against each other
+    g_qkv = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(q.shape[0], (h + 2 * g) * e, generator=g_qkv, device="cuda", dtype=dtype)
+    cos, sin = (torch.randn(p + new, e, generator=g_qkv, device="cuda", dtype=dtype) for _ in range(2))
+    norms = tuple(1 + 0.1 * torch.randn(e, generator=g_qkv, device="cuda", dtype=dtype) for _ in range(2)) \
+        if e == 128 else (None, None)  # qwen3's heads carry q/k norms (W5, W6)
+
+    def two_kernels(t: int) -> torch.Tensor:
+        q_t, _, _ = qkv_rope(qkv, kv_len, cos, sin, h, g, *norms, EPS, pos_offset=t - 1, k_out=sk[:, t - 1],
+                             v_out=sv[:, t - 1])
+        return decode_attention(q_t, pk, pv, kv_start, kv_len, sk, sv, t, scale)
+
+    def one_kernel(t: int) -> torch.Tensor:
+        return decode_attention_qkv(qkv, kv_len, t - 1, cos, sin, h, *norms, EPS, pk, pv, kv_start, kv_len, sk, sv,
+                                    t, scale)
+
     ref_err = (aten(slots).double() - truth).abs().max().item()
     results = []
-    for label, fn in variants.items():
-        err = (fn(slots).double() - truth).abs().max().item()
+    qkv_err = (one_kernel(slots).double() - two_kernels(slots).double()).abs().max().item()
+    from_qkv = {"qkv_rope+triton": two_kernels, "triton_from_qkv": one_kernel}
+    for label, fn in {**variants, **from_qkv}.items():
+        err = qkv_err if label in from_qkv else (fn(slots).double() - truth).abs().max().item()
         per_t = [graph_time_ms(lambda t=t, fn=fn: fn(t)) for t in range(1, slots + 1)]
         row = {"bench": "decode_attention", "workload": name, "variant": label, "dtype": str(dtype),
                "max_err_vs_fp64": err, "aten_max_err_vs_fp64": ref_err, "ms_per_call": per_t,
@@ -121,7 +141,9 @@ def bench_decode_attention(dtype: torch.dtype = torch.bfloat16) -> list[dict[str
     """The one-kernel decode attention (default tile "triton", then other tiles) against the ATen
     path of kernels='aten' (dense-mask prompt part + suffix part + LSE merge), per call at each
     suffix length t, and per batch: the sum over the decode steps (t = 1 .. new tokens - 1) times
-    the layers. Baseline at b258f99 (one program per beam row): 5.5 ms per W2x8 batch."""
+    the layers. Baseline at b258f99 (one program per beam row): 5.5 ms per W2x8 batch. Then, from
+    the q/k/v GEMM's output, qkv_rope + the attention against the one kernel the runtimes now run
+    (decode_attention_qkv; their err column is the one against the other: 0 in 16 bits)."""
     return [row for name in DECODE_SHAPES for row in _decode_workload(name, dtype)]
 
 
@@ -294,10 +316,10 @@ def layer_triton_before(inp) -> dict[str, torch.Tensor]:
 
 
 def layer_triton(inp) -> dict[str, torch.Tensor]:
-    """kernels='triton' now: pending add + norm, qkv_rope (k/v into the suffix slot when decoding),
+    """kernels='triton' (a Score's, a prefill's; a decode step's before 2c7509d, when its RoPE moved
+    into the attention): pending add + norm, qkv_rope (k/v into the suffix slot when decoding),
     residual add + norm, SiLU*up: four launches."""
     from kernels.norm_act import rms_norm, silu_mul
-    from kernels.qkv_rope import qkv_rope
 
     h, x = rms_norm(inp["pending"], inp["attn_norm"], EPS, residual=inp["x"])
     t = inp["step"]

@@ -40,10 +40,6 @@ struct LayerWeights {
   at::Tensor attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // bqkv/q_norm/k_norm may be undefined
   // the e4m3 weights' per-output-channel float32 scales (`slmrank build --fp8`); undefined: not fp8
   at::Tensor wqkv_scale, wo_scale, wgu_scale, wdown_scale;
-  // the e4m3 weights' model-dtype copies (NAME.full) and row floors (`--fp8 mlp:2048`): a GEMM of fewer
-  // activation rows runs on the copy (at_rows); undefined / 0: always FP8
-  at::Tensor wqkv_full, wo_full, wgu_full, wdown_full;
-  int64_t wqkv_min_rows = 0, wo_min_rows = 0, wgu_min_rows = 0, wdown_min_rows = 0;
 };
 
 // Everything a node reads besides the Env: immutable after construction.

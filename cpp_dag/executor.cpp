@@ -56,18 +56,6 @@ LayerWeights layer_weights(const Context& ctx, int64_t i) {
   w.wo_scale = optional("wo.scale");
   w.wgu_scale = optional("wgu.scale");
   w.wdown_scale = optional("wdown.scale");
-  auto floor = [&](const std::string& name) {
-    auto it = ctx.fp8_min_rows.find(p + name);
-    return it == ctx.fp8_min_rows.end() ? int64_t{0} : it->second;
-  };
-  w.wqkv_full = optional("wqkv.full");
-  w.wo_full = optional("wo.full");
-  w.wgu_full = optional("wgu.full");
-  w.wdown_full = optional("wdown.full");
-  w.wqkv_min_rows = floor("wqkv");
-  w.wo_min_rows = floor("wo");
-  w.wgu_min_rows = floor("wgu");
-  w.wdown_min_rows = floor("wdown");
   if (ctx.cfg.qk_norm && !(w.q_norm.defined() && w.k_norm.defined())) {
     throw std::invalid_argument("layer " + std::to_string(i) + ": qwen3 needs q_norm and k_norm weights");
   }

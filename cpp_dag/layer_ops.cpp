@@ -88,18 +88,13 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tens
   return y.to(x.scalar_type());
 }
 
-LayerWeights at_rows(const LayerWeights& w, int64_t rows) {
-  LayerWeights v = w;
-  auto pick = [rows](at::Tensor& weight, at::Tensor& scale, const at::Tensor& full, int64_t floor) {
-    if (full.defined() && rows < floor) {
-      weight = full;
-      scale = at::Tensor();
-    }
-  };
-  pick(v.wqkv, v.wqkv_scale, w.wqkv_full, w.wqkv_min_rows);
-  pick(v.wo, v.wo_scale, w.wo_full, w.wo_min_rows);
-  pick(v.wgu, v.wgu_scale, w.wgu_full, w.wgu_min_rows);
-  pick(v.wdown, v.wdown_scale, w.wdown_full, w.wdown_min_rows);
+LayerWeights at_rows(const Context& ctx, int64_t layer, int64_t rows) {
+  LayerWeights v = ctx.layers.at(layer);
+  const std::string p = "layers." + std::to_string(layer) + ".";
+  std::tie(v.wqkv, v.wqkv_scale) = ctx.gemm_weight(p + "wqkv", rows);
+  std::tie(v.wo, v.wo_scale) = ctx.gemm_weight(p + "wo", rows);
+  std::tie(v.wgu, v.wgu_scale) = ctx.gemm_weight(p + "wgu", rows);
+  std::tie(v.wdown, v.wdown_scale) = ctx.gemm_weight(p + "wdown", rows);
   return v;
 }
 

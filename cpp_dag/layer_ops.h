@@ -43,9 +43,9 @@ struct Activation {
 // on CUDA, the weight's K and N multiples of 16 (scaled_linear's conditions). layers.py::fp8_in_kernel.
 bool fp8_in_kernel(const TritonKernels* fused, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale);
 
-// The layer for activations of `rows` rows: an e4m3 weight below its row floor (`--fp8 mlp:2048`) gives
-// way to its model-dtype copy, without a scale. layers.py::LayerWeights.at_rows.
-LayerWeights at_rows(const LayerWeights& w, int64_t rows);
+// Layer `layer` for activations of `rows` rows: each GEMM weight as Context::gemm_weight gives it (an e4m3
+// one below its row floor, `--fp8 mlp:2048`: its model-dtype copy, without a scale). layers.py::LayerWeights.at_rows.
+LayerWeights at_rows(const Context& ctx, int64_t layer, int64_t rows);
 
 // Every GEMM of the model: at::linear, or fp8_linear when `scale` is defined (an e4m3 weight), or
 // scaled_linear when the activation comes quantized. service/model/layers.py::linear.

@@ -51,7 +51,7 @@ class DecoderLayer final : public Node {
     const LayerWeights& stored = ctx.layers.at(spec_.layer);
     // the weights a GEMM of this many rows takes (an e4m3 one below its row floor: its model-dtype copy)
     const bool floored = !ctx.fp8_min_rows.empty();
-    const LayerWeights at_these_rows = floored ? at_rows(stored, read(env, "x").size(0)) : LayerWeights();
+    const LayerWeights at_these_rows = floored ? at_rows(ctx, spec_.layer, read(env, "x").size(0)) : LayerWeights();
     const LayerWeights& w = floored ? at_these_rows : stored;
     const TritonKernels* fused = ctx.fused.get();
     // the previous layer's MLP output, added to x by this layer's first norm (which quantizes its

@@ -31,7 +31,7 @@ from . import acceptance
 from .buckets import BucketTable, default_bucket_table
 from .catalog import Catalog, CatalogError, build_catalog, load_catalog
 from ..model.checkpoint import (FP8_PARTS, FULL, MIN_ROWS, check_weights, expected_shapes, fp8_min_rows, fp8_weight_names,
-                                weight_source)
+                                weight_floors, weight_source)
 from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
 from .manifest import (ACCEPTANCE, FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest,
@@ -118,8 +118,7 @@ class Artifact:
         weights = load_file(str(self.path / WEIGHTS), device=str(device))
         check_weights(self.config, weights, self.fp8)
         floors = self.fp8_min_rows
-        want = {name: floors[part] for part in floors for name in fp8_weight_names(self.config, (part,))}
-        if fp8_min_rows(weights) != want:
+        if fp8_min_rows(weights) != weight_floors(self.config, floors):
             raise ArtifactError(f"{self.path / WEIGHTS}: the weights' fp8 row floors do not match the manifest's "
                                 f"weights.fp8_min_rows {floors}")
         if dtype is not None:
@@ -187,7 +186,7 @@ def build_artifact(model: str, out: str | Path, *, dtype: str = "auto", limits: 
             raise ArtifactError(f"fp8_min_rows: {part}: a row floor must be an integer >= 1, got {rows!r}")
     floors = {part: floors[part] for part in fp8 if part in floors}  # in one order
     quantized = set(fp8_weight_names(cfg, fp8))
-    floor_of = {name: floors[part] for part in floors for name in fp8_weight_names(cfg, (part,))}
+    floor_of = weight_floors(cfg, floors)
     target = None if dtype == "auto" else DTYPES.get(dtype)
     if dtype != "auto" and target is None:
         raise ArtifactError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")

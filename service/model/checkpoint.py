@@ -42,6 +42,12 @@ def fp8_weight_names(cfg: ModelConfig, fp8: tuple[str, ...] | list[str] = ()) ->
 FULL, MIN_ROWS = ".full", ".min_rows"  # an e4m3 weight's model-dtype copy and its row floor (int64 [1])
 
 
+def weight_floors(cfg: ModelConfig, floors: dict[str, int]) -> dict[str, int]:
+    """A policy's part -> row floor (`--fp8 mlp:2048`) as each of its e4m3 weights' floor: what a
+    build stores as NAME.min_rows, and fp8_min_rows reads back."""
+    return {name: rows for part, rows in floors.items() for name in fp8_weight_names(cfg, (part,))}
+
+
 def fp8_min_rows(weights: dict[str, torch.Tensor]) -> dict[str, int]:
     """Each e4m3 weight with a row floor -> the floor (NAME.min_rows): a GEMM of fewer activation
     rows runs on NAME.full instead. Read once, on the host, when a runtime is made."""

@@ -40,8 +40,8 @@ def makes_kernel(func: Any) -> bool:
 
 
 class Counter(TorchDispatchMode):
-    """Counts the kernel-making ATen ops dispatched outside a Triton launch, and the Triton launches
-    (Triton's interpreter moves tensors with ATen ops of its own: not counted)."""
+    """While entered, counts the kernel-making ATen ops dispatched outside a Triton launch, and the
+    Triton launches (Triton's interpreter moves tensors with ATen ops of its own: not counted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,10 +54,10 @@ class Counter(TorchDispatchMode):
             self.aten[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
-    def patch_triton(self) -> None:
+    def __enter__(self) -> Counter:
         from triton.runtime.interpreter import InterpretedFunction
 
-        launch = InterpretedFunction.run
+        launch = self._launch = InterpretedFunction.run
         counter = self
 
         def counted(fn, *args, **kwargs):
@@ -69,6 +69,13 @@ class Counter(TorchDispatchMode):
                 counter.in_triton -= 1
 
         InterpretedFunction.run = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self._launch
+        super().__exit__(*exc)
 
 
 def count(model: str, workload: str, num_requests: int) -> dict[str, Any]:
@@ -83,7 +90,6 @@ def count(model: str, workload: str, num_requests: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     reqs = [runtime_request(w, g) for _ in range(num_requests)]
     counter = Counter()
-    counter.patch_triton()
     nodes: list[dict[str, Any]] = []
     seen = [collections.Counter(), collections.Counter()]
 

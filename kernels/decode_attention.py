@@ -239,17 +239,21 @@ def _check_cache(n: int, g: int, e: int, prompt_k: torch.Tensor, prompt_v: torch
 
 def _launch(q: torch.Tensor, num_heads: int, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
             kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
-            tile: Tile | None, rope: tuple | None) -> torch.Tensor:
+            tile: Tile | None, positions: torch.Tensor | None = None, pos_offset: int = 0,
+            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+            k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """q: q [N, H, E], or with positions (and the RoPE tables) the q/k/v GEMM's output (ROPE)."""
     n, g, e = q.shape[0], prompt_k.shape[1], prompt_k.shape[2]
     tile = tile or default_tile(e, q.dtype == torch.float32)
-    qk_norm = rope is not None and rope[4] is not None
+    rope, qk_norm = positions is not None, q_norm is not None
     consts = kernel_constexprs(num_heads, g, e, tile, interpreted=not isinstance(decode_attention_kernel, JITFunction),
-                               rope=rope is not None, qk_norm=qk_norm)
+                               rope=rope, qk_norm=qk_norm)
     out = torch.empty(n, num_heads, e, dtype=q.dtype, device=q.device)
-    positions, pos_offset, cos, sin, q_norm, k_norm, eps = rope or (kv_start, 0, q, q, None, None, 0.0)
+    unused = q  # the pointers a variant never reads
     decode_attention_kernel[(triton.cdiv(n, consts["BEAMS"]), g)](
-        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions, cos, sin,
-        q_norm if qk_norm else q, k_norm if qk_norm else q, n, suffix_k.shape[1], num_suffix, pos_offset, scale, eps,
+        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions if rope else kv_start,
+        cos if rope else unused, sin if rope else unused, q_norm if qk_norm else unused,
+        k_norm if qk_norm else unused, n, suffix_k.shape[1], num_suffix, pos_offset, scale, eps,
         **consts, num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
     return out
 
@@ -267,7 +271,7 @@ def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Te
         raise ValueError(f"decode_attention: shapes q {list(q.shape)}, prompt_k {list(prompt_k.shape)}, "
                          f"suffix_k {list(suffix_k.shape)} do not agree")
     _check_cache(n, prompt_k.shape[1], e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
-    return _launch(q, h, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile, None)
+    return _launch(q, h, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile)
 
 
 def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
@@ -296,7 +300,7 @@ def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, pos_offset:
         raise ValueError(f"decode_attention_qkv: q_norm and k_norm must both be [{e}] or both None")
     _check_cache(n, g, e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
     return _launch(qkv, num_heads, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile,
-                   (positions, pos_offset, cos, sin, q_norm, k_norm, eps))
+                   positions, pos_offset, cos, sin, q_norm, k_norm, eps)
 
 
 def decode_attention_ref(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,

@@ -123,6 +123,7 @@ class TritonKernels:
         self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
         allowed: torch.Tensor | None = None, slot: torch.Tensor | None = None, src: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+    def beam_merge(self, keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.Tensor: ...
     def beam_commit(
         self, top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slot: torch.Tensor, vocab: int, step: int,
         src: torch.Tensor | None = None, codes: torch.Tensor | None = None,

@@ -450,6 +450,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("logits"), py::arg("beam_scores"), py::arg("num_candidates"), py::arg("num_parents"),
           py::arg("allowed") = py::none(), py::arg("slot") = py::none(), py::arg("src") = py::none())
+      .def("beam_merge", &TritonKernels::beam_merge, py::arg("keys"), py::arg("num_requests"), py::arg("num_beams"))
       .def(
           "beam_commit",
           [](const TritonKernels& k, const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths,

@@ -86,28 +86,6 @@ at::Tensor to_rows(const at::Tensor& rect, const at::Tensor& slot, const at::Sca
   return at::constant_pad_nd(rect.reshape({-1}), {0, 1}, pad).index_select(0, slot);
 }
 
-// kernels/beam_topk.py::top_keys: the num_beams largest of each row of unique keys [R, n], largest
-// first; for widths 96-128 (MERGE_ROUNDS_WIDTHS: where it measured faster) in rounds over chunks of
-// kMergeGroup x num_beams keys (the same ops).
-constexpr int64_t kMergeGroup = 8;
-
-at::Tensor top_keys(at::Tensor keys, int64_t num_beams) {
-  const int64_t r = keys.size(0), chunk = kMergeGroup * num_beams;
-  const bool rounds = num_beams >= 96 && num_beams <= 128;
-  while (rounds && keys.size(1) >= 2 * chunk && keys.size(1) % chunk == 0) {
-    keys = std::get<0>(keys.reshape({-1, chunk}).topk(num_beams, -1)).reshape({r, -1});
-  }
-  return std::get<0>(keys.topk(num_beams, -1));
-}
-
-// kernels/beam_topk.py::merge_keys: keys [R x P, K] -> the B best of each request's P x K, best first
-// [R, B] (one parent a request, the first token: already the answer). Exact integer ops on unique
-// keys: no ties, no rounding.
-at::Tensor merge_keys(const at::Tensor& keys, int64_t num_requests, int64_t num_beams) {
-  at::Tensor per_request = keys.view({num_requests, -1});
-  return per_request.size(1) == num_beams ? per_request : top_keys(per_request, num_beams);
-}
-
 // nodes.py::code_columns_of: beam_codes [C] (a catalog's code tokens, then -1) -> [V]: each token's
 // column among them (C for a token that is none).
 at::Tensor code_columns_of(const at::Tensor& codes, int64_t vocab) {
@@ -208,8 +186,9 @@ class BeamInit final : public Node {
       const at::Tensor ranks = at::arange(r, logits.options().dtype(at::kLong));
       const at::Tensor keys = ctx.fused->beam_candidates(logits, at::zeros({r}, logits.options().dtype(at::kFloat)),
                                                          b, 1, allowed, ranks, ranks);
+      // keys [R, B]: one parent a request, so each request's B best already
       std::tie(seqs, scores, parents, tokens, row_tokens, std::ignore) =
-          ctx.fused->beam_commit(merge_keys(keys, r, b), seqs, widths, slot, logits.size(1), 0, at::Tensor(), codes);
+          ctx.fused->beam_commit(keys, seqs, widths, slot, logits.size(1), 0, at::Tensor(), codes);
     } else {
       std::tie(scores, tokens) = mask_logp(logits.log_softmax(-1), allowed).topk(b, -1);
       tokens = to_code_tokens(codes, tokens);
@@ -249,7 +228,7 @@ class BeamStep final : public SuffixOwner {
       // [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
       const at::Tensor keys = ctx.fused->beam_candidates(logits, scores.reshape({-1}), b, b, allowed, slot, src);
       std::tie(new_seqs, new_scores, parents, tokens, row_tokens, rows) =
-          ctx.fused->beam_commit(merge_keys(keys, r, b), seqs, widths, slot, vocab, spec_.step, src, codes);
+          ctx.fused->beam_commit(ctx.fused->beam_merge(keys, r, b), seqs, widths, slot, vocab, spec_.step, src, codes);
     } else {
       at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
       at::Tensor cand = mask_logp(logits.log_softmax(-1), allowed).add(row_scores.unsqueeze(1));  // [N, V]

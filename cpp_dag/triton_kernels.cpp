@@ -474,6 +474,32 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Te
   return keys;
 }
 
+at::Tensor TritonKernels::beam_merge(const at::Tensor& keys, int64_t num_requests, int64_t num_beams) const {
+  require(keys.scalar_type() == at::kLong && keys.is_contiguous() && num_requests >= 1 &&
+              keys.numel() % num_requests == 0,
+          "beam_merge: keys must be a contiguous int64 [R x P, K] of " + std::to_string(num_requests) + " requests");
+  at::Tensor x = keys.view({num_requests, -1});
+  int64_t n = x.size(1);
+  require(num_beams >= 1 && num_beams <= n, "beam_merge: need 1 <= B (" + std::to_string(num_beams) +
+                                                ") <= the keys a request (" + std::to_string(n) + ")");
+  if (n == num_beams) return x;
+  // kernels/beam_topk.py::merge_sizes: the sort width KP; CHUNK (the keys a program takes) is the variant's
+  int64_t kp = 2;
+  while (kp < num_beams) kp *= 2;
+  const std::string variant = variant_name("beam_merge", at::kFloat, {{"k", kp}});
+  const int64_t chunk = impl_->get(variant).constexprs.at("CHUNK");
+  while (true) {
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    at::Tensor out = at::empty({num_requests, chunks * num_beams}, x.options());
+    launch(variant, {static_cast<uint32_t>(num_requests), static_cast<uint32_t>(chunks), 1},
+           {x, out, static_cast<int32_t>(n), static_cast<int32_t>(chunks * num_beams),
+            static_cast<int32_t>(num_beams)});
+    if (chunks == 1) return out;
+    x = out;
+    n = chunks * num_beams;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
     const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths, const at::Tensor& slot, int64_t vocab,
     int64_t step, const at::Tensor& src, const at::Tensor& codes) const {
@@ -562,6 +588,7 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, 
                                           const at::Tensor&, const at::Tensor&) const {
   no_cuda();
 }
+at::Tensor TritonKernels::beam_merge(const at::Tensor&, int64_t, int64_t) const { no_cuda(); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
     const at::Tensor&) const {

@@ -91,6 +91,10 @@ class TritonKernels {
   at::Tensor beam_candidates(const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
                              int64_t num_parents, const at::Tensor& allowed = at::Tensor(),
                              const at::Tensor& slot = at::Tensor(), const at::Tensor& src = at::Tensor()) const;
+  // The B best of each request's keys, best first (kernels/beam_topk.py::beam_merge): keys [R x P, K]
+  // int64 (beam_candidates' output, unique) -> [R, num_beams], in rounds over chunks of keys (a view of
+  // keys when a request has num_beams of them: one parent, the first token).
+  at::Tensor beam_merge(const at::Tensor& keys, int64_t num_requests, int64_t num_beams) const;
   // A beam step's bookkeeping from the B best keys of each request (kernels/beam_topk.py::beam_commit):
   // top [R, B], seqs [R, B, n], widths [R], slot [N], src [R * B] (undefined: the first token), codes
   // [C] or undefined, all int64 -> (seqs with the parents' sequences and the new tokens at column step,

@@ -303,6 +303,13 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
                 consts, num_warps=sz["select_warps"],
                 divisible_by_16=("x_ptr", "allowed_ptr", "stride_x", "stats_ptr", "count_ptr", "buf_ptr", "src_ptr",
                                  "out_ptr"), grid="(ranks, 1, 1)"))
+    for kp in widths:  # the merge of a request's keys: integer work, one variant a sort width (named fp32 as above)
+        sz = beam_topk.merge_sizes(kp)
+        specs.append(KernelSpec(
+            variant_name("beam_merge", "fp32", k=kp), beam_topk.beam_merge_kernel,
+            {"in_ptr": "*i64", "out_ptr": "*i64", "n_in": "i32", "n_out": "i32", "num_beams": "i32",
+             "KP": "constexpr", "CHUNK": "constexpr"}, {"KP": kp, "CHUNK": sz["CHUNK"]}, num_warps=sz["num_warps"],
+            grid="(requests, cdiv(keys a request, CHUNK), 1)"))
     i64 = ("top_ptr", "seqs_ptr", "widths_ptr", "slot_ptr", "src_ptr", "codes_ptr", "seqs_out_ptr")
     for codes in (0, 1):  # the bookkeeping: integer work, one variant for every model (named fp32 as above)
         specs.append(KernelSpec(

@@ -31,9 +31,10 @@ are tokens 0..K-1 at -inf, as the reference orders them.
 The rows are packed (each request its own width of rows, padding after them) while the
 bookkeeping is [R, P]: slot (each row's rank) gives a row its score, src (each rank's row) gives a
 rank its keys, with the flat index (rank % P) * V + token; a rank without a row gets NO_KEYs.
-Then `merge_keys` (torch: top-B of the request's P x K keys, which are unique, so no ties remain)
-and `beam_commit_kernel` (the keys decoded into scores, parents, tokens, the sequences and each
-packed row's next token and parent row, in one launch) finish the step. Both runtimes run those
+Then `beam_merge_kernel` (top-B of the request's P x K keys, which are unique, so no ties remain;
+in rounds over chunks, several programs a request) and `beam_commit_kernel` (the keys decoded into
+scores, parents, tokens, the sequences and each packed row's next token and parent row, in one
+launch) finish the step. Both runtimes run those
 very ops, which keeps them byte-identical.
 
 Keys: int64 (ordered float bits of c) << 32 | (2^32 - 1 - flat index): larger is better, and one
@@ -501,7 +502,7 @@ def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slo
                 step: int, src: torch.Tensor | None = None, codes: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, ...]:
     """A beam step's bookkeeping from its B best keys a request, in one kernel. top [R, B] int64
-    (top_keys); seqs [R, B, n] int64; widths [R] int64; slot [N] int64 (each packed row's rank,
+    (beam_merge); seqs [R, B, n] int64; widths [R] int64; slot [N] int64 (each packed row's rank,
     R * B: padding); vocab: the logits' columns (the key's flat index is parent * vocab + column);
     step: the column of seqs the new tokens go to; src [R * B] int64 (each rank's row) for a decode
     step, None for the first token (one parent: every beam keeps its own sequence); codes [C] int64
@@ -533,39 +534,74 @@ def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slo
     return seqs_out, scores, parents, tokens, row_tokens, parent_rows
 
 
-# The merge in rounds: top-B of every MERGE_GROUP x B keys, then of the winners. torch's top-k
-# runs a slice per thread block, so one slice of B x B keys a request is slow at W2's width: on the
-# H200 (2026-12-04, `bench_kernels --only beam_merge`, 8 requests) 113.6 us at B = 128 against
-# 76.9 in rounds, 76.6 against 56.2 at B = 96; but 36.7 against 39.7 at B = 48, and 125-139
-# against 154-224 at B = 400 (torch's multi-block top-k for large slices wins there): rounds only
-# for widths in MERGE_ROUNDS_WIDTHS.
-MERGE_GROUP = 8
-MERGE_ROUNDS_WIDTHS = range(96, 129)
+# The merge: top-B of each request's P x K keys. torch's top-k runs one slice per thread block, so a
+# request's B x B keys are one block's work: on the H200 (2026-12-04, `bench_kernels --only
+# beam_merge`, 8 requests) 36.7 us at B = 48, 113.6 at B = 128, 139.0 at B = 400, for a few MB at
+# most. beam_merge_kernel spreads a request over programs instead: each takes CHUNK keys and keeps
+# their B best (tl.topk), and rounds repeat over the winners until one chunk is left (2 rounds at
+# B x B = 100 x 100, 4 at 400 x 400; the top B of a union are among each part's top B).
+MERGE_MIN_CHUNK = 1024
 
 
-def top_keys(keys: torch.Tensor, num_beams: int) -> torch.Tensor:
-    """keys [R, n] unique -> the num_beams largest of each row, largest first: exactly
-    keys.topk(num_beams).values; for widths in MERGE_ROUNDS_WIDTHS in rounds over chunks of
-    MERGE_GROUP x num_beams keys while a round leaves under half of them (the top B of a union
-    are among each part's top B)."""
-    r, chunk = keys.shape[0], MERGE_GROUP * num_beams
-    while num_beams in MERGE_ROUNDS_WIDTHS and keys.shape[1] >= 2 * chunk and keys.shape[1] % chunk == 0:
-        keys = keys.reshape(-1, chunk).topk(num_beams, dim=-1).values.reshape(r, -1)
-    return keys.topk(num_beams, dim=-1).values
+def merge_sizes(num_beams: int) -> dict[str, int]:
+    """KP the sort width (a power of two >= max(B, 2), as sizes()), CHUNK the keys a program of a
+    round takes (>= 4 KP: a round keeps at most a quarter of its keys), its warps (cpp_dag mirrors it)."""
+    kp = max(2, triton.next_power_of_2(num_beams))
+    chunk = max(MERGE_MIN_CHUNK, 4 * kp)
+    return {"KP": kp, "CHUNK": chunk, "num_warps": 8 if chunk >= 2048 else 4}
+
+
+@triton.jit
+def beam_merge_kernel(in_ptr, out_ptr, n_in, n_out, num_beams, KP: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (request r, chunk c): the num_beams largest of in[r, c * CHUNK:(c + 1) * CHUNK] (a
+    request's keys: n_in of them; past n_in, none), largest first, into out[r, c * num_beams:] (n_out a
+    request). A chunk with fewer keys than num_beams pads with -2^63, below every key (NO_KEY too)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    inb = i < n_in
+    x = tl.where(inb, tl.load(in_ptr + r * n_in + i, mask=inb, other=0), -(2 ** 63))
+    top = tl.topk(x, KP)
+    kk = tl.arange(0, KP)
+    tl.store(out_ptr + r * n_out + c * num_beams + kk, top, mask=kk < num_beams)
+
+
+def beam_merge(keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.Tensor:
+    """keys [R x P, K] int64 (beam_candidates) -> the B best of each request's P x K, best first
+    [R, B], in rounds of beam_merge_kernel: exactly merge_keys (the keys are unique: no ties). One
+    parent a request (the first token) is already the answer. cpp_dag/triton_kernels.cpp::beam_merge
+    launches the same rounds."""
+    if keys.dtype != torch.int64 or not keys.is_contiguous() or num_requests < 1 or keys.numel() % num_requests:
+        raise ValueError(f"beam_merge: keys must be a contiguous int64 [R x P, K] of {num_requests} requests, got "
+                         f"{list(keys.shape)} {keys.dtype}")
+    x = keys.view(num_requests, -1)
+    n = x.shape[1]
+    if not 1 <= num_beams <= n:
+        raise ValueError(f"beam_merge: need 1 <= B ({num_beams}) <= the keys a request ({n})")
+    if n == num_beams:
+        return x
+    sz = merge_sizes(num_beams)
+    while True:
+        chunks = triton.cdiv(n, sz["CHUNK"])
+        out = torch.empty(num_requests, chunks * num_beams, dtype=torch.int64, device=keys.device)
+        beam_merge_kernel[(num_requests, chunks)](x, out, n, chunks * num_beams, num_beams, KP=sz["KP"],
+                                                  CHUNK=sz["CHUNK"], num_warps=sz["num_warps"], **COMPILE_OPTIONS)
+        if chunks == 1:
+            return out
+        x, n = out, chunks * num_beams
 
 
 def merge_keys(keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.Tensor:
-    """keys [R x P, K] (beam_candidates) -> the B best of each request's P x K, best first [R, B]:
-    one parent a request (the first token) is already the answer. The keys are unique, so the
-    top-k has no ties to break. cpp_dag/node_beam.cpp runs the same ops."""
+    """beam_merge in plain torch (its reference): one top-k a request. The keys are unique, so the
+    top-k has no ties to break."""
     per_request = keys.view(num_requests, -1)
-    return per_request if per_request.shape[1] == num_beams else top_keys(per_request, num_beams)
+    return per_request if per_request.shape[1] == num_beams else per_request.topk(num_beams, dim=-1).values
 
 
 def merge_candidates(keys: torch.Tensor, num_requests: int, num_beams: int,
                      vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """merge_keys, decoded: (scores [R, B] float32, parents [R, B] int64, tokens [R, B] int64)."""
-    return decode_keys(merge_keys(keys, num_requests, num_beams), vocab)
+    """beam_merge, decoded: (scores [R, B] float32, parents [R, B] int64, tokens [R, B] int64)."""
+    return decode_keys(beam_merge(keys, num_requests, num_beams), vocab)
 
 
 def beam_topk(logits: torch.Tensor, beam_scores: torch.Tensor, num_beams: int,

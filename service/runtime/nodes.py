@@ -25,7 +25,6 @@ from ..siblings import sibling
 _attention = sibling("kernels.attention")
 masked_attention_ref, segment_bounds = _attention.masked_attention_ref, _attention.segment_bounds
 segment_key_ranges, varlen_attention = _attention.segment_key_ranges, _attention.varlen_attention
-merge_keys = sibling("kernels.beam_topk").merge_keys
 _trie = sibling("kernels.trie")
 trie_children_ref, trie_advance_ref = _trie.trie_children_ref, _trie.trie_advance_ref
 
@@ -322,8 +321,9 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
         ranks = torch.arange(r, device=logits.device)
         keys = ctx.fused.beam_candidates(logits, torch.zeros(r, dtype=torch.float32, device=logits.device), num_beams,
                                          1, allowed, ranks, ranks)
-        seqs, scores, parents, tokens, row_tokens, _ = ctx.fused.beam_commit(
-            merge_keys(keys, r, num_beams), seqs, widths, slot, vocab, 0, None, codes)
+        # keys [R, B]: one parent a request, so each request's B best already
+        seqs, scores, parents, tokens, row_tokens, _ = ctx.fused.beam_commit(keys, seqs, widths, slot, vocab, 0, None,
+                                                                             codes)
     else:
         logp = _mask_logp(torch.log_softmax(logits, dim=-1), allowed)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
@@ -356,7 +356,7 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
         # [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
         keys = ctx.fused.beam_candidates(logits, scores.reshape(-1), b, b, allowed, slot, src)
         new_seqs, new_scores, parents, tokens, row_tokens, rows = ctx.fused.beam_commit(
-            merge_keys(keys, r, b), seqs, widths, slot, vocab, node.step, src, codes)
+            ctx.fused.beam_merge(keys, r, b), seqs, widths, slot, vocab, node.step, src, codes)
     else:
         row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
         cand = _mask_logp(torch.log_softmax(logits, dim=-1), allowed) + row_scores.unsqueeze(1)  # [N, V]

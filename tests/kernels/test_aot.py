@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the streaming and select ones without and with an allowed-token bitmask (catalogs)
 BEAM_TOPK_VARIANTS = ({f"beam_{k}.g1024.mask{m}.bf16" for k in ("stats", "collect") for m in (0, 1)}
                       | {f"beam_threshold.g1024.k{1 << i}.fp32" for i in range(1, 10)}
-                      | {f"beam_select.k{1 << i}.mask{m}.bf16" for i in range(1, 10) for m in (0, 1)})
+                      | {f"beam_select.k{1 << i}.mask{m}.bf16" for i in range(1, 10) for m in (0, 1)}
+                      | {f"beam_merge.k{1 << i}.fp32" for i in range(1, 10)})
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.beam_topk import (MERGE_GROUP, MERGE_ROUNDS_WIDTHS, NO_KEY_VALUE, allowed_bitmask, beam_candidates,
-                               beam_commit, beam_topk, beam_topk_ref, decode_keys, row_passes, sizes, top_keys)
+from kernels.beam_topk import (NO_KEY_VALUE, allowed_bitmask, beam_candidates, beam_commit, beam_merge, beam_topk,
+                               beam_topk_ref, decode_keys, row_passes, sizes)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,18 +175,37 @@ def test_more_buffered_tokens_than_the_short_sort_takes_are_all_sorted(device: s
     assert set(got[2].flatten().tolist()) <= set(group.tolist())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("r,n,b", [(8, 128 * 128, 128), (2, 400 * 400, 400), (3, 4 * 4, 4), (1, 96 * 96, 96),
-                                   (2, 3 * 16 * MERGE_GROUP * 100, 100), (8, 127 * 127, 127)])
-def test_top_keys_in_rounds_is_topk(device: str, r: int, n: int, b: int) -> None:
-    """The merge (in rounds at widths 96-128: 2, 0, 0, 1, 2 of them, then 0 for 127 x 127 keys, no
-    multiple of a chunk) returns exactly torch's top-k of the unique keys, in its order."""
-    assert (MERGE_ROUNDS_WIDTHS.start, MERGE_ROUNDS_WIDTHS.stop) == (96, 129), "cpp_dag/node_beam.cpp has 96-128"
-    g = torch.Generator().manual_seed(n + b)
-    keys = torch.randperm(r * n, generator=g).mul((1 << 24) + 7).sub(1 << 40).view(r, n).to(device)  # unique
-    assert torch.equal(top_keys(keys, b), keys.topk(b, dim=-1).values)
-    keys[:, -1] = keys.max() + 1  # a row's best in its last chunk
-    assert torch.equal(top_keys(keys, b)[:, 0], keys[:, -1])
+# (requests, parents, beams): on the CPU small sort widths (Triton's interpreter takes seconds a program
+# at KP 512); 2 rounds at 1,024 x 2 and 200 x 8 and 40 x 60; on the GPU W2's and W5's bookkeeping too
+# (128 x 128 keys take 2 rounds, 400 x 400 take 4; 7 x 300 is two chunks, one of them partial)
+MERGE_SHAPES = [(3, 4, 4), (4, 3, 1), (1, 1024, 2), (2, 200, 8), (2, 40, 60)]
+MERGE_SHAPES_GPU = [(8, 128, 128), (2, 400, 400), (1, 96, 96), (8, 127, 127), (2, 7, 300)]
+
+
+@pytest.mark.parametrize("device,r,p,b", [("cpu", *s) for s in MERGE_SHAPES]
+                         + [pytest.param("cuda", *s, marks=pytest.mark.gpu) for s in MERGE_SHAPES + MERGE_SHAPES_GPU])
+def test_beam_merge_is_topk(device: str, r: int, p: int, b: int) -> None:
+    """The merge in rounds returns exactly torch's top-k of each request's unique keys, in its order: keys as beam_candidates
+    makes them (each rank's B best first, a rank without a row all NO_KEY) and in random order."""
+    g = torch.Generator().manual_seed(r * p + b)
+    n = p * b
+    keys = torch.randperm(r * n, generator=g).mul((1 << 24) + 7).sub(1 << 40).view(r * p, b)  # unique
+    ranked = keys.sort(dim=-1, descending=True).values
+    if p > 1:
+        ranked[p - 1::p] = NO_KEY_VALUE - torch.arange(b)  # each request's last rank has no row
+    for k in (keys, ranked):
+        k = k.to(device)
+        want = k.view(r, -1).topk(b, dim=-1).values
+        assert torch.equal(beam_merge(k, r, b), want)
+
+
+def test_beam_merge_refuses_what_it_cannot_merge() -> None:
+    keys = torch.arange(12, dtype=torch.int64)
+    with pytest.raises(ValueError, match="B .5. <= the keys a request .4."):
+        beam_merge(keys, 3, 5)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        beam_merge(keys.float(), 3, 2)
+    assert torch.equal(beam_merge(keys, 3, 4), keys.view(3, 4))  # one parent a request: already the answer
 
 
 def _packing(widths: list[int], b: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,8 +393,6 @@ def test_aot_packed_beam_step_equals_the_jit_kernels_in_a_cuda_graph(aot_kernels
     """A packed beam step as the runtimes run it (requests of widths 100, 37, 0 in a [3, 100]
     bookkeeping, padding rows): the AOT candidates with slot/src, the merge and the commit kernel
     equal the JIT kernels' eagerly and replayed from a CUDA graph."""
-    from kernels.beam_topk import merge_keys
-
     b, vocab, widths, rows = 100, 151936, [100, 37, 0], 160
     slot, src = (t.cuda() for t in _packing(widths, b, rows))
     g = torch.Generator().manual_seed(77)
@@ -387,9 +404,9 @@ def test_aot_packed_beam_step_equals_the_jit_kernels_in_a_cuda_graph(aot_kernels
 
     def step(kern):
         keys = kern.beam_candidates(logits, scores.reshape(-1), b, b, None, slot, src)
-        return kern.beam_commit(merge_keys(keys, len(widths), b), seqs, width_t, slot, vocab, 2, src, code_tokens)
+        return kern.beam_commit(kern.beam_merge(keys, len(widths), b), seqs, width_t, slot, vocab, 2, src, code_tokens)
 
-    jit = types.SimpleNamespace(beam_candidates=beam_candidates, beam_commit=beam_commit)
+    jit = types.SimpleNamespace(beam_candidates=beam_candidates, beam_merge=beam_merge, beam_commit=beam_commit)
     eager, want = step(aot_kernels), step(jit)
     for x, y in zip(eager, want):
         assert torch.equal(x, y), "AOT cubins and JIT kernels disagree"

@@ -1,7 +1,7 @@
 """ops/bench/launches.py on the CPU: the launches a fused BeamSearch batch dispatches, node by node.
 A prefill layer is 4 GEMMs and 5 Triton kernels, a decode step's 4 GEMMs and 4 (its q/k RoPE inside the
-attention kernel); a beam step is its 5 Triton kernels, the merge's top-k and the suffix gather (the
-bookkeeping is one kernel, beam_commit)."""
+attention kernel); a beam step is its 6 Triton kernels (the merge a round of them here) and the suffix
+gather (the bookkeeping is one kernel, beam_commit)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def test_a_fused_beam_batch_dispatches_8_a_decode_layer_and_7_a_beam_step() -> N
     steps = [n for n in result["nodes"] if n["type"] == "beam_step"]
     assert [n["step"] for n in steps] == [1, 2]
     for n in steps:
+        # the merge: one round of beam_merge_kernel for 2 requests' 4 x 4 keys
         assert n["triton"] == {"beam_stats_kernel": 1, "beam_threshold_kernel": 1, "beam_collect_kernel": 1,
-                               "beam_select_kernel": 1, "beam_commit_kernel": 1}
-    assert steps[0]["aten"] == {"topk": 1, "index_select": 1}  # the merge, the suffix K/V's gather
-    assert steps[1]["aten"] == {"topk": 1}  # the last step reorders no suffix
+                               "beam_select_kernel": 1, "beam_merge_kernel": 1, "beam_commit_kernel": 1}
+    assert steps[0]["aten"] == {"index_select": 1}  # the suffix K/V's gather
+    assert steps[1]["aten"] == {}  # the last step reorders no suffix
     text = "\n".join(launches.table(result))
-    assert "| beam_step |  | 2 + 5 | 1 + 5 |" in text
+    assert "| beam_step |  | 1 + 6 | 0 + 6 |" in text

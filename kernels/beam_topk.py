@@ -34,8 +34,7 @@ rank its keys, with the flat index (rank % P) * V + token; a rank without a row 
 Then `beam_merge_kernel` (top-B of the request's P x K keys, which are unique, so no ties remain;
 in rounds over chunks, several programs a request) and `beam_commit_kernel` (the keys decoded into
 scores, parents, tokens, the sequences and each packed row's next token and parent row, in one
-launch) finish the step. Both runtimes run those
-very ops, which keeps them byte-identical.
+launch) finish the step. Both runtimes run those very ops, which keeps them byte-identical.
 
 Keys: int64 (ordered float bits of c) << 32 | (2^32 - 1 - flat index): larger is better, and one
 signed comparison orders by score, then by lower flat index.

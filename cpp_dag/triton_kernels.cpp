@@ -66,6 +66,13 @@ void require(bool ok, const std::string& what) {
 // programs of per_block items covering n
 uint32_t blocks(int64_t n, int64_t per_block) { return static_cast<uint32_t>((n + per_block - 1) / per_block); }
 
+// kernels/beam_topk.py::sizes' KP: the sort width for k keys a row, a power of two >= max(k, 2)
+int64_t sort_width(int64_t k) {
+  int64_t kp = 2;
+  while (kp < k) kp *= 2;
+  return kp;
+}
+
 }  // namespace
 
 struct TritonKernels::Impl {
@@ -446,8 +453,7 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor& logits, const at::Te
                         allowed.size(1) == words && allowed.is_contiguous()),
           "beam_candidates: allowed must be a contiguous int32 [rows, ceil(V / 32)] bitmask");
   // kernels/beam_topk.py::sizes: the sort width KP (a power of two >= max(K, 2)) and the groups NG
-  int64_t kp = 2;
-  while (kp < num_candidates) kp *= 2;
+  const int64_t kp = sort_width(num_candidates);
   const int64_t ng = std::max<int64_t>(1024, 2 * kp), mask = has_mask ? 1 : 0;
   const std::string stats = variant_name("beam_stats", logits.scalar_type(), {{"g", ng}, {"mask", mask}});
   const std::string threshold = variant_name("beam_threshold", at::kFloat, {{"g", ng}, {"k", kp}});
@@ -484,9 +490,7 @@ at::Tensor TritonKernels::beam_merge(const at::Tensor& keys, int64_t num_request
                                                 ") <= the keys a request (" + std::to_string(n) + ")");
   if (n == num_beams) return x;
   // kernels/beam_topk.py::merge_sizes: the sort width KP; CHUNK (the keys a program takes) is the variant's
-  int64_t kp = 2;
-  while (kp < num_beams) kp *= 2;
-  const std::string variant = variant_name("beam_merge", at::kFloat, {{"k", kp}});
+  const std::string variant = variant_name("beam_merge", at::kFloat, {{"k", sort_width(num_beams)}});
   const int64_t chunk = impl_->get(variant).constexprs.at("CHUNK");
   while (true) {
     const int64_t chunks = (n + chunk - 1) / chunk;

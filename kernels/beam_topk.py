@@ -545,7 +545,7 @@ MERGE_MIN_CHUNK = 1024
 def merge_sizes(num_beams: int) -> dict[str, int]:
     """KP the sort width (a power of two >= max(B, 2), as sizes()), CHUNK the keys a program of a
     round takes (>= 4 KP: a round keeps at most a quarter of its keys), its warps (cpp_dag mirrors it)."""
-    kp = max(2, triton.next_power_of_2(num_beams))
+    kp = sizes(num_beams)["KP"]
     chunk = max(MERGE_MIN_CHUNK, 4 * kp)
     return {"KP": kp, "CHUNK": chunk, "num_warps": 8 if chunk >= 2048 else 4}
 

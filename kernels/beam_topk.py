@@ -43,6 +43,7 @@ signed comparison orders by score, then by lower flat index.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -383,25 +384,51 @@ def beam_candidates(logits: torch.Tensor, beam_scores: torch.Tensor, num_candida
     slot and src None: rows are the ranks. allowed: None or an int32 [rows, ceil(V / 32)] bitmask
     (bit v % 32 of word v // 32: token v allowed). Returns keys [ranks, K] int64: each rank's K best
     first, flat index (rank % P) * V + token; NO_KEY for a rank without a row."""
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     if slot is None and src is None:
         slot = src = torch.arange(rows, device=logits.device)
     _check(logits, beam_scores, num_candidates, num_parents, allowed, slot, src)
+    keys, launches = candidate_launches(logits, beam_scores, num_candidates, num_parents, allowed, slot, src)
+    for _, launch in launches:
+        launch()
+    return keys
+
+
+def candidate_launches(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
+                       allowed: torch.Tensor | None, slot: torch.Tensor, src: torch.Tensor
+                       ) -> tuple[torch.Tensor, list[tuple[str, Callable[[], None]]]]:
+    """beam_candidates' keys (not yet written) and its four launches, (name, fn) in order, on
+    checked arguments; ops/bench/bench_kernels.py times each alone."""
+    rows, vocab = logits.shape
     ranks = beam_scores.shape[0]
     sz = sizes(num_candidates)
-    stats, count, buf = row_passes(logits, beam_scores, slot, num_candidates, allowed)
+    (stats, count, buf), launches = row_pass_launches(logits, beam_scores, slot, num_candidates, allowed)
     keys = torch.empty(ranks, num_candidates, dtype=torch.int64, device=logits.device)
-    beam_select_kernel[(ranks,)](logits, allowed if allowed is not None else count, stats, count, buf, src, keys,
-                                 vocab, logits.stride(0), (vocab + 31) // 32, num_candidates, num_parents, rows,
-                                 NG=sz["NG"], KP=sz["KP"], CAP=sz["CAP"], HAS_MASK=allowed is not None,
-                                 num_warps=sz["select_warps"], **COMPILE_OPTIONS)
-    return keys
+
+    def select() -> None:
+        beam_select_kernel[(ranks,)](logits, allowed if allowed is not None else count, stats, count, buf, src, keys,
+                                     vocab, logits.stride(0), (vocab + 31) // 32, num_candidates, num_parents, rows,
+                                     NG=sz["NG"], KP=sz["KP"], CAP=sz["CAP"], HAS_MASK=allowed is not None,
+                                     num_warps=sz["select_warps"], **COMPILE_OPTIONS)
+
+    return keys, launches + [("select", select)]
 
 
 def row_passes(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tensor, num_candidates: int,
                allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three launches before the select (stats, threshold, collect): stats [rows, 4] (max,
     log-sum, T, s), count [rows, 2] (tokens scoring >= T, buffered up to CAP; those > T) and buf [rows, CAP]."""
+    buffers, launches = row_pass_launches(logits, beam_scores, slot, num_candidates, allowed)
+    for _, launch in launches:
+        launch()
+    return buffers
+
+
+def row_pass_launches(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tensor, num_candidates: int,
+                      allowed: torch.Tensor | None
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[tuple[str, Callable[[], None]]]]:
+    """row_passes' buffers (stats, count, buf: not yet written) and its three launches, (name, fn) in
+    order; ops/bench/bench_kernels.py times each alone."""
     rows, vocab = logits.shape
     sz = sizes(num_candidates)
     ng, kp, cap = sz["NG"], sz["KP"], sz["CAP"]
@@ -417,15 +444,23 @@ def row_passes(logits: torch.Tensor, beam_scores: torch.Tensor, slot: torch.Tens
     has_mask = allowed is not None
     stride = logits.stride(0)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    beam_stats_kernel[(rows, NUM_PARTS)](logits, beam_scores, slot, mask, pmax, psum, gpart, vocab, stride, words,
-                                         ranks, NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask,
+    parts = NUM_PARTS
+
+    def stats_pass() -> None:
+        beam_stats_kernel[(rows, parts)](logits, beam_scores, slot, mask, pmax, psum, gpart, vocab, stride, words,
+                                         ranks, NUM_PARTS=parts, NG=ng, HAS_MASK=has_mask,
                                          INTERPRETED=interpreted, **COMPILE_OPTIONS)
-    beam_threshold_kernel[(rows,)](beam_scores, slot, pmax, psum, gpart, stats, count, num_candidates, ranks,
-                                   NUM_PARTS=NUM_PARTS, NG=ng, KP=kp, **COMPILE_OPTIONS)
-    beam_collect_kernel[(rows, NUM_PARTS)](logits, mask, stats, count, buf, vocab, stride, words, cap,
-                                           NUM_PARTS=NUM_PARTS, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
+
+    def threshold() -> None:
+        beam_threshold_kernel[(rows,)](beam_scores, slot, pmax, psum, gpart, stats, count, num_candidates, ranks,
+                                       NUM_PARTS=parts, NG=ng, KP=kp, **COMPILE_OPTIONS)
+
+    def collect() -> None:
+        beam_collect_kernel[(rows, parts)](logits, mask, stats, count, buf, vocab, stride, words, cap,
+                                           NUM_PARTS=parts, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
                                            **COMPILE_OPTIONS)
-    return stats, count, buf
+
+    return (stats, count, buf), [("stats", stats_pass), ("threshold", threshold), ("collect", collect)]
 
 
 def decode_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -492,22 +492,33 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
     # the fused step's parts: the selection kernels (two passes over the logits), the merge, the reorder
     env = envs["fused"]
     flat = env["beam_scores"].reshape(-1).contiguous()
-    parts = {"candidates": (lambda: beam_topk.beam_candidates(env["logits"], flat, b, b), 2 * one_read),
-             "candidates+merge": (lambda: beam_topk.merge_candidates(
-                 beam_topk.beam_candidates(env["logits"], flat, b, b), r, b, VOCAB), 2 * one_read),
-             "suffix_gather": (lambda: env["suffix_kv"].index_select(2, torch.arange(r * b, device="cuda")),
+    slot, src = env["beam_slot"], env["beam_src"]  # the packed rows (the last request half as wide)
+
+    def candidates(logits: torch.Tensor = env["logits"]) -> torch.Tensor:
+        return beam_topk.beam_candidates(logits, flat, b, b, None, slot, src)
+
+    rows = env["logits"].shape[0]
+    parts = {"candidates": (candidates, 2 * one_read),
+             "candidates+merge": (lambda: beam_topk.merge_candidates(candidates(), r, b, VOCAB), 2 * one_read),
+             "suffix_gather": (lambda: env["suffix_kv"].index_select(2, torch.arange(rows, device="cuda")),
                                2 * env["suffix_kv"].numel() * 2)}
-    keys = beam_topk.beam_candidates(env["logits"], flat, b, b)
+    keys = candidates()
+    # each launch of the selection alone: the select first, while the collect's counters are those of one
+    # pass (replaying the collect alone keeps adding to them)
+    _, launches = beam_topk.candidate_launches(env["logits"], flat, b, b, None, slot, src)
+    for _, launch in launches:
+        launch()
+    launch_bytes = {"stats": one_read, "threshold": 0, "collect": one_read, "select": 0}
+    for kernel, launch in launches[-1:] + launches[:-1]:
+        parts[f"kernel:{kernel}"] = (launch, launch_bytes[kernel])
     for parts_a_row in (8, 16):  # the streaming kernels' programs a row (the default: beam_topk.NUM_PARTS)
-        parts[f"candidates@{parts_a_row}"] = (
-            lambda n=parts_a_row: _with_parts(n, lambda: beam_topk.beam_candidates(env["logits"], flat, b, b)),
-            2 * one_read)
+        parts[f"candidates@{parts_a_row}"] = (lambda n=parts_a_row: _with_parts(n, candidates), 2 * one_read)
     # the merge alone: torch's top-k (what merge_candidates runs) against a full sort of the unique keys
     # and a top-k in two stages (the B best of each of C slices of a request's parent rows at once,
     # then of those C x B), on these keys and on those of near-uniform logits (a random checkpoint's:
     # close scores share their high bits, which a radix select pays for)
     flat_logits = (env["logits"].float() * 0.01).to(env["logits"].dtype)
-    close = beam_topk.beam_candidates(flat_logits, flat, b, b)
+    close = candidates(flat_logits)
     chunks = max(c for c in (1, 2, 4, 8, 16) if b % c == 0)
     for label, k in (("", keys), (":near-uniform", close)):
         parts[f"merge:topk{label}"] = (lambda k=k: k.view(r, -1).topk(b, dim=-1).values, k.numel() * 8)
@@ -545,14 +556,14 @@ def _with_parts(num_parts: int, fn: Callable[[], Any]) -> Any:
         beam_topk.NUM_PARTS = default
 
 
-def bench_beam_step() -> list[dict[str, Any]]:
+def bench_beam_step(shapes: Sequence[str] = tuple(BEAM_SHAPES)) -> list[dict[str, Any]]:
     """The beam bookkeeping of a BeamSearch batch, ATen (float32 log-softmax over [rows, V], top-k
     over B x V per request, every layer's suffix K/V index_select'ed) against the fused path
     (kernels/beam_topk.py on the bf16 logits, top-B of B x B keys, one gather of the suffix buffer,
     none after the last step), through the nodes themselves (service/runtime/nodes.py), per step
     and per batch (beam_init + the decode steps); then the fused parts against 4.8 TB/s.
     Baseline at b258f99, W2x8: beam_step 12.1 ms a batch."""
-    return [row for name in BEAM_SHAPES for row in _beam_workload(name)]
+    return [row for name in shapes for row in _beam_workload(name)]
 
 
 # --- Score / BeamSearch-prefill attention: by request block (SDPA + bias) vs by sample (varlen) ---
@@ -1025,11 +1036,18 @@ BENCHES: dict[str, Callable[[], list[dict[str, Any]]]] = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(BENCHES), help="these benchmarks only (default: all)")
+    p.add_argument("--beam-shapes", help=f"beam_step at these shapes only (comma list of {', '.join(BEAM_SHAPES)})")
     p.add_argument("--out", help="write DIR/bench_kernels.json")
     args = p.parse_args()
+    benches = dict(BENCHES)
+    if args.beam_shapes:
+        shapes = args.beam_shapes.split(",")
+        if unknown := [s for s in shapes if s not in BEAM_SHAPES]:
+            p.error(f"--beam-shapes: unknown {', '.join(unknown)} (known: {', '.join(BEAM_SHAPES)})")
+        benches["beam_step"] = lambda: bench_beam_step(shapes)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA GPU")
-    results = {name: BENCHES[name]() for name in (args.only or BENCHES)}
+    results = {name: benches[name]() for name in (args.only or benches)}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

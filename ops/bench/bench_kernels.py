@@ -417,7 +417,7 @@ VOCAB = 151936
 def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, seed: int = 0) -> dict[str, Any]:
     """A decode step's beam_step inputs as the runtimes lay them out: logits [rows, V] of the packed
     beam rows as the LM head gives them (bf16 for the fused path, float32 for ATen), beam scores
-    with a request narrower than the bucket (dead beams), beam_slot / beam_src as pack_beam makes
+    with (from two requests on) a request narrower than the bucket (dead beams), beam_slot / beam_src as pack_beam makes
     them, the suffix K/V (one buffer + views when fused)."""
     from service.artifact.buckets import BeamBucket
     from service.runtime.batch import pack_beam
@@ -425,12 +425,13 @@ def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, 
     from service.runtime.requests import BeamRequest
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    widths = [b] * (r - 1) + [max(1, b // 2)]
+    widths = [b] * (r - 1) + [max(1, b // 2) if r > 1 else b]  # one request alone fills its bucket
     rows = sum(widths)
     packed = pack_beam([BeamRequest((0,), w, n) for w in widths], BeamBucket(n, r, r, b, rows)).inputs
     logits = 4 * torch.randn(rows, VOCAB, generator=gen, device="cuda")
     scores = -3 * torch.rand(r, b, generator=gen, device="cuda").sort(-1, descending=True).values
-    scores[-1, b // 2:] = float("-inf")
+    if r > 1:
+        scores[-1, b // 2:] = float("-inf")
     env = {"logits": logits.to(torch.bfloat16) if fused else logits, "beam_scores": scores,
            "beam_width": torch.tensor(widths, device="cuda"),
            "beam_seqs": torch.randint(0, VOCAB, (r, b, n), generator=gen, device="cuda"),

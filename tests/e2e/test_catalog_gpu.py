@@ -16,7 +16,8 @@ from service.runtime.requests import BeamRequest, BeamResult
 
 from tests.e2e.test_float32_accuracy import _hf_float64, _hf_logprobs, run_both_runtimes
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# tens of GB of GPU memory a worker: under --dist loadgroup two such groups share a GPU, not eight workers
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu-memory-a")]
 TOL = 3e-4
 VOCAB = 151936
 CODE_LEN, PER_LEVEL = 3, 256

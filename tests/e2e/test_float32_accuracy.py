@@ -15,7 +15,8 @@ from service.runtime.engine import execute
 from service.model.checkpoint import hf_config_kwargs, hf_state_dict
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# tens of GB of GPU memory a worker: under --dist loadgroup two such groups share a GPU, not eight workers
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu-memory-a")]
 TOL = 3e-4
 VOCAB = 151936
 

@@ -28,7 +28,8 @@ import torch
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 from tests.e2e.test_float32_accuracy import run_both_runtimes
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# tens of GB of GPU memory a worker: under --dist loadgroup two such groups share a GPU, not eight workers
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu-memory-b")]
 VOCAB = 151936
 
 

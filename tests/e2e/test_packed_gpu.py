@@ -20,7 +20,8 @@ import torch
 from service.runtime.engine import execute, plan_batches
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# tens of GB of GPU memory a worker: under --dist loadgroup two such groups share a GPU, not eight workers
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.xdist_group("gpu-memory-b")]
 VOCAB = 151936
 # |packed - alone| allowed: float32 as the CPU's batching tests, bfloat16 a few of its ulps at |log p| ~ 12
 SCORE_TOL = {torch.float32: 1e-5, torch.bfloat16: 0.25}

@@ -28,6 +28,23 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         torch.cuda.empty_cache()
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With SLMRANK_TEST_REPORTS=FILE, each failure (its traceback) and each test's printed lines are
+    appended to FILE as the reports arrive (under xdist: in the controlling process), so a device
+    call that its time limit cuts still brings back why a test failed and what the tests printed
+    (pytest's own summary comes only at the end)."""
+    path = os.environ.get("SLMRANK_TEST_REPORTS")
+    printed = report.capstdout if report.when == "teardown" else ""  # a test's printing, all phases
+    if not path or not (report.failed or printed):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"=== {report.nodeid} {report.when}: {report.outcome}\n")
+        if printed:
+            f.write(printed.rstrip("\n") + "\n")
+        if report.failed:
+            f.write(report.longreprtext.rstrip("\n") + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

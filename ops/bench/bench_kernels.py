@@ -535,7 +535,7 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
     for part, (fn, nbytes) in parts.items():
         ms = graph_time_ms(fn)
         row = {"bench": "beam_step", "workload": name, "variant": f"fused:{part}", "ms": ms, "bytes": nbytes,
-               "gb_s": nbytes / ms / 1e6, "of_peak": nbytes / ms / 1e9 / (HBM_TB_S * 1e3)}
+               "gb_s": nbytes / ms / 1e6, "of_peak": nbytes / ms / 1e9 / HBM_TB_S}
         print(f"beam_step {name:5s} fused:{part:16s} {ms * 1e3:7.1f} us  {nbytes / 1e6:7.1f} MB moved  "
               f"{row['gb_s']:7.0f} GB/s ({row['of_peak']:5.1%} of {HBM_TB_S} TB/s)", flush=True)
         results.append(row)

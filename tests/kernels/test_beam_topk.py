@@ -241,6 +241,35 @@ def test_packed_rows_give_each_rank_its_rows_keys(device: str, mask: bool) -> No
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_code_head_narrower_than_a_line_at_400_beams(device: str) -> None:
+    """Normalisation over a catalog's codes at W5's width (tests/e2e/test_catalog_gpu.py's qwen3 case):
+    768 code columns (fewer than a line of NG = 1,024: one line, seven empty parts), K = 400 (sort
+    width 512) and masks allowing fewer than K columns (T = -inf: the row fills with its first
+    disallowed columns at -inf). Two live rows among a request's 400 ranks (the rest have none, so
+    the interpreter sorts two rows); each live rank's keys are its row's stable-sorted top K."""
+    vocab, k, ranks, rows = 768, 400, 400, 2
+    g = torch.Generator().manual_seed(768)
+    logits = (4 * torch.randn(rows, vocab, generator=g)).to(device)
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    allowed[0, torch.randperm(vocab, generator=g)[:256]] = True  # a first code level
+    allowed[1, torch.randperm(vocab, generator=g)[:78]] = True  # a prefix's children
+    scores = torch.full((ranks,), float("-inf"))
+    scores[:2] = torch.tensor([-0.5, -1.25])
+    src = torch.full((ranks,), rows, dtype=torch.int64)
+    src[:2] = torch.arange(2)
+    keys = beam_candidates(logits, scores.to(device), k, ranks, allowed_bitmask(allowed).to(device),
+                           slot=torch.arange(2, device=device), src=src.to(device))
+    got_s, parents, tokens = (x.cpu() for x in decode_keys(keys[:rows], vocab))
+    for r in range(rows):
+        cand = torch.log_softmax(logits[r].float().cpu(), -1).masked_fill(~allowed[r], float("-inf")) + scores[r]
+        want_s, want_t = torch.sort(cand, descending=True, stable=True)
+        live = int(allowed[r].sum())
+        assert torch.equal(tokens[r], want_t[:k]) and (parents[r] == r).all()
+        assert (got_s[r, :live] - want_s[:live]).abs().max().item() <= 2e-6 and got_s[r, live:].isinf().all()
+    assert (keys[rows:] == NO_KEY_VALUE).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_collect_buffers_the_ties_at_the_threshold(device: str) -> None:
     """bf16 logits tie often at the K-th group max T (~7 tokens at K = 100 here). The collect pass
     buffers every token scoring >= T, so at least K, and the select never scans a row for ties:

@@ -23,7 +23,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     seen) while the other workers run theirs, and eight of them ran an 80 GB H100 out of memory."""
     yield
     if (torch.cuda.is_available() and "gpu" in item.keywords
-            and (nextitem is None or nextitem.module is not item.module)):
+            and getattr(nextitem, "module", None) is not getattr(item, "module", None)):
         gc.collect()
         torch.cuda.empty_cache()
 

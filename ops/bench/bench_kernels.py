@@ -444,7 +444,7 @@ def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, 
     return env
 
 
-def _beam_workload(name: str) -> list[dict[str, Any]]:
+def _beam_workload(name: str, paths: Sequence[str] = ("aten", "fused")) -> list[dict[str, Any]]:
     from kernels import beam_topk
     from service.artifact.dag import Node
     from service.runtime.fused import JitKernels
@@ -470,7 +470,7 @@ def _beam_workload(name: str) -> list[dict[str, Any]]:
         raise AssertionError(f"beam_topk {name}: scores off by {err:.2e}, {same:.1%} of (parent, token) equal")
     results = []
     one_read = envs["fused"]["logits"].numel() * 2  # the bf16 logits, once: the floor of the selection
-    for label in ("aten", "fused"):
+    for label in paths:
         env = envs[label]
         per_step = []
         for t in range(1, n):
@@ -557,14 +557,15 @@ def _with_parts(num_parts: int, fn: Callable[[], Any]) -> Any:
         beam_topk.NUM_PARTS = default
 
 
-def bench_beam_step(shapes: Sequence[str] = tuple(BEAM_SHAPES)) -> list[dict[str, Any]]:
+def bench_beam_step(shapes: Sequence[str] = tuple(BEAM_SHAPES), paths: Sequence[str] = ("aten", "fused")
+                    ) -> list[dict[str, Any]]:
     """The beam bookkeeping of a BeamSearch batch, ATen (float32 log-softmax over [rows, V], top-k
     over B x V per request, every layer's suffix K/V index_select'ed) against the fused path
     (kernels/beam_topk.py on the bf16 logits, top-B of B x B keys, one gather of the suffix buffer,
     none after the last step), through the nodes themselves (service/runtime/nodes.py), per step
     and per batch (beam_init + the decode steps); then the fused parts against 4.8 TB/s.
     Baseline at b258f99, W2x8: beam_step 12.1 ms a batch."""
-    return [row for name in shapes for row in _beam_workload(name)]
+    return [row for name in shapes for row in _beam_workload(name, paths)]
 
 
 # --- Score / BeamSearch-prefill attention: by request block (SDPA + bias) vs by sample (varlen) ---
@@ -1038,14 +1039,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=list(BENCHES), help="these benchmarks only (default: all)")
     p.add_argument("--beam-shapes", help=f"beam_step at these shapes only (comma list of {', '.join(BEAM_SHAPES)})")
+    p.add_argument("--beam-fused-only", action="store_true",
+                   help="beam_step without the ATen path (its W2x8 steps take ~3.7 ms each, seconds of replays)")
     p.add_argument("--out", help="write DIR/bench_kernels.json")
     args = p.parse_args()
     benches = dict(BENCHES)
-    if args.beam_shapes:
-        shapes = args.beam_shapes.split(",")
-        if unknown := [s for s in shapes if s not in BEAM_SHAPES]:
-            p.error(f"--beam-shapes: unknown {', '.join(unknown)} (known: {', '.join(BEAM_SHAPES)})")
-        benches["beam_step"] = lambda: bench_beam_step(shapes)
+    shapes = args.beam_shapes.split(",") if args.beam_shapes else list(BEAM_SHAPES)
+    if unknown := [s for s in shapes if s not in BEAM_SHAPES]:
+        p.error(f"--beam-shapes: unknown {', '.join(unknown)} (known: {', '.join(BEAM_SHAPES)})")
+    paths = ("fused",) if args.beam_fused_only else ("aten", "fused")
+    benches["beam_step"] = lambda: bench_beam_step(shapes, paths)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA GPU")
     results = {name: benches[name]() for name in (args.only or benches)}

@@ -417,8 +417,8 @@ VOCAB = 151936
 def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, seed: int = 0) -> dict[str, Any]:
     """A decode step's beam_step inputs as the runtimes lay them out: logits [rows, V] of the packed
     beam rows as the LM head gives them (bf16 for the fused path, float32 for ATen), beam scores
-    with (from two requests on) a request narrower than the bucket (dead beams), beam_slot / beam_src as pack_beam makes
-    them, the suffix K/V (one buffer + views when fused)."""
+    with (from two requests on) a request narrower than the bucket (dead beams), beam_slot /
+    beam_src as pack_beam makes them, the suffix K/V (one buffer + views when fused)."""
     from service.artifact.buckets import BeamBucket
     from service.runtime.batch import pack_beam
     from service.runtime.nodes import set_beam_suffix
@@ -514,7 +514,8 @@ def _beam_workload(name: str, paths: Sequence[str] = ("aten", "fused")) -> list[
         parts[f"kernel:{kernel}"] = (launch, launch_bytes[kernel])
     for parts_a_row in (8, 16):  # the streaming kernels' programs a row (the default: beam_topk.NUM_PARTS)
         parts[f"candidates@{parts_a_row}"] = (lambda n=parts_a_row: _with_parts(n, candidates), 2 * one_read)
-    # the merge alone: torch's top-k (what merge_candidates runs) against a full sort of the unique keys
+    # the merge alone: torch's top-k (the merge before edbbe74; merge_candidates now runs beam_merge's
+    # rounds, timed above with the candidates and by --only beam_merge) against a full sort of the unique keys
     # and a top-k in two stages (the B best of each of C slices of a request's parent rows at once,
     # then of those C x B), on these keys and on those of near-uniform logits (a random checkpoint's:
     # close scores share their high bits, which a radix select pays for)

@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # registered here, not in pyproject.toml (a change there rebuilds the carried extension on the device)
+    config.addinivalue_line("markers", "xdist_group(name): one pytest-xdist worker runs the group under "
+                            "--dist loadgroup (GPU tests of tens of GB)")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     """After a GPU module's last test (its module fixtures torn down), the CUDA memory it cached goes

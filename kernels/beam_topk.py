@@ -579,7 +579,8 @@ MERGE_MIN_CHUNK = 1024
 
 def merge_sizes(num_beams: int) -> dict[str, int]:
     """KP the sort width (a power of two >= max(B, 2), as sizes()), CHUNK the keys a program of a
-    round takes (>= 4 KP: a round keeps at most a quarter of its keys), its warps (cpp_dag mirrors it)."""
+    round takes (>= 4 KP: a round keeps at most a quarter of its keys), its warps (kernels/aot.py compiles
+    them into the variant, whose CHUNK cpp_dag/triton_kernels.cpp reads back)."""
     kp = sizes(num_beams)["KP"]
     chunk = max(MERGE_MIN_CHUNK, 4 * kp)
     return {"KP": kp, "CHUNK": chunk, "num_warps": 8 if chunk >= 2048 else 4}

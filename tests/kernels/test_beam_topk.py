@@ -185,8 +185,9 @@ MERGE_SHAPES_GPU = [(8, 128, 128), (2, 400, 400), (1, 96, 96), (8, 127, 127), (2
 @pytest.mark.parametrize("device,r,p,b", [("cpu", *s) for s in MERGE_SHAPES]
                          + [pytest.param("cuda", *s, marks=pytest.mark.gpu) for s in MERGE_SHAPES + MERGE_SHAPES_GPU])
 def test_beam_merge_is_topk(device: str, r: int, p: int, b: int) -> None:
-    """The merge in rounds returns exactly torch's top-k of each request's unique keys, in its order: keys as beam_candidates
-    makes them (each rank's B best first, a rank without a row all NO_KEY) and in random order."""
+    """The merge in rounds returns exactly torch's top-k of each request's unique keys, in its order:
+    keys as beam_candidates makes them (each rank's B best first, a rank without a row all NO_KEY)
+    and in random order."""
     g = torch.Generator().manual_seed(r * p + b)
     n = p * b
     keys = torch.randperm(r * n, generator=g).mul((1 << 24) + 7).sub(1 << 40).view(r * p, b)  # unique

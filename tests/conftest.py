@@ -35,16 +35,23 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """With SLMRANK_TEST_REPORTS=FILE, each failure (its traceback) and each test's printed lines are
-    appended to FILE as the reports arrive (under xdist: in the controlling process), so a device
-    call that its time limit cuts still brings back why a test failed and what the tests printed
-    (pytest's own summary comes only at the end)."""
+    """With SLMRANK_TEST_REPORTS=FILE, a line per test's outcome ("passed <nodeid> 3.2 s"; a setup
+    error too), each failure's traceback and each test's printed lines are appended to FILE as the
+    reports arrive (under xdist in the controlling process only, so once), so a device call that its
+    time limit cuts still brings back which tests ran, why one failed and what they printed (pytest's
+    own summary comes only at the end)."""
     path = os.environ.get("SLMRANK_TEST_REPORTS")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     printed = report.capstdout if report.when == "teardown" else ""  # a test's printing, all phases
-    if not path or not (report.failed or printed):
+    outcome = report.when == "call" or (report.failed or report.skipped) and report.when == "setup"
+    if not (outcome or report.failed or printed):
         return
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"=== {report.nodeid} {report.when}: {report.outcome}\n")
+        if outcome:
+            f.write(f"{report.outcome} {report.nodeid} {report.duration:.1f} s\n")
+        if printed or report.failed:
+            f.write(f"=== {report.nodeid} {report.when}: {report.outcome}\n")
         if printed:
             f.write(printed.rstrip("\n") + "\n")
         if report.failed:

@@ -57,6 +57,22 @@ def _allowed_fn(prompt_len: int, items: dict[str, tuple[int, ...]]):
     return lambda batch_id, ids: nexts.get(tuple(ids[prompt_len:].tolist()), every)
 
 
+def _differ(req_id: str, ours: list, want: list[tuple[list[int], float]]) -> str:
+    """The assertion's message when the beams differ: the first differing rank with each side's beam
+    and its log-prob on both sides (None: not in that side's list), and how many beams each side
+    lacks, so that a near tie (a pair within float32 rounding at a rank) shows from a real fault."""
+    theirs = {tuple(s): sc for s, sc in want}
+    mine = {tuple(b.ids): b.logprob for b in ours}
+    rank = next((i for i, (b, (s, _)) in enumerate(zip(ours, want)) if b.ids != s), min(len(ours), len(want)))
+    lines = [f"{req_id}: beams differ from HF float64 from rank {rank} of {len(ours)} / {len(want)}; "
+             f"{len(set(mine) - set(theirs))} of ours not in HF's, {len(set(theirs) - set(mine))} of HF's not in ours"]
+    for i in range(rank, min(rank + 3, len(ours), len(want))):
+        b, (s, sc) = ours[i], want[i]
+        lines.append(f"  rank {i}: ours {b.ids} {b.logprob:.7f} (HF {theirs.get(tuple(b.ids))}) | "
+                     f"HF {s} {sc:.7f} (ours {mine.get(tuple(s))})")
+    return "\n".join(lines)
+
+
 @torch.no_grad()
 def _hf_constrained(hf, prompt: list[int], beams: int, items) -> list[tuple[list[int], float]]:
     ids = torch.tensor([prompt], device="cuda")
@@ -92,7 +108,7 @@ def test_constrained_beams_equal_hf_float64_in_a_cuda_graph(model) -> None:
         assert len(res.beams) == min(req.beam_width, len(catalog))
         assert all(catalog[b.item_id] == tuple(b.ids) for b in res.beams), "only catalog items come back"
         want = _hf_constrained(hf, list(req.prompt_ids), req.beam_width, catalog)
-        assert [b.ids for b in res.beams] == [s for s, _ in want], f"{req.id}: beams differ from HF float64"
+        assert [b.ids for b in res.beams] == [s for s, _ in want], _differ(req.id, res.beams, want)
         worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
     assert worst <= TOL, worst
 
@@ -165,7 +181,7 @@ def test_codes_normalization_equals_hf_float64_over_the_codes(model) -> None:
             want = _hf_constrained(hf, list(req.prompt_ids), req.beam_width, catalog)
         finally:
             handle.remove()
-        assert [b.ids for b in res.beams] == [s for s, _ in want], f"{req.id}: beams differ from HF float64"
+        assert [b.ids for b in res.beams] == [s for s, _ in want], _differ(req.id, res.beams, want)
         worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
     assert worst <= TOL, worst
 

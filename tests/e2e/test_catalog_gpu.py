@@ -1,9 +1,11 @@
 """Catalog-constrained BeamSearch on the GPU at real shapes (issue 28): the float32 Triton path in a
 CUDA graph returns only catalog items, both runtimes give the same bytes, and its beams equal
 Hugging Face's generate(num_beams=B, prefix_allowed_tokens_fn=<the same trie>) run in float64 on
-the same weights, log-probs within 3e-4. Random Qwen2.5-0.5B- and Qwen3-0.6B-shaped checkpoints
-(embedded specs); semantic-ID items of 3 tokens over 3 x 256 code tokens (as the issue's
-workloads), one catalog of 20,000 items and one with fewer items than beams. Marked gpu and slow."""
+the same weights, log-probs within 3e-4 (two beams whose float64 log-probs lie closer than our
+float32 error may come in either order: _assert_hf_order). Random Qwen2.5-0.5B- and
+Qwen3-0.6B-shaped checkpoints (embedded specs); semantic-ID items of 3 tokens over 3 x 256 code
+tokens (as the issue's workloads), one catalog of 20,000 items and one with fewer items than beams.
+Marked gpu and slow."""
 
 from __future__ import annotations
 
@@ -73,6 +75,22 @@ def _differ(req_id: str, ours: list, want: list[tuple[list[int], float]]) -> str
     return "\n".join(lines)
 
 
+def _assert_hf_order(req_id: str, ours: list, want: list[tuple[list[int], float]]) -> None:
+    """Our beams are HF's beams, in HF's order except where float32 cannot tell two apart: a rank may
+    hold another of HF's beams only if their HF float64 log-probs differ by at most twice our largest
+    error on this request, itself at most TOL (float32 rounding may then order them either way: in
+    seed 2806's qwen3 request at 400 beams two beams 3.8e-6 apart in float64 came out equal in
+    float32). 1e-9 of slack for the float64 sums here."""
+    theirs = {tuple(s): sc for s, sc in want}
+    assert len(ours) == len(want) and {tuple(b.ids) for b in ours} == set(theirs), _differ(req_id, ours, want)
+    err = min(TOL, max(abs(b.logprob - theirs[tuple(b.ids)]) for b in ours))
+    moved = [i for i, (b, (s, _)) in enumerate(zip(ours, want)) if b.ids != s]
+    assert all(abs(theirs[tuple(ours[i].ids)] - want[i][1]) <= 2 * err + 1e-9 for i in moved), _differ(req_id, ours, want)
+    if moved:
+        print(f"[catalog-vs-hf] {req_id}: {len(moved)} of {len(ours)} ranks hold a near tie in the other order "
+              f"(HF gaps within 2 x our largest error, {err:.2e})")
+
+
 @torch.no_grad()
 def _hf_constrained(hf, prompt: list[int], beams: int, items) -> list[tuple[list[int], float]]:
     ids = torch.tensor([prompt], device="cuda")
@@ -108,7 +126,7 @@ def test_constrained_beams_equal_hf_float64_in_a_cuda_graph(model) -> None:
         assert len(res.beams) == min(req.beam_width, len(catalog))
         assert all(catalog[b.item_id] == tuple(b.ids) for b in res.beams), "only catalog items come back"
         want = _hf_constrained(hf, list(req.prompt_ids), req.beam_width, catalog)
-        assert [b.ids for b in res.beams] == [s for s, _ in want], _differ(req.id, res.beams, want)
+        _assert_hf_order(req.id, res.beams, want)
         worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
     assert worst <= TOL, worst
 
@@ -181,7 +199,7 @@ def test_codes_normalization_equals_hf_float64_over_the_codes(model) -> None:
             want = _hf_constrained(hf, list(req.prompt_ids), req.beam_width, catalog)
         finally:
             handle.remove()
-        assert [b.ids for b in res.beams] == [s for s, _ in want], _differ(req.id, res.beams, want)
+        _assert_hf_order(req.id, res.beams, want)
         worst = max(worst, max(abs(b.logprob - s) for b, (_, s) in zip(res.beams, want)))
     assert worst <= TOL, worst
 

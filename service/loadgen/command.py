@@ -44,6 +44,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help=f"closed loop: requests in flight per level, comma list (default {DEFAULT_LEVELS})")
     load.add_argument("--rate", default=None, metavar="R[,R...]",
                       help="open loop: Poisson arrivals at R req/s per level, comma list")
+    b.add_argument("--refine", type=int, default=0, metavar="N",
+                   help="closed loop: up to N more levels after --levels, each halfway between the highest level "
+                        "within the SLO and the lowest above it that is not (the capacity to the level)")
     b.add_argument("--warmup-s", type=float, default=2.0, help="a level's warm-up, not measured")
     b.add_argument("--measure-s", type=float, default=10.0, help="a level's measured window")
     b.add_argument("--connections", type=int, default=4, help="client connections (TCP) the requests spread over")
@@ -90,6 +93,8 @@ def check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
     args.level_list = _numbers(args.levels or DEFAULT_LEVELS, "--levels", int) if args.rate is None else None
     args.rate_list = _numbers(args.rate, "--rate", float) if args.rate is not None else None
+    if args.refine < 0 or (args.refine and args.rate is not None):
+        raise ValueError(f"--refine: a count >= 0 of more closed-loop levels (not with --rate), got {args.refine}")
 
 
 def model_config(spec: str) -> Any:
@@ -217,7 +222,8 @@ def run(args: argparse.Namespace, stdout: Any = None) -> dict[str, Any]:
             measure_s=args.measure_s, rpc_timeout_s=args.rpc_timeout_s, connections=args.connections,
             stop_above_ms=args.stop_above_ms, seed=args.seed, metrics_url=args.metrics,
             credentials=_credentials(args), server_name=args.tls_server_name,
-            progress=None if args.quiet else Progress(), on_level=on_level))
+            progress=None if args.quiet else Progress(), on_level=on_level, refine=args.refine,
+            holds=lambda row: within_slo(row, args.slo_mean_ms, args.slo_p99_ms, MAX_ERROR_SHARE)))
     cap = capacity(swept["levels"], args.slo_mean_ms, args.slo_p99_ms)
     peak = args.peak_tflops * 1e12
     result: dict[str, Any] = {
@@ -225,6 +231,7 @@ def run(args: argparse.Namespace, stdout: Any = None) -> dict[str, Any]:
         "target": args.target, "server": MessageToDict(info, preserving_proto_field_name=True),
         "workload": w, "pool": pool.describe(), "mode": mode, "loads": loads, "connections": args.connections,
         "priority": args.priority, "warmup_s": args.warmup_s, "measure_s": args.measure_s, "seed": args.seed,
+        "refine": args.refine,
         "slo": {"mean_ms": args.slo_mean_ms, "p99_ms": args.slo_p99_ms, "max_error_share": MAX_ERROR_SHARE},
         "model_shape": shape_from, "peak_flops": peak, "stop_above_ms": args.stop_above_ms,
         **swept, "capacity": cap,

@@ -333,17 +333,37 @@ def capacity(levels: list[dict[str, Any]], slo_mean_ms: float = 20.0, slo_p99_ms
             "p99_ms": best["p99_ms"], "flops_per_s": best.get("flops_per_s")}
 
 
+def refine_level(rows: list[dict[str, Any]], holds: Callable[[dict[str, Any]], bool]) -> int | None:
+    """The next level sweep's refine measures: halfway between the highest measured level that holds
+    and the lowest one above it that does not (0 if none held); None when every level held, or no
+    whole level lies between the two."""
+    held = max((r["level"] for r in rows if holds(r)), default=0)
+    over = min((r["level"] for r in rows if r["level"] > held and not holds(r)), default=None)
+    if over is None or over - held < 2:
+        return None
+    return (held + over) // 2
+
+
 async def sweep(target: str, pool: Pool, *, levels: list[int] | None = None, rates: list[float] | None = None,
                 warmup_s: float = 2.0, measure_s: float = 10.0, rpc_timeout_s: float = 60.0, connections: int = 1,
                 stop_above_ms: float = 2000.0, seed: int = 7, metrics_url: str | None = None,
                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
                 progress: Progress | None = None,
-                on_level: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_level: Callable[[dict[str, Any]], None] | None = None, refine: int = 0,
+                holds: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """The levels (closed loop) or the rates (open loop), in order, over `connections` connections
     kept for the whole sweep. Once a level's mean latency exceeds stop_above_ms, the higher ones
-    are skipped (bounded in time: past it the loop only measures a queue). on_level(row) after each."""
+    are skipped (bounded in time: past it the loop only measures a queue). on_level(row) after each.
+
+    refine (closed loop, with holds: a row holds the SLO): up to that many more levels, each halfway
+    between the highest level that held and the lowest above it that did not (0 below the first
+    level), while a whole level lies between them: the capacity to the level, not to the list's
+    octave (levels 4, 8, 16 with 4 holding and 8 not: 6, then 5 or 7). The rows come back in level
+    order."""
     if (levels is None) == (rates is None):
         raise ValueError("sweep: levels (closed loop) or rates (open loop), one of the two")
+    if refine and (levels is None or holds is None):
+        raise ValueError("sweep: refine needs levels (closed loop) and holds")
     loads: list[Any] = list(levels if levels is not None else rates)  # type: ignore[arg-type]
     channels = open_channels(target, connections, credentials, server_name)
     rows: list[dict[str, Any]] = []
@@ -362,6 +382,16 @@ async def sweep(target: str, pool: Pool, *, levels: list[int] | None = None, rat
             rows.append(row)
             if on_level:
                 on_level(row)
+        for _ in range(refine):
+            level = refine_level(rows, holds)  # type: ignore[arg-type]
+            if level is None:
+                break
+            rows.append(await closed_level(channels, pool, level, warmup_s, measure_s, rpc_timeout_s, metrics_url,
+                                           progress))
+            if on_level:
+                on_level(rows[-1])
+        if refine:
+            rows.sort(key=lambda r: r["level"])
     finally:
         for ch in channels:
             await ch.close()

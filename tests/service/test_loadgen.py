@@ -206,7 +206,8 @@ def test_the_served_shape_from_model_info() -> None:
 def test_check_names_the_flag() -> None:
     def args(**kw) -> Namespace:
         base = dict(measure_s=10.0, warmup_s=2.0, slo_mean_ms=20.0, slo_p99_ms=80.0, rpc_timeout_s=60.0,
-                    stop_above_ms=2000.0, peak_tflops=989.0, connections=4, pool=512, levels=None, rate=None)
+                    stop_above_ms=2000.0, peak_tflops=989.0, connections=4, pool=512, levels=None, rate=None,
+                    refine=0)
         return Namespace(**{**base, **kw})
 
     ok = args()
@@ -217,9 +218,47 @@ def test_check_names_the_flag() -> None:
     assert ok.rate_list == [5.0, 10.5] and ok.level_list is None
     for kw, flag in ((dict(levels="1,x"), "--levels"), (dict(levels="0"), "--levels"), (dict(rate="-1"), "--rate"),
                      (dict(measure_s=0), "--measure-s"), (dict(warmup_s=-1), "--warmup-s"),
-                     (dict(connections=0), "--connections"), (dict(slo_p99_ms=0), "--slo-p99-ms")):
+                     (dict(connections=0), "--connections"), (dict(slo_p99_ms=0), "--slo-p99-ms"),
+                     (dict(refine=-1), "--refine"), (dict(refine=2, rate="5"), "--refine")):
         with pytest.raises(ValueError, match=flag):
             check(args(**kw))
+
+
+def test_refine_bisects_between_the_last_level_held_and_the_first_over() -> None:
+    holds = lambda r: loop.within_slo(r, 20.0, 80.0, loop.MAX_ERROR_SHARE)  # noqa: E731
+    rows = [row(4, 300, 12.0, 20.0), row(8, 350, 23.0, 34.0), row(16, 370, 43.0, 58.0)]
+    assert loop.refine_level(rows, holds) == 6
+    assert loop.refine_level(rows + [row(6, 340, 19.0, 30.0)], holds) == 7
+    assert loop.refine_level(rows + [row(6, 340, 21.0, 30.0)], holds) == 5
+    assert loop.refine_level(rows + [row(6, 340, 21.0, 30.0), row(5, 330, 19.9, 30.0)], holds) is None
+    assert loop.refine_level([row(4, 300, 12.0, 20.0), row(8, 350, 18.0, 90.0)], holds) == 6  # P99 over at 8
+    assert loop.refine_level([row(1, 30, 12.0, 20.0), row(2, 60, 15.0, 20.0)], holds) is None  # all held
+    assert loop.refine_level([row(4, 300, 25.0, 40.0)], holds) == 2  # none held: below the first level
+    assert loop.refine_level([row(1, 300, 25.0, 40.0)], holds) is None
+
+
+def test_a_refined_sweep_measures_the_bisected_levels_and_returns_them_in_order(monkeypatch) -> None:
+    """sweep(refine=2) over a server whose mean latency is 2.6 ms a request in flight (fake levels):
+    levels 4, 8, 16 then 6 (held: 15.6 ms) and 7 (held: 18.2 ms); the capacity is level 7's."""
+    import asyncio
+
+    measured: list[int] = []
+
+    async def fake_level(channels, pool, level, *args) -> dict:
+        measured.append(level)
+        return row(level, 100.0 * level, 2.6 * level, 3.0 * level)
+
+    monkeypatch.setattr(loop, "open_channels", lambda *a: [])
+    monkeypatch.setattr(loop, "closed_level", fake_level)
+    holds = lambda r: loop.within_slo(r, 20.0, 80.0, loop.MAX_ERROR_SHARE)  # noqa: E731
+    seen: list[int] = []
+    out = asyncio.run(loop.sweep("x", None, levels=[4, 8, 16], refine=2, holds=holds,
+                                 on_level=lambda r: seen.append(r["level"])))
+    assert measured == seen == [4, 8, 16, 6, 7]
+    assert [r["level"] for r in out["levels"]] == [4, 6, 7, 8, 16]
+    assert loop.capacity(out["levels"])["level"] == 7
+    with pytest.raises(ValueError, match="refine"):
+        asyncio.run(loop.sweep("x", None, rates=[5.0], refine=1, holds=holds))
 
 
 # ---- the report and the PNGs ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ std::vector<std::unique_ptr<Node>> build_dag(const std::vector<NodeSpec>& specs,
   dag.reserve(specs.size());
   for (const auto& spec : specs) dag.push_back(make_node(spec));
   if (beam) {
-    check_dataflow(specs, batch_inputs(true), {"beam_seqs", "beam_scores"});
+    check_dataflow(specs, batch_inputs(true), {"held_seqs", "held_scores"});
   } else {
     check_dataflow(specs, batch_inputs(false), {"scores"});
   }
@@ -160,7 +160,7 @@ namespace {
 
 std::vector<std::string> output_names(Kind kind) {
   if (kind == Kind::kScore) return {"scores"};
-  return {"beam_seqs", "beam_scores"};
+  return {"held_seqs", "held_scores"};  // the beam_hold nodes': each request's beams at its own last step
 }
 
 std::string bucket_key(const BatchSpec& batch) {

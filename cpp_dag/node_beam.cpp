@@ -260,8 +260,31 @@ class BeamStep final : public SuffixOwner {
   }
 };
 
+// The answers of the requests that end at this step (service/runtime/nodes.py beam_hold): a batch
+// runs its bucket's n steps, and a request of fewer new tokens (beam_steps [R]) is answered with its
+// beams as they stand after its own last step, copied here into held_scores [R, B] / held_seqs
+// [R, B, n], the batch's outputs. After beam_init held starts as a copy of the beams.
+class BeamHold final : public Node {
+ public:
+  explicit BeamHold(const NodeSpec& spec) : Node(spec) {
+    require(3, 2, {"beam_steps", "beam_scores", "beam_seqs"}, {"held_scores", "held_seqs"});
+  }
+  void run(const Context&, Env& env) const override {
+    const at::Tensor &steps = in(env, 0), &scores = in(env, 1), &seqs = in(env, 2);
+    if (!declares_input("held_scores")) {
+      write(env, "held_scores", scores.clone());
+      write(env, "held_seqs", seqs.clone());
+      return;
+    }
+    const at::Tensor ends = steps.eq(spec_.step + 1);  // [R]
+    write(env, "held_scores", at::where(ends.unsqueeze(1), scores, read(env, "held_scores")));
+    write(env, "held_seqs", at::where(ends.view({-1, 1, 1}), seqs, read(env, "held_seqs")));
+  }
+};
+
 }  // namespace
 
+std::unique_ptr<Node> make_beam_hold(const NodeSpec& spec) { return std::make_unique<BeamHold>(spec); }
 std::unique_ptr<Node> make_beam_state(const NodeSpec& spec) { return std::make_unique<BeamState>(spec); }
 std::unique_ptr<Node> make_beam_init(const NodeSpec& spec) { return std::make_unique<BeamInit>(spec); }
 std::unique_ptr<Node> make_beam_step(const NodeSpec& spec) { return std::make_unique<BeamStep>(spec); }

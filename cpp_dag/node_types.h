@@ -20,5 +20,6 @@ std::unique_ptr<Node> make_label_logprobs(const NodeSpec& spec);
 std::unique_ptr<Node> make_beam_init(const NodeSpec& spec);
 std::unique_ptr<Node> make_beam_step(const NodeSpec& spec);
 std::unique_ptr<Node> make_beam_allowed(const NodeSpec& spec);
+std::unique_ptr<Node> make_beam_hold(const NodeSpec& spec);
 
 }  // namespace slmrank

@@ -105,7 +105,7 @@ const std::vector<std::string>& batch_inputs(bool beam) {
   static const std::vector<std::string> score = {"tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels"};
   static const std::vector<std::string> beams = {"tokens",   "positions", "seg",       "last",     "beam_width",
                                                  "beam_req", "beam_pos",  "beam_slot", "beam_src", "beam_seqs",
-                                                 "beam_catalog", "beam_codes"};
+                                                 "beam_catalog", "beam_steps", "beam_codes"};
   return beam ? beams : score;
 }
 
@@ -142,6 +142,7 @@ std::unique_ptr<Node> make_node(const NodeSpec& spec) {
       {"beam_init", make_beam_init},
       {"beam_step", make_beam_step},
       {"beam_allowed", make_beam_allowed},
+      {"beam_hold", make_beam_hold},
   };
   auto it = registry.find(spec.type);
   if (it == registry.end()) {

@@ -36,20 +36,22 @@ from ..model.config import ModelConfig, ServingLimits
 from ..model.files import regular_size
 from .manifest import (ACCEPTANCE, FORMAT, MANIFEST, WEIGHT_DTYPES, WEIGHTS, ArtifactError, read_manifest,
                        write_manifest)
-from .dag import BEAM_INPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list, score_dag
+from .dag import (BEAM_INPUTS, BEAM_OUTPUTS, SCORE_INPUTS, Node, beam_dag, check_dataflow, dag_from_list, dag_to_list,
+                  score_dag)
 from ..model.progress import Progress
 from ..siblings import sibling
 
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
 quantize_rows = sibling("kernels.fp8_linear").quantize_rows
 
-FORMAT_VERSION = 11  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 12  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
 # 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
 # 8: manifest.sha256 beside the manifest, verified before it is decoded; its fields checked against a schema;
 # 9: catalogs (tries), beam_catalog input, beam_allowed nodes; 10: weights.fp8 (e4m3 linear layers + NAME.scale);
 # 11: beam_codes (batches normalised over a catalog's code tokens: the constrained beam nodes' input)
+# 12: beam_steps input, beam_hold nodes, held_seqs / held_scores outputs (a batch's requests of different new_tokens)
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",
@@ -282,7 +284,7 @@ def load_artifact(path: str | Path, *, verify: bool = True) -> Artifact:
         buckets = BucketTable.from_dict(m["buckets"])
         score, beam = dag_from_list(m["dags"]["score"]), dag_from_list(m["dags"]["beam"])
         check_dataflow(score, SCORE_INPUTS, ("scores",))
-        check_dataflow(beam, BEAM_INPUTS, ("beam_seqs", "beam_scores"))
+        check_dataflow(beam, BEAM_INPUTS, BEAM_OUTPUTS)
     except ValueError as e:  # what no single field shows: a config, bucket or DAG that does not hold together
         raise ArtifactError(f"{path / MANIFEST}: malformed manifest ({e})") from None
     if verify:

@@ -13,6 +13,9 @@ from typing import Any, ClassVar
 from ..model.config import ConfigError, ModelConfig, ServingLimits
 
 
+ANY_STEPS = 1 << 30  # a BeamSearch batch's steps totals while no request with a catalog fixes them (BeamBucket)
+
+
 @dataclass(frozen=True, order=True)
 class ScoreBucket:
     """A Score batch's static shape: up to max_tokens rows, packed back to back with its requests
@@ -48,6 +51,10 @@ class ScoreBucket:
         """The padded work of a batch in this bucket: its token rows."""
         return self.max_tokens
 
+    @property
+    def work(self) -> int:
+        return self.max_tokens
+
 
 @dataclass(frozen=True, order=True)
 class BeamBucket:
@@ -57,13 +64,14 @@ class BeamBucket:
     [R, B, n]) stays rectangular: beam_width B bounds one request's width, and a request narrower
     than B keeps its extra ranks dead (-inf) there; they are no rows of the forward."""
 
-    new_tokens: int  # exact: every request of the batch generates this many tokens
+    new_tokens: int  # decode steps: the most any request of the batch generates (one that generates fewer is
+    # answered at its own step, beam_hold; a request with a catalog only in a bucket of its own new_tokens)
     max_requests: int
     max_prompt_tokens: int  # packed prompts of all requests
     beam_width: int  # the widest request (the bookkeeping's ranks, the candidates a row keeps)
     max_rows: int  # packed beam rows: the sum of the requests' widths
 
-    ZERO: ClassVar[tuple[int, ...]] = (0, 0, 0, 0)
+    ZERO: ClassVar[tuple[int, ...]] = (0, 0, 0, 0, 0, ANY_STEPS)
 
     def __post_init__(self) -> None:
         if min(self.new_tokens, self.max_requests, self.max_prompt_tokens, self.beam_width, self.max_rows) <= 0:
@@ -71,21 +79,33 @@ class BeamBucket:
         if not self.beam_width <= self.max_rows <= self.max_requests * self.beam_width:
             raise ConfigError(f"beam bucket {self}: max_rows must lie in [beam_width, max_requests x beam_width]")
 
-    def holds(self, num_requests: int, prompt_tokens: int, widest: int, rows: int) -> bool:
+    def holds(self, num_requests: int, prompt_tokens: int, widest: int, rows: int, longest: int,
+              steps: int = 0) -> bool:
         """prompt_tokens: the packed prompts of all the requests; widest: their widest beam; rows:
-        the sum of their widths (a batch's requests share new_tokens: the bucket's)."""
+        the sum of their widths; longest: their most new tokens; steps: the new tokens the bucket
+        must run exactly (its requests with a catalog: their trie ends there), ANY_STEPS for none
+        (0: as longest)."""
         return (num_requests <= self.max_requests and prompt_tokens <= self.max_prompt_tokens
-                and widest <= self.beam_width and rows <= self.max_rows)
+                and widest <= self.beam_width and rows <= self.max_rows
+                and longest <= self.new_tokens <= (steps or longest))
 
     @staticmethod
-    def grow(totals: tuple[int, ...], prompt_tokens: int, width: int) -> tuple[int, int, int, int]:
-        """(requests, prompt tokens, widest, rows) of a batch with one more request of these dims."""
-        return totals[0] + 1, totals[1] + prompt_tokens, max(totals[2], width), totals[3] + width
+    def grow(totals: tuple[int, ...], prompt_tokens: int, width: int, new_tokens: int,
+             steps: int) -> tuple[int, int, int, int, int, int]:
+        """(requests, prompt tokens, widest, rows, longest, steps) of a batch with one more request
+        of these dims (batch.dims: steps is new_tokens for a request with a catalog, else ANY_STEPS)."""
+        return (totals[0] + 1, totals[1] + prompt_tokens, max(totals[2], width), totals[3] + width,
+                max(totals[4], new_tokens), min(totals[5], steps))
 
     @property
     def rows(self) -> int:
-        """The padded work of a batch in this bucket: its packed beam rows a decode step."""
+        """A batch's packed beam rows a decode step."""
         return self.max_rows
+
+    @property
+    def work(self) -> int:
+        """The padded work of a batch in this bucket: its packed beam rows times its decode steps."""
+        return self.max_rows * self.new_tokens
 
     @property
     def key(self) -> str:
@@ -114,22 +134,24 @@ def codes_kind(new_tokens: int, catalog: str) -> str:
 
 
 def kind_of(bucket: Bucket) -> str:
-    """The kind of request a bucket runs: "score", "beam.n<new_tokens>", or
-    "beam.n<new_tokens>.codes-<catalog>" (CodesBucket); only requests of one kind share a batch."""
+    """The kind of request a bucket runs: "score", "beam" (BeamSearch of any new_tokens: a batch's
+    requests may generate different numbers of tokens), or "beam.n<new_tokens>.codes-<catalog>"
+    (CodesBucket); only requests of one kind share a batch."""
     if isinstance(bucket, ScoreBucket):
         return "score"
     if isinstance(bucket, CodesBucket):
         return codes_kind(bucket.new_tokens, bucket.catalog)
-    return f"beam.n{bucket.new_tokens}"
+    return "beam"
 
 
 def pick_order(bucket: Bucket) -> tuple[int, ...]:
     """The order buckets are tried in: least padded work first (token rows, then samples; packed
-    beam rows, then prompt tokens, then the bookkeeping's width and requests). The first that holds
-    a batch is the one it runs in."""
+    beam rows times decode steps, then rows, then prompt tokens, then the bookkeeping's width and
+    requests). The first that holds a batch is the one it runs in: the default table has every shape
+    at every new_tokens, so there a batch runs exactly its longest request's steps."""
     if isinstance(bucket, ScoreBucket):
         return bucket.max_tokens, bucket.max_samples
-    return bucket.rows, bucket.max_prompt_tokens, bucket.beam_width, bucket.max_requests
+    return bucket.work, bucket.rows, bucket.max_prompt_tokens, bucket.beam_width, bucket.max_requests
 
 
 class Fill:
@@ -139,8 +161,9 @@ class Fill:
 
     Totals only grow, so a bucket that did not hold the batch never holds it again: the search for
     the first that holds goes on from the current one (O(buckets) per batch, not per request).
-    dims: (tokens, samples) of a Score request, (prompt tokens, beam width) of a BeamSearch one;
-    totals: the bucket type's (ZERO, grow, holds: requests first), a tuple of 3 or 4 counts."""
+    dims: (tokens, samples) of a Score request, (prompt tokens, beam width, new tokens, steps) of a
+    BeamSearch one (runtime.batch.dims); totals: the bucket type's (ZERO, grow, holds: requests
+    first), a tuple of 3 or 6 counts."""
 
     __slots__ = ("buckets", "totals", "bucket", "index")
 
@@ -154,19 +177,19 @@ class Fill:
     def count(self) -> int:
         return self.totals[0]
 
-    def fit(self, a: int, b: int) -> Bucket | None:
-        """The bucket the batch would run in with one more request of dims (a, b); None if none holds it."""
+    def fit(self, *dims: int) -> Bucket | None:
+        """The bucket the batch would run in with one more request of these dims; None if none holds it."""
         if not self.buckets:
             return None
-        totals = self.buckets[0].grow(self.totals, a, b)
+        totals = self.buckets[0].grow(self.totals, *dims)
         for i in range(self.index, len(self.buckets)):
             if self.buckets[i].holds(*totals):
                 return self.buckets[i]
         return None
 
-    def add(self, a: int, b: int) -> Bucket | None:
+    def add(self, *dims: int) -> Bucket | None:
         """Adds the request whatever fits; returns the bucket the batch now runs in (None: none)."""
-        self.totals = self.buckets[0].grow(self.totals, a, b) if self.buckets else self.totals
+        self.totals = self.buckets[0].grow(self.totals, *dims) if self.buckets else self.totals
         while self.index < len(self.buckets) and not self.buckets[self.index].holds(*self.totals):
             self.index += 1
         self.bucket = self.buckets[self.index] if self.index < len(self.buckets) else None
@@ -195,7 +218,7 @@ class BucketTable:
         self._kinds.update({k: tuple(sorted(bs, key=pick_order)) for k, bs in kinds.items()})
 
     def of_kind(self, kind: str) -> tuple[Bucket, ...]:
-        """One kind's buckets in pick_order ("score", "beam.n<new_tokens>"); () for a kind with none."""
+        """One kind's buckets in pick_order ("score", "beam", a codes kind); () for a kind with none."""
         return self._kinds.get(kind, ())
 
     @property
@@ -217,8 +240,8 @@ class BucketTable:
             raise ConfigError(f"bucket table: no score bucket holds one request of the limits "
                               f"({limits.max_score_tokens} tokens, {limits.max_samples} samples)")
         for n in range(1, limits.max_new_tokens + 1):
-            ok = [b for b in self.beam if b.new_tokens == n and b.holds(1, limits.max_prompt_tokens,
-                                                                          limits.max_beam_width, limits.max_beam_width)]
+            ok = [b for b in self.beam if b.holds(1, limits.max_prompt_tokens, limits.max_beam_width,
+                                                  limits.max_beam_width, n, n)]
             if not ok:
                 raise ConfigError(f"bucket table: no beam bucket holds a request with new_tokens={n}, "
                                   f"beam_width={limits.max_beam_width}, {limits.max_prompt_tokens} prompt tokens")

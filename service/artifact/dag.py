@@ -12,7 +12,9 @@ of the dense attention on a GPU in 16 bits). A batch's input buffers are:
          beam_pos (the request's prompt length: the position of the first generated token) and
          beam_slot (its rank r * B + p in the [R, B] bookkeeping) [N]; beam_src [R*B] (each rank's
          packed row); beam_seqs [R, B, n] zeros (the generated tokens, filled step by step);
-         beam_catalog [R] (each request's catalog index, -1: unconstrained)
+         beam_catalog [R] (each request's catalog index, -1: unconstrained); beam_steps [R] (each
+         request's new tokens: a batch runs its bucket's n steps, and after each step the beam_hold
+         node keeps the beams of the requests that end there in held_scores / held_seqs, the answers)
 Decode-step nodes carry attrs["step"] = t (1..max_new_tokens-1); a batch generating n tokens
 runs the nodes with step < n.
 """
@@ -25,10 +27,12 @@ from typing import Any
 from ..model.config import ModelConfig
 
 NODE_TYPES = ("score_masks", "beam_masks", "beam_state", "embedding", "decoder_layer", "rms_norm", "gather_rows",
-              "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step", "beam_allowed")
+              "lm_head", "cls_head", "label_logprobs", "beam_init", "beam_step", "beam_allowed", "beam_hold")
 SCORE_INPUTS = ("tokens", "positions", "seg", "ctx", "request_rows", "prefix_rows", "last", "labels")
 BEAM_INPUTS = ("tokens", "positions", "seg", "last", "beam_width", "beam_req", "beam_pos", "beam_slot", "beam_src",
-               "beam_seqs", "beam_catalog", "beam_codes")  # beam_codes: a batch normalised over a catalog's codes only
+               "beam_seqs", "beam_catalog", "beam_steps", "beam_codes")  # beam_codes: a batch normalised over a
+# catalog's codes only
+BEAM_OUTPUTS = ("held_seqs", "held_scores")
 
 
 class DagError(ValueError):
@@ -166,6 +170,8 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, f
         nodes.append(Node("beam_allowed", "beam_allowed", ("beam_catalog",) + codes, trie))
     nodes.append(Node("beam_init", "beam_init", ("logits", "beam_width", "beam_seqs", "beam_slot") + trie + codes,
                       ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + trie[1:]))
+    live = ("beam_steps", "beam_scores", "beam_seqs")
+    nodes.append(Node("beam_hold", "beam_hold", live, ("held_scores", "held_seqs")))
     for t in range(1, max_new_tokens):
         p = f"step{t}."
         nodes.append(Node(f"{p}embed", "embedding", ("beam_tokens",), ("x",), {"step": t}))
@@ -179,6 +185,8 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, f
                           + codes,
                           ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents") + suffix + trie[1:],
                           {"step": t}))
+        nodes.append(Node(f"{p}beam_hold", "beam_hold", live + ("held_scores", "held_seqs"),
+                          ("held_scores", "held_seqs"), {"step": t}))
     return nodes
 
 

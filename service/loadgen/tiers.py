@@ -1,8 +1,8 @@
 """`slmrank build --traffic LOG`: the bucket tiers that pad a logged traffic least, within a
 start-up budget (graphs) and a memory budget (the largest bucket's activations).
 
-Expected padded work, per kind of request ("score", "beam.n<new_tokens>": only one kind shares a
-batch), is what the chooser minimises:
+Expected padded work, per kind of request ("score", "beam": only one kind shares a batch; a
+BeamSearch batch's requests may differ in new_tokens), is what the chooser minimises:
 
   the kind's valid requests of the log, in arrival order, packed greedily at the concurrency the
   log shows: a batch takes the next request while some bucket holds it (buckets.Fill) and it has
@@ -10,9 +10,10 @@ batch), is what the chooser minimises:
   the log's arrivals and latencies, traffic.requests_in_flight), else it goes and the next one
   starts: lone requests in a lull, full batches in a burst. Each batch runs in its bucket (Fill's:
   the first in pick_order that holds it), and
-      padding = sum over batches of rows(bucket) - sum over requests of their real rows,
-  reported as a share of the real rows. rows: a bucket's padded work (Score: token rows;
-  BeamSearch: beam rows a step); a request's real rows: its tokens, its beam width. The padding
+      padding = sum over batches of work(bucket) - sum over requests of their real rows,
+  reported as a share of the real rows. work: a bucket's padded work (Score: token rows;
+  BeamSearch: beam rows times decode steps); a request's real rows: its tokens, its beam width
+  times its new tokens. The padding
   of each request alone (c = 1) is reported beside it, as is the default table's; neither is
   minimised. Across kinds a row is weighed by its kind's logical FLOPs (sched.cost.bucket_flops of
   the kind's largest bucket over its rows), so the kinds share one graph budget in one unit.
@@ -38,7 +39,7 @@ saves any. Every kind of the limits keeps a bucket that holds one request of the
 (BucketTable.fits_one): a request the log never showed is still served.
 
 Only ScoreTiers and BeamTiers know a bucket's fields and the layout of a batch's totals; the rest
-asks Fill, holds, rows, pick_order and kind_of.
+asks Fill, holds, work, pick_order and kind_of.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..artifact.buckets import (BeamBucket, Bucket, BucketTable, Fill, ScoreBucket, default_bucket_table, kind_of,
-                                pick_order)
+from ..artifact.buckets import (ANY_STEPS, BeamBucket, Bucket, BucketTable, Fill, ScoreBucket, default_bucket_table,
+                                kind_of, pick_order)
 from ..artifact.buckets import activation_bytes as bucket_activation_bytes
 from ..model.config import ModelConfig, ServingLimits
 from ..model.progress import Progress
@@ -102,8 +103,11 @@ class ScoreTiers:
         n = self.limits.max_samples
         return ScoreRequest(((0,) * (self.limits.max_score_tokens - n + 1),) + ((0,),) * (n - 1))
 
-    def real_rows(self, d: tuple[int, int]) -> int:
+    def real_rows(self, d: tuple[int, ...]) -> int:
         return d[0]  # tokens
+
+    def exact(self, fits: Sequence[Bucket]) -> list[Bucket]:
+        return []
 
     def frame(self, default: Sequence[Bucket], max_bytes: int) -> list[Bucket]:
         """The largest default bucket within the budget: it holds every other (the default's tiers grow together)."""
@@ -130,7 +134,9 @@ class ScoreTiers:
 @dataclass(frozen=True)
 class BeamTiers:
     """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width, max_rows); a
-    batch's totals (requests, prompt tokens, widest, packed rows)."""
+    batch's totals (requests, prompt tokens, widest, packed rows, longest new tokens, steps: see
+    BeamBucket.grow). A request's real rows are its width times its new tokens (a bucket's work:
+    its rows times its steps)."""
 
     cfg: ModelConfig
     limits: ServingLimits
@@ -139,38 +145,51 @@ class BeamTiers:
         return bucket_activation_bytes(b, self.cfg, ACT_BYTES)
 
     def largest_request(self, kind: str) -> BeamRequest:
-        return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, int(kind.split(".n")[1]))
+        return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, self.limits.max_new_tokens)
 
-    def real_rows(self, d: tuple[int, int]) -> int:
-        return d[1]  # beam width
+    def real_rows(self, d: tuple[int, ...]) -> int:
+        return d[1] * d[2]  # beam width x new tokens
 
     @staticmethod
     def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
-        return any(f is not b and f.holds(b.max_requests, b.max_prompt_tokens, b.beam_width, b.max_rows)
-                   for f in frame)
+        return any(f is not b and f.holds(b.max_requests, b.max_prompt_tokens, b.beam_width, b.max_rows, b.new_tokens,
+                                          ANY_STEPS) for f in frame)
 
     def frame(self, default: Sequence[Bucket], max_bytes: int) -> list[Bucket]:
         """The default buckets within the budget that no other of them holds."""
         fits = [b for b in default if self.activation_bytes(b) <= max_bytes]  # type: ignore[arg-type]
         return [b for b in fits if not self._inside(b, fits)]  # type: ignore[arg-type]
 
+    def exact(self, fits: Sequence[Bucket]) -> list[Bucket]:
+        """For each new_tokens n, the first of fits (in pick_order) that holds a request of the
+        limits generating n tokens in exactly n steps: a request with a catalog runs only in a
+        bucket of its own new_tokens (BucketTable.fits_one)."""
+        out = []
+        for n in range(1, self.limits.max_new_tokens + 1):
+            req = BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, n, catalog="any")
+            b = Fill(tuple(fits)).add(*dims(req))
+            if b is not None:
+                out.append(b)
+        return out
+
     def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
-        """totals: [batches, 4]. Widest tiers at the batches' quantiles and the default's; for each,
-        packed-row tiers at the quantiles of the batches it would take (16-row aligned), as many
-        requests as those have, and prompt tiers at their prompts' quantiles (64-aligned)."""
-        requests, prompts, widest, rows = totals.T
+        """totals: [batches, 6]. For each longest new_tokens n among the batches, over the batches of
+        that n: widest tiers at their quantiles and the default's; for each, packed-row tiers at the
+        quantiles of the batches it would take (16-row aligned), as many requests as those have, and
+        prompt tiers at their prompts' quantiles (64-aligned)."""
         beams: list[BeamBucket] = [*frame, *default]  # type: ignore[list-item]
-        n = beams[0].new_tokens
         out: set[Bucket] = set(default)
-        for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in beams}:
-            for m in _quantiles(rows[widest <= w], 16, TIER_QUANTILES[4::5]):
-                under = (widest <= w) & (rows <= max(m, w))
-                r = max(1, int(requests[under].max(initial=1)))
-                m = min(max(m, w), r * w)
-                for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):
-                    b = BeamBucket(n, r, p, w, m)
-                    if self._inside(b, frame):
-                        out.add(b)
+        for n in np.unique(totals[:, 4]).tolist():
+            requests, prompts, widest, rows = totals[totals[:, 4] == n, :4].T
+            for w in _quantiles(widest, 4, TIER_QUANTILES[4::5]) | {b.beam_width for b in beams}:
+                for m in _quantiles(rows[widest <= w], 16, TIER_QUANTILES[4::5]):
+                    under = (widest <= w) & (rows <= max(m, w))
+                    r = max(1, int(requests[under].max(initial=1)))
+                    m = min(max(m, w), r * w)
+                    for p in _quantiles(prompts[under], 64, TIER_QUANTILES[4::5]):
+                        b = BeamBucket(n, r, p, w, m)
+                        if self._inside(b, frame):
+                            out.add(b)
         return out
 
 
@@ -184,7 +203,7 @@ def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) ->
 
 # ---- replay --------------------------------------------------------------------------------------
 
-Request = tuple[tuple[int, int], int, int]  # dims, real rows, requests of its kind in flight as it arrived
+Request = tuple[tuple[int, ...], int, int]  # dims, real rows, requests of its kind in flight as it arrived
 
 
 @dataclass
@@ -231,7 +250,7 @@ def padding_of(batches: Batches) -> dict[str, Any]:
         slot = per.setdefault(batch.bucket, [0, 0, 0])
         slot[0] += batch.count
         slot[1] += batch.real_rows
-        slot[2] += batch.count * batch.bucket.rows
+        slot[2] += batch.count * batch.bucket.work
     real = sum(v[1] for v in per.values())
     rows = sum(v[2] for v in per.values())
     return {"batches": sum(v[0] for v in per.values()), "real_rows": real, "rows": rows,
@@ -336,7 +355,7 @@ def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, weig
     buckets = sorted([*frame, *(b for b in candidates if b.key not in keys)], key=pick_order)
     totals = list(batches)
     holds = np.array([[b.holds(*t) for t in totals] for b in buckets], dtype=bool)
-    s = _Search(buckets, holds, np.array([b.rows for b in buckets], dtype=np.int64),
+    s = _Search(buckets, holds, np.array([b.work for b in buckets], dtype=np.int64),
                 np.array([batches[t].count for t in totals], dtype=np.int64), weight)
     s.start(frame)
     return s
@@ -357,6 +376,7 @@ def _frame(kind: str, default: Sequence[Bucket], in_log: bool, cfg: ModelConfig,
     fits = [b for b in default if tiers.activation_bytes(b) <= budget.max_activation_bytes]  # type: ignore[arg-type]
     frame = tiers.frame(default, budget.max_activation_bytes) if in_log else \
         [b for b in (Fill(tuple(fits)).add(*largest),) if b is not None]
+    frame += [b for b in tiers.exact(fits) if b not in frame]
     if Fill(tuple(sorted(frame, key=pick_order))).add(*largest) is None:
         need = min(tiers.activation_bytes(b) for b in default if Fill((b,)).add(*largest) is not None)  # type: ignore
         raise ValueError(f"--max-activation-mib {budget.max_activation_bytes / 2**20:.0f}: no {kind} bucket within it "
@@ -435,8 +455,8 @@ def _search_of(kt: KindTraffic, frame: list[Bucket], default: Sequence[Bucket], 
 
     batches = pack(frame, kt.requests)
     cands = tiers.candidates(np.array(list(batches), dtype=np.int64), frame, [b for b in default if fits(b)])
-    top = max(frame, key=lambda b: b.rows)
-    return _search(frame, {b for b in cands if fits(b)}, batches, bucket_flops(cfg, top) / top.rows)  # type: ignore
+    top = max(frame, key=lambda b: b.work)
+    return _search(frame, {b for b in cands if fits(b)}, batches, bucket_flops(cfg, top) / top.work)  # type: ignore
 
 
 def _greedy(searches: dict[str, _Search], left: int) -> None:

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..artifact.buckets import BeamBucket, Bucket, BucketTable, CodesBucket, Fill, ScoreBucket, codes_kind
+from ..artifact.buckets import ANY_STEPS, BeamBucket, Bucket, BucketTable, CodesBucket, Fill, ScoreBucket, codes_kind
 from ..artifact.catalog import Catalog
 from .requests import Beam, BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
@@ -43,22 +43,24 @@ class BeamBatch:
     catalogs: Sequence[Catalog] = ()  # the artifact's: beam_catalog indexes them, unpack names the items
 
 
-def dims(req: ScoreRequest | BeamRequest) -> tuple[int, int]:
+def dims(req: ScoreRequest | BeamRequest) -> tuple[int, ...]:
     """What a request adds to a batch's totals (buckets.Fill): (tokens, samples) of a Score
-    request, (prompt tokens, beam width) of a BeamSearch one."""
+    request; (prompt tokens, beam width, new tokens, steps) of a BeamSearch one, steps its new
+    tokens where the bucket must run exactly those (a catalog: its trie ends there), else
+    ANY_STEPS."""
     if isinstance(req, ScoreRequest):
         return req.num_tokens, req.num_samples
-    return len(req.prompt_ids), req.beam_width
+    return len(req.prompt_ids), req.beam_width, req.new_tokens, req.new_tokens if req.catalog else ANY_STEPS
 
 
 def kind(req: ScoreRequest | BeamRequest) -> str:
-    """Requests of one kind may share a batch: "score", "beam.n<new_tokens>", or for a request
+    """Requests of one kind may share a batch: "score", "beam" (any new_tokens), or for a request
     normalised over a catalog's codes "beam.n<new_tokens>.codes-<catalog>" (buckets.kind_of)."""
     if isinstance(req, ScoreRequest):
         return "score"
     if req.normalization == "codes":
         return codes_kind(req.new_tokens, req.catalog)
-    return f"beam.n{req.new_tokens}"
+    return "beam"
 
 
 def pick_bucket(table: BucketTable, requests: Sequence[ScoreRequest | BeamRequest]) -> Bucket | None:
@@ -203,7 +205,10 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
     and beam_slot [N] (r * B + p: its rank in the rectangular [R, B] bookkeeping, B = the bucket's
     beam_width; R * B for padding: one past the end). beam_src [R * B]: the packed row of each rank
     (N for the ranks a narrower request or an empty slot does not have). beam_seqs [R, B, n] zeros.
-    beam_catalog [R]: each request's catalog (its index in catalogs; -1: none, and padding)."""
+    beam_catalog [R]: each request's catalog (its index in catalogs; -1: none, and padding).
+    beam_steps [R]: each request's new tokens (the bucket's n for padding): the batch runs n steps
+    and answers a request of fewer at its own step (the beam_hold nodes); a request with a catalog
+    only in a bucket of its own new_tokens."""
     r_max, b, rows = bucket.max_requests, bucket.beam_width, bucket.max_rows
     tokens, positions, seg, last, widths, prompt_len = [], [], [], [], [], []
     for r, req in enumerate(requests):
@@ -214,10 +219,13 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
         widths.append(req.beam_width)
         prompt_len.append(len(req.prompt_ids))
     used = sum(widths)
+    steps = [req.new_tokens for req in requests]
     if (len(tokens) > bucket.max_prompt_tokens or len(requests) > r_max or used > rows
-            or max(widths, default=0) > b):
+            or max(widths, default=0) > b or max(steps, default=0) > bucket.new_tokens
+            or any(req.catalog and req.new_tokens != bucket.new_tokens for req in requests)):
         raise ValueError(f"batch of {len(requests)} requests / {len(tokens)} prompt tokens / {used} beam rows "
-                         f"(widest {max(widths, default=0)}) does not fit {bucket.key}")
+                         f"(widest {max(widths, default=0)}, new tokens {sorted(set(steps))}) does not fit "
+                         f"{bucket.key}")
     pad_n, pad_r = bucket.max_prompt_tokens - len(tokens), r_max - len(requests)
     width = np.array(widths + [0] * pad_r, dtype=np.int64)  # a padding request has no live beam
     first = np.cumsum(width) - width  # [R]: each request's first packed row
@@ -237,6 +245,7 @@ def pack_beam(requests: list[BeamRequest], bucket: BeamBucket, catalogs: Sequenc
         "beam_src": torch.from_numpy(src.reshape(-1)),
         "beam_seqs": torch.zeros(r_max, b, bucket.new_tokens, dtype=torch.int64),  # filled step by step
         "beam_catalog": _i64([catalog_index(catalogs, req.catalog) for req in requests] + [-1] * pad_r),
+        "beam_steps": _i64(steps + [bucket.new_tokens] * pad_r),
     }
     if isinstance(bucket, CodesBucket):
         if any(req.normalization != "codes" or req.catalog != bucket.catalog for req in requests):
@@ -275,9 +284,10 @@ def _padded(values: np.ndarray, total: int, pad: int) -> torch.Tensor:
 
 
 def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> list[BeamResult]:
-    """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first. A request
-    with a catalog gets its finite beams only (fewer valid items than its width: fewer beams),
-    each with its item id."""
+    """seqs: [R, B, n] int64; scores: [R, B] float32, each request's beams best first (a request of
+    fewer new tokens than n: its first new_tokens columns, as held at its step). A request with a
+    catalog gets its finite beams only (fewer valid items than its width: fewer beams), each with
+    its item id."""
     if any(req.catalog for req in batch.requests):
         return _unpack_constrained(batch, seqs.cpu(), scores.cpu())
     # only the live part becomes Python objects (padding requests and beams are most of a wide bucket)
@@ -287,10 +297,12 @@ def unpack_beam(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tensor) -> l
         # each result's own copy of its rows (the runtime may reuse its output buffers); its beams
         # become Python objects only if asked for (the gRPC codec writes the response from the rows)
         live_seqs, live_scores = live_seqs.clone(), live_scores.clone()
-        return [BeamResult(rows=(live_seqs[r, :req.beam_width], live_scores[r, :req.beam_width]))
+        return [BeamResult(rows=(live_seqs[r, :req.beam_width, :req.new_tokens], live_scores[r, :req.beam_width]))
                 for r, req in enumerate(batch.requests)]
-    seq_rows, score_rows = live_seqs.tolist(), live_scores.tolist()
-    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width], score_rows[r][:req.beam_width])))
+    seq_rows, score_rows, steps = live_seqs.tolist(), live_scores.tolist(), seqs.shape[2]
+    return [BeamResult(list(map(Beam, seq_rows[r][:req.beam_width] if req.new_tokens == steps else
+                                [seq[:req.new_tokens] for seq in seq_rows[r][:req.beam_width]],
+                                score_rows[r][:req.beam_width])))
             for r, req in enumerate(batch.requests)]
 
 
@@ -300,7 +312,7 @@ def _unpack_constrained(batch: BeamBatch, seqs: torch.Tensor, scores: torch.Tens
         width = req.beam_width
         if req.catalog:  # scores are best first: the -inf beams (no valid item left) are the last
             width = int(torch.isfinite(scores[r, :width]).sum())
-        rows = (seqs[r, :width].clone(), scores[r, :width].clone())
+        rows = (seqs[r, :width, :req.new_tokens].clone(), scores[r, :width].clone())
         items = version = None
         if req.catalog:
             cat = batch.catalogs[catalog_index(batch.catalogs, req.catalog)]

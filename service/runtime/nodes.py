@@ -383,6 +383,21 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
         set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))
 
 
+def beam_hold(ctx: NodeContext, node: Node, env: Env) -> None:
+    """The answers of the requests that end at this step: a batch runs its bucket's n steps, and a
+    request of fewer new tokens (beam_steps [R]) is answered with its beams as they stand after its
+    own last step, here copied into held_scores [R, B] / held_seqs [R, B, n] (the batch's outputs;
+    the later steps go on over its rows and change nothing there). After beam_init held starts as a
+    copy of the beams."""
+    steps, scores, seqs = (env[n] for n in node.inputs[:3])
+    if "held_scores" not in node.inputs:
+        env["held_scores"], env["held_seqs"] = scores.clone(), seqs.clone()
+        return
+    ends = steps.eq(node.step + 1)  # [R]
+    env["held_scores"] = torch.where(ends.unsqueeze(1), scores, env["held_scores"])
+    env["held_seqs"] = torch.where(ends.view(-1, 1, 1), seqs, env["held_seqs"])
+
+
 def set_beam_suffix(env: Env, suffix_kv: torch.Tensor) -> None:
     env["suffix_kv"] = suffix_kv
     for i in range(suffix_kv.shape[0]):
@@ -403,4 +418,5 @@ NODE_FUNCS: dict[str, Callable[[NodeContext, Node, Env], None]] = {
     "beam_init": beam_init,
     "beam_step": beam_step,
     "beam_allowed": beam_allowed,
+    "beam_hold": beam_hold,
 }

@@ -93,6 +93,6 @@ class PythonRuntime:
         timer = NodeTimer()
         env = self._inputs(batch.inputs)
         self._walk(self.artifact.beam_dag, env, batch.bucket.new_tokens, trace, timer)
-        seqs, scores = env["beam_seqs"].cpu(), env["beam_scores"].cpu()
+        seqs, scores = env["held_seqs"].cpu(), env["held_scores"].cpu()
         self.last_timings = timer.timings()
         return seqs, scores

@@ -3,7 +3,7 @@ executor, several batches in flight. `Scheduler` is the one object the gRPC serv
 
 One loop on the event loop: when an in-flight slot is free, the admission policy names the next
 request (its priority lane; fair-queuing order between clients within it); every waiting request of
-the same kind ("score", or "beam.n<new_tokens>") joins it, in priority order, while some bucket still
+the same kind ("score", "beam" of any new_tokens, or a catalog's codes kind) joins it, in priority order, while some bucket still
 holds them all and, when that takes a larger bucket, the time per request is no worse and every
 member is still answered within its deadline. The batch is released at once when something of its
 kind was left out (the bucket is full) or the cap is reached, otherwise when its oldest request

@@ -58,3 +58,34 @@ def test_packed_beam_rows_never_change_an_answer(model_name: str, runtime: str, 
         assert torch.equal(seqs[r, :w], a_seqs[0, :w]), f"request {r}: its beams changed in the batch"
         assert helpers.same_bytes(scores[r, :w], a_scores[0, :w]), \
             f"request {r}: scores moved by {(scores[r, :w] - a_scores[0, :w]).abs().max()} in the batch"
+
+
+@pytest.mark.parametrize("runtime", ["python", "cpp"])
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
+def test_requests_of_different_new_tokens_share_a_batch_and_answer_as_alone(
+        model_name: str, runtime: str, request: pytest.FixtureRequest, helpers) -> None:
+    """Requests generating 1 to 5 tokens in one batch of 5 steps: each is answered with its beams as
+    they stood after its own last step (the beam_hold nodes), byte for byte its answer alone in a
+    bucket of its own new_tokens; padding requests and the batch's later steps change nothing. (That
+    the answers alone, and those of a mixed batch, are Hugging Face's: test_hf_equivalence.)"""
+    from service.runtime.batch import unpack_beam
+
+    model = request.getfixturevalue(model_name)
+    art, rt = model.artifact, getattr(model, runtime)
+    rng = random.Random(2605)
+    reqs = [BeamRequest(helpers.rand_ids(rng, n), b, t) for (n, b), t in zip(SHAPES, (3, 1, 5, 2, 4, 1))]
+    bucket = pick_beam_bucket(art.buckets, reqs)
+    assert bucket.new_tokens == 5 and bucket.max_requests > len(reqs)  # a padding request slot too
+    batch = pack_beam(reqs, bucket)
+    assert batch.inputs["beam_steps"].tolist() == [3, 1, 5, 2, 4, 1] + [5] * (bucket.max_requests - len(reqs))
+    seqs, scores = rt.run_beam(batch)
+    got = unpack_beam(batch, seqs.cpu(), scores.cpu())
+    for r, req in enumerate(reqs):
+        alone_bucket = pick_beam_bucket(art.buckets, [req])
+        assert alone_bucket.new_tokens == req.new_tokens
+        a_seqs, a_scores = _run(rt, [req], alone_bucket)
+        w, n = req.beam_width, req.new_tokens
+        assert torch.equal(seqs[r, :w, :n], a_seqs[0, :w]), f"request {r} ({n} tokens): its beams changed in the batch"
+        assert helpers.same_bytes(scores[r, :w], a_scores[0, :w]), \
+            f"request {r} ({n} tokens): scores moved by {(scores[r, :w] - a_scores[0, :w]).abs().max()} in the batch"
+        assert [b.ids for b in got[r].beams] == a_seqs[0, :w].tolist()  # unpack keeps its own n columns

@@ -150,9 +150,9 @@ def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, cpu_runt
     batches: dict[int, list[tuple[int, Any, Completed]]] = {}
     for r, c in zip(reqs, done):
         batches.setdefault(c.timings.batch_id, []).append((c.timings.batch_index, r, c))
-    assert len(batches) == 3, "one batch per kind: score, beam n=2, beam n=1"
-    assert stats["batches"] == 3 and stats["requests_executed"] == len(reqs)
-    assert stats["batch_sizes"] == {1: 1, 2: 1, 6: 1}
+    assert len(batches) == 2, "one batch per kind: score, and beam (n=2 and n=1 in one batch of 2 steps)"
+    assert stats["batches"] == 2 and stats["requests_executed"] == len(reqs)
+    assert stats["batch_sizes"] == {3: 1, 6: 1}
     for members in batches.values():
         members.sort(key=lambda m: m[0])
         assert [m[0] for m in members] == list(range(len(members)))
@@ -169,9 +169,9 @@ def test_concurrent_requests_are_batched_and_equal_execute_exactly(art, cpu_runt
             assert [n.name for n in ex.nodes][:2] == [n.name for n in dag][:2] == ["masks", dag[1].name]
     assert isinstance(done[0].result, ScoreResult) and isinstance(done[-1].result, BeamResult)
     assert 0 < stats["occupancy_mean"] <= 1
-    assert stats["model"]["batches_observed"] == 3
+    assert stats["model"]["batches_observed"] == 2
     assert sum(key.startswith("beam.n2.") for key in stats["model"]["bucket_s"]) == 1
-    print(f"\n{kind}: 9 requests in 3 batches, {wall_s:.2f} s")
+    print(f"\n{kind}: 9 requests in 2 batches, {wall_s:.2f} s")
 
 
 # ---- release rules ----------------------------------------------------------------------------------
@@ -232,6 +232,7 @@ def test_kinds_never_share_a_batch_and_the_inflight_cap_holds(art):
         tasks = [asyncio.create_task(s.submit(r)) for r in
                  [score("s0"), beam("b1", new_tokens=1), beam("b2", new_tokens=2), score("s1")]]
         await until(lambda: len(rt.pending) == 2)
+        tasks.append(asyncio.create_task(s.submit(beam("b3", new_tokens=2))))  # a third batch: it must wait
         await asyncio.sleep(0.05)
         assert len(rt.pending) == 2 and s.stats()["inflight"] == 2, "more than max_inflight handed over"
         rt.finish_oldest()
@@ -240,8 +241,9 @@ def test_kinds_never_share_a_batch_and_the_inflight_cap_holds(art):
             rt.finish_oldest()
             await asyncio.sleep(0.01)
         done = await asyncio.gather(*tasks)
-        kind_of = {"s0": "score", "s1": "score", "b1": "beam.n1", "b2": "beam.n2"}
-        assert rt.started == [["s0", "s1"], ["b1"], ["b2"]]
+        # BeamSearch requests of different new_tokens are one kind: b1 (1 token) and b2 (2) share a batch
+        kind_of = {"s0": "score", "s1": "score", "b1": "beam", "b2": "beam", "b3": "beam"}
+        assert rt.started == [["s0", "s1"], ["b1", "b2"], ["b3"]]
         assert all(len({kind_of[n] for n in names}) == 1 for names in rt.started)
         assert done[1].timings.executor.nodes == (NodeTiming("fake", 0.1, 0.05),)
         assert s.stats()["inflight"] == 0 and s.stats()["batches"] == len(rt.started)
@@ -258,7 +260,7 @@ def test_priority_order_through_the_scheduler(art):
         rt.gate.clear()
         first = asyncio.create_task(s.submit(score("first")))
         await until(lambda: len(rt.started) == 1)
-        # three kinds, so each is its own batch; queued while the executor is held
+        # queued while the executor is held; one kind (BeamSearch of any new_tokens), taken in priority order
         tasks = [asyncio.create_task(s.submit(r, p)) for r, p in
                  [(beam("bg", 1), B), (beam("nm", 2), N), (beam("on", 3), O)]]
         await until(lambda: s.stats()["admitted"] == 4)
@@ -298,9 +300,10 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art):
         s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1)
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: 0.4 s, heavy
         await s.submit(score("warm-score"))  # 10 ms, light
-        # three heavy batches (three kinds: never one batch), then a light request
-        heavy = [asyncio.create_task(s.submit(beam(f"b{n}", new_tokens=n))) for n in (1, 2, 3)]
+        # a heavy batch, then a second one (submitted while the first runs: its own batch), then a light request
+        heavy = [asyncio.create_task(s.submit(beam("b1", new_tokens=1)))]
         await until(lambda: len(rt.started) == 3)
+        heavy.append(asyncio.create_task(s.submit(beam("b2", new_tokens=2))))
         await asyncio.sleep(0.05)
         assert len(rt.started) == 3, "a second heavy batch took the last slot"
         t0 = time.monotonic()
@@ -308,7 +311,7 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art):
         assert time.monotonic() - t0 < 0.2, "the light request waited behind a heavy batch"
         await asyncio.gather(*heavy)
         spans = {name: (a, b) for name, a, b in rt.spans}
-        assert spans["b2"][0] >= spans["b1"][1] - 0.01 and spans["b3"][0] >= spans["b2"][1] - 0.01  # one at a time
+        assert spans["b2"][0] >= spans["b1"][1] - 0.01  # one at a time
         await s.close()
 
     asyncio.run(main())
@@ -629,7 +632,8 @@ def test_a_batch_grows_into_a_larger_bucket_by_what_the_queue_will_fill_it_with(
     from service.sched import batcher as bm
 
     monkeypatch.setattr(bm.Scheduler, "_bucket_s", lambda self, b, now: 1e-4 * b.rows)
-    narrow = sorted({(b.rows, b.max_requests) for b in art.buckets.of_kind("beam.n1") if b.beam_width >= 3})
+    narrow = sorted({(b.rows, b.max_requests) for b in art.buckets.of_kind("beam")
+                     if b.beam_width >= 3 and b.new_tokens == 1})
     assert narrow[:3] == [(4, 2), (16, 4), (32, 8)], narrow  # the embedded artifact's narrowest row tiers
 
     def plan(n: int) -> list:
@@ -653,10 +657,9 @@ def test_the_bucket_a_batch_is_formed_in_is_the_runtimes_own_pick(art):
                                  label_ids=(1,), prefix_ids=(5,) * rng.randint(0, 30)) for _ in range(n)]
             kind, want = "score", pick_score_bucket(art.buckets, reqs)
         else:
-            t = rng.randint(1, lim.max_new_tokens)
             reqs = [BeamRequest(prompt_ids=(5,) * rng.randint(1, 300), beam_width=rng.randint(1, lim.max_beam_width),
-                                new_tokens=t) for _ in range(n)]
-            kind, want = f"beam.n{t}", pick_beam_bucket(art.buckets, reqs)
+                                new_tokens=rng.randint(1, lim.max_new_tokens)) for _ in range(n)]
+            kind, want = "beam", pick_beam_bucket(art.buckets, reqs)
         fill = _Fill(art.buckets.of_kind(kind))
         for r in reqs:
             got = fill.fit_request(r)

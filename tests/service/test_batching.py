@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.runtime.batch import pack_beam, pack_score, pick_beam_bucket, pick_score_bucket, unpack_beam, unpack_score
-from service.artifact.buckets import BeamBucket, BucketTable, ScoreBucket, token_tiers
+from service.artifact.buckets import ANY_STEPS, BeamBucket, BucketTable, ScoreBucket, token_tiers
 from service.runtime.engine import execute, plan_batches
 from service.runtime.requests import BeamRequest, BeamResult, ScoreRequest, ScoreResult
 
@@ -228,10 +228,10 @@ def test_plan_batches_property(plan_artifact):
                 assert sum(r.num_samples for r in group) <= bucket.max_samples
             else:
                 assert all(isinstance(r, BeamRequest) for r in group)
-                assert len({r.new_tokens for r in group}) == 1, "one new_tokens per beam batch"
                 bucket = pick_beam_bucket(art.buckets, group)
                 assert bucket is not None
-                assert isinstance(bucket, BeamBucket) and bucket.new_tokens == group[0].new_tokens
+                # requests of different new_tokens share a batch, which runs its longest one's steps
+                assert isinstance(bucket, BeamBucket) and bucket.new_tokens == max(r.new_tokens for r in group)
                 assert max(r.beam_width for r in group) <= bucket.beam_width
                 assert len(group) <= bucket.max_requests
                 assert sum(len(r.prompt_ids) for r in group) <= bucket.max_prompt_tokens
@@ -435,10 +435,11 @@ def _brute_force_pick(table: BucketTable, reqs: list) -> object:
         fits = [b for b in table.score if b.holds(len(reqs), sum(r.num_tokens for r in reqs),
                                                    sum(r.num_samples for r in reqs))]
         return min(fits, key=lambda b: (b.max_tokens, b.max_samples), default=None)
-    fits = [b for b in table.beam if b.new_tokens == reqs[0].new_tokens
+    fits = [b for b in table.beam if max(r.new_tokens for r in reqs) <= b.new_tokens
             and b.holds(len(reqs), sum(len(r.prompt_ids) for r in reqs), max(r.beam_width for r in reqs),
-                        sum(r.beam_width for r in reqs))]
-    return min(fits, key=lambda b: (b.max_rows, b.max_prompt_tokens, b.beam_width, b.max_requests), default=None)
+                        sum(r.beam_width for r in reqs), max(r.new_tokens for r in reqs), ANY_STEPS)]
+    return min(fits, key=lambda b: (b.max_rows * b.new_tokens, b.max_rows, b.max_prompt_tokens, b.beam_width,
+                                    b.max_requests), default=None)
 
 
 def test_every_batch_runs_in_the_least_padded_bucket_that_holds_it(plan_artifact) -> None:
@@ -453,9 +454,9 @@ def test_every_batch_runs_in_the_least_padded_bucket_that_holds_it(plan_artifact
             reqs = [r for r in reqs if r.num_tokens <= lim.max_score_tokens and r.num_samples <= lim.max_samples]
             got = pick_score_bucket(table, reqs) if reqs else None
         else:
-            n = rng.randint(1, lim.max_new_tokens)
             reqs = [BeamRequest(prompt_ids=(1,) * rng.randint(1, lim.max_prompt_tokens),
-                                beam_width=rng.randint(1, lim.max_beam_width), new_tokens=n)
+                                beam_width=rng.randint(1, lim.max_beam_width),
+                                new_tokens=rng.randint(1, lim.max_new_tokens))  # a batch's may differ
                     for _ in range(rng.randint(1, 6))]
             got = pick_beam_bucket(table, reqs)
         if reqs:

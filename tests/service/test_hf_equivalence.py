@@ -109,12 +109,14 @@ def test_beam_search_equals_hf_generate(request, hf_ref, arch, beams, new_tokens
 def test_beam_search_batched_requests_each_equal_hf(request, hf_ref, arch):
     m = _model(request, arch)
     rng = random.Random(4242 if arch == "qwen2_tiny" else 4343)
-    widths_and_lengths = [(16, 7), (1, 30), (80, 3), (5, 1)]  # one bucket of width 128, 4 requests
-    reqs = [BeamRequest(prompt_ids=hf_ref.rand_ids(rng, n), beam_width=b, new_tokens=3, id=f"b{i}")
-            for i, (b, n) in enumerate(widths_and_lengths)]
+    # one bucket of width 128 and 5 steps, 4 requests of 3, 5, 1 and 2 new tokens: each answered at its own step
+    widths_and_lengths = [(16, 7, 3), (1, 30, 5), (80, 3, 1), (5, 1, 2)]
+    reqs = [BeamRequest(prompt_ids=hf_ref.rand_ids(rng, n), beam_width=b, new_tokens=t, id=f"b{i}")
+            for i, (b, n, t) in enumerate(widths_and_lengths)]
     assert len(plan_batches(m.artifact, reqs)) == 1, "the beam requests were meant to share one batch"
     results = execute(m.artifact, m.runtime, reqs)
     for req, res in zip(reqs, results):
+        assert all(len(b.ids) == req.new_tokens for b in res.beams)
         _check_beam(m, hf_ref, req, res)
 
 

@@ -53,6 +53,7 @@ class ScoreBucket:
 
     @property
     def work(self) -> int:
+        """As rows (pick_order and the traffic tables compare buckets by their work)."""
         return self.max_tokens
 
 
@@ -80,14 +81,14 @@ class BeamBucket:
             raise ConfigError(f"beam bucket {self}: max_rows must lie in [beam_width, max_requests x beam_width]")
 
     def holds(self, num_requests: int, prompt_tokens: int, widest: int, rows: int, longest: int,
-              steps: int = 0) -> bool:
+              steps: int) -> bool:
         """prompt_tokens: the packed prompts of all the requests; widest: their widest beam; rows:
-        the sum of their widths; longest: their most new tokens; steps: the new tokens the bucket
-        must run exactly (its requests with a catalog: their trie ends there), ANY_STEPS for none
-        (0: as longest)."""
+        the sum of their widths; longest: their most new tokens; steps: the most steps the bucket
+        may run (a request with a catalog: exactly its new tokens, its trie ends there), ANY_STEPS
+        where none has a catalog."""
         return (num_requests <= self.max_requests and prompt_tokens <= self.max_prompt_tokens
                 and widest <= self.beam_width and rows <= self.max_rows
-                and longest <= self.new_tokens <= (steps or longest))
+                and longest <= self.new_tokens <= steps)
 
     @staticmethod
     def grow(totals: tuple[int, ...], prompt_tokens: int, width: int, new_tokens: int,

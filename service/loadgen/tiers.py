@@ -13,10 +13,10 @@ BeamSearch batch's requests may differ in new_tokens), is what the chooser minim
       padding = sum over batches of work(bucket) - sum over requests of their real rows,
   reported as a share of the real rows. work: a bucket's padded work (Score: token rows;
   BeamSearch: beam rows times decode steps); a request's real rows: its tokens, its beam width
-  times its new tokens. The padding
-  of each request alone (c = 1) is reported beside it, as is the default table's; neither is
-  minimised. Across kinds a row is weighed by its kind's logical FLOPs (sched.cost.bucket_flops of
-  the kind's largest bucket over its rows), so the kinds share one graph budget in one unit.
+  times its new tokens. The padding of each request alone (c = 1) is reported beside it, as is the
+  default table's; neither is minimised. Across kinds a row is weighed by its kind's logical FLOPs
+  (sched.cost.bucket_flops of the kind's largest bucket over its work), so the kinds share one
+  graph budget in one unit.
 
 Budgets: buckets (a CUDA graph each per lane, captured at start-up) <= max_graphs, by default the
 default table's count (start-up no slower than the default's); every bucket's activation memory

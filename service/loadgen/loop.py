@@ -368,28 +368,28 @@ async def sweep(target: str, pool: Pool, *, levels: list[int] | None = None, rat
     channels = open_channels(target, connections, credentials, server_name)
     rows: list[dict[str, Any]] = []
     skipped: list[Any] = []
+
+    async def measure(i: int, load: Any) -> None:
+        if levels is not None:
+            row = await closed_level(channels, pool, load, warmup_s, measure_s, rpc_timeout_s, metrics_url, progress)
+        else:
+            row = await open_level(channels, pool, load, warmup_s, measure_s, rpc_timeout_s, (seed, i), metrics_url,
+                                   progress)
+        rows.append(row)
+        if on_level:
+            on_level(row)
+
     try:
         for i, load in enumerate(loads):
             if rows and rows[-1]["mean_ms"] > stop_above_ms:
                 skipped.append(load)
                 continue
-            if levels is not None:
-                row = await closed_level(channels, pool, load, warmup_s, measure_s, rpc_timeout_s, metrics_url,
-                                         progress)
-            else:
-                row = await open_level(channels, pool, load, warmup_s, measure_s, rpc_timeout_s, (seed, i),
-                                       metrics_url, progress)
-            rows.append(row)
-            if on_level:
-                on_level(row)
+            await measure(i, load)
         for _ in range(refine):
             level = refine_level(rows, holds)  # type: ignore[arg-type]
             if level is None:
                 break
-            rows.append(await closed_level(channels, pool, level, warmup_s, measure_s, rpc_timeout_s, metrics_url,
-                                           progress))
-            if on_level:
-                on_level(rows[-1])
+            await measure(len(rows), level)
         if refine:
             rows.sort(key=lambda r: r["level"])
     finally:

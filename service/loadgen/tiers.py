@@ -164,13 +164,10 @@ class BeamTiers:
         """For each new_tokens n, the first of fits (in pick_order) that holds a request of the
         limits generating n tokens in exactly n steps: a request with a catalog runs only in a
         bucket of its own new_tokens (BucketTable.fits_one)."""
-        out = []
-        for n in range(1, self.limits.max_new_tokens + 1):
-            req = BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, n, catalog="any")
-            b = Fill(tuple(fits)).add(*dims(req))
-            if b is not None:
-                out.append(b)
-        return out
+        lim = self.limits
+        found = (Fill(tuple(fits)).add(lim.max_prompt_tokens, lim.max_beam_width, n, n)  # dims, steps = n
+                 for n in range(1, lim.max_new_tokens + 1))
+        return [b for b in found if b is not None]
 
     def candidates(self, totals: np.ndarray, frame: Sequence[Bucket], default: Sequence[Bucket]) -> set[Bucket]:
         """totals: [batches, 6]. For each longest new_tokens n among the batches, over the batches of

@@ -60,7 +60,7 @@ from .stalls import REASONS as STALL_REASONS, StallInterceptor, StallWatch
 from .tls import check_tls_settings, server_credentials
 from .status import NotServing, connection_options, server_options, status_of
 from .wire import invalid_utf8_field
-from .fronts.state import MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
+from .fronts.state import DEADLINE_KEY, MAX_FRONTS, SENT_KEY, STATE_DRAINING, STATE_SERVING, client_id
 from .fronts.supervisor import FrontOptions, FrontSupervisor
 
 log = logging.getLogger("slmrank.server")
@@ -277,24 +277,33 @@ def _parse(deserialize: Callable[[bytes], Any], raw: bytes, method: str) -> Any:
 # ---- the service ------------------------------------------------------------------------------------
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The request's deadline on time.monotonic(): gRPC's, or the caller's own as a front forwarded
+    it (DEADLINE_KEY) where that is sooner. A front's forwarded call runs a little past its
+    caller's deadline, and scheduled by that, an admitted request could run past the deadline its
+    caller holds. The stamp only ever shortens a deadline: a caller who sets it itself gains nothing."""
     remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+    deadline = None if remaining is None else time.monotonic() + remaining
+    stamped = _stamp(context, DEADLINE_KEY)
+    if stamped is not None and (deadline is None or stamped < deadline):
+        return stamped
+    return deadline
+
+
+def _stamp(context: grpc.aio.ServicerContext, key: str) -> float | None:
+    """A front's time stamp (time.monotonic(), one clock for the host's processes) in the metadata."""
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            try:
+                t = float(v)
+            except (TypeError, ValueError):
+                return None
+            return t if math.isfinite(t) else None
+    return None
 
 
 def client_of(context: grpc.aio.ServicerContext, key: str) -> str:
     """Whose request it is, for fair shares (front_state.client_id: the `key` metadata, else the peer's host)."""
     return client_id(context.invocation_metadata(), context.peer() or "", key)
-
-
-def _front_sent_s(context: grpc.aio.ServicerContext) -> float | None:
-    """When a front forwarded this request (serve --fronts), from its metadata."""
-    for k, v in context.invocation_metadata() or ():
-        if k == SENT_KEY:
-            try:
-                return float(v)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 @dataclass
@@ -331,7 +340,7 @@ class RankerServicer:
             # request refused or invalid below lands in its lane (set_request sets the same name)
             trace.attrs["priority"] = lane.name
         codec, scheduler = self._serving()
-        if self.front_publisher is not None and (sent_s := _front_sent_s(context)) is not None:
+        if self.front_publisher is not None and (sent_s := _stamp(context, SENT_KEY)) is not None:
             # the hop from the front to this handler, on the request's span (before its start: an attribute)
             trace.set(front_ingress_ms=round(self.front_publisher.note_ingress(sent_s) * 1e3, 3))
         deadline, client = _deadline(context), client_of(context, self.admission.client_id_metadata)

@@ -35,7 +35,7 @@ from ..proto_gen import load as load_stubs
 from ..stalls import StallInterceptor, StallWatch
 from ..status import connection_options, server_options, status_of
 from .gate import FrontGate, refusal_reason
-from .state import SENT_KEY, SharedState, client_id
+from .state import DEADLINE_KEY, SENT_KEY, SharedState, client_id
 
 log = logging.getLogger("slmrank.front")
 
@@ -47,9 +47,9 @@ _OWN_KEYS = ("user-agent", "grpc-", ":")
 
 
 def _relayed(metadata: Any) -> list[tuple[str, Any]]:
-    """The caller's metadata, less what gRPC sets itself and the fronts' own stamp (a caller's
-    would skew the engine's measure of its backlog)."""
-    return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS) and k != SENT_KEY]
+    """The caller's metadata, less what gRPC sets itself and the fronts' own stamps (a caller's
+    would skew the engine's measure of its backlog, or its deadline)."""
+    return [(k, v) for k, v in metadata or () if not k.startswith(_OWN_KEYS) and k not in (SENT_KEY, DEADLINE_KEY)]
 
 
 class Front:
@@ -100,11 +100,14 @@ class Front:
             relayed.append((self.args.client_id_metadata, client))
         sent = time.monotonic()
         relayed.append((SENT_KEY, f"{sent:.6f}"))
+        if remaining is not None:
+            relayed.append((DEADLINE_KEY, f"{now + remaining:.6f}"))
         self.shared.slot_add(self.slot, "forwarded")
         call = self._unary[method]
         try:
             # a little past the caller's deadline: that one ends this handler first (a cancel, passed on
-            # to the engine), rather than this call answering into an RPC gRPC has already ended
+            # to the engine), rather than this call answering into an RPC gRPC has already ended. The
+            # engine schedules by the caller's own deadline (DEADLINE_KEY), not by this timeout
             answer = await call(raw, timeout=None if remaining is None else max(remaining - (sent - now), 0.0) + 0.05,
                                 metadata=relayed)
         except grpc.aio.AioRpcError as e:

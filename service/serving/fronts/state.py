@@ -46,6 +46,9 @@ NUM_SHAPES = 32  # request shapes with their service time, most recent
 
 STATE_LOADING, STATE_SERVING, STATE_DRAINING = 0, 1, 2
 SENT_KEY = "x-slmrank-front-sent"  # metadata: time.monotonic() when a front forwarded the request
+# metadata: the caller's own deadline on time.monotonic(), as the front saw it. The forwarded call's
+# gRPC timeout runs a little past it (front.py says why), so the engine takes its deadline from this
+DEADLINE_KEY = "x-slmrank-front-deadline"
 
 
 def client_id(metadata: Any, peer: str, key: str) -> str:
@@ -306,6 +309,6 @@ def _parse(body: bytes) -> Snapshot:
     return snap
 
 
-__all__ = ["MAX_FRONTS", "NUM_CLIENTS", "NUM_LANES", "NUM_POINTS", "NUM_SHAPES", "SENT_KEY", "SIZE", "SLOT_FIELDS",
-           "STATE_DRAINING", "STATE_LOADING", "STATE_SERVING", "LaneView", "Layout", "SharedState", "Snapshot",
+__all__ = ["DEADLINE_KEY", "MAX_FRONTS", "NUM_CLIENTS", "NUM_LANES", "NUM_POINTS", "NUM_SHAPES", "SENT_KEY", "SIZE",
+           "SLOT_FIELDS", "STATE_DRAINING", "STATE_LOADING", "STATE_SERVING", "LaneView", "Layout", "SharedState", "Snapshot",
            "SnapshotBusy", "client_id", "client_key", "ingress_delay_s"]

@@ -664,6 +664,8 @@ def server_view(before: dict, after: dict, window_s: float, sent: int) -> dict[s
     # cancelled (the caller's deadline cut the RPC while it was queued), or run and answered late
     admitted_late = {reason: int(d.get(("slmrank_dropped_total", f'reason="{reason}"'), 0))
                      for reason in ("expired", "cancelled")}
+    admitted_late.update({f"{reason}_in_flight": int(d.get(("slmrank_dropped_in_flight_total", f'reason="{reason}"'), 0))
+                          for reason in ("expired", "cancelled")})
     admitted_late["answered_late"] = int(d.get(("slmrank_answered_late_total", ""), 0))
     # serve --fronts N: what the fronts refused never reached the engine's RPC counts
     refused = {m.group(1): int(v) for (series, labels), v in d.items()
@@ -713,8 +715,9 @@ def print_report(result: dict[str, Any]) -> None:
               f"{sv['never_finished']} (they waited in gRPC's queue); event loop busy {sv['loop_busy']} "
               f"(CPU seconds a second; near 1: the loop is the limit)")
         late = sv["admitted_late"]
-        print(f"server: admitted, then expired in its queue {late['expired']}, cancelled in its queue "
-              f"{late['cancelled']}, run and answered late {late['answered_late']} (target 0)")
+        print(f"server: admitted, then expired {late['expired']} ({late.get('expired_in_flight', 0)} of them in a "
+              f"running batch), cancelled {late['cancelled']} ({late.get('cancelled_in_flight', 0)} in a running batch), "
+              f"run and answered late {late['answered_late']} (target 0)")
     if a := result.get("admission"):
         ing = "" if a["ingress_ms_max"] is None else (f"; the fronts' ingress delay mean {a['ingress_ms_mean']:.2f} ms, "
                                                      f"max {a['ingress_ms_max']:.1f} ms")
@@ -723,6 +726,12 @@ def print_report(result: dict[str, Any]) -> None:
               f"(each lane's own error, mean: {lanes or 'none'}){ing}")
         if sv := result.get("server"):
             print(f"server: refused by reason {sv.get('refused_by_reason')}")
+    if (sv := result.get("server")) and (by := sv.get("refused_by_reason")):
+        engine = sum(v for reason, v in by.items() if not reason.startswith("front_"))
+        # a refusal by the engine waits behind its event loop (the backlog the fronts shed at): where
+        # these are more than 1% of the refusals, the refusals' P99 is theirs
+        print(f"server: the engine itself refused {engine} of {sum(by.values())} "
+              f"({100 * engine / max(sum(by.values()), 1):.2f}%; above 1% the refusals' P99 is the engine's)")
     for key in ("rss", "gpu"):
         f = result["memory"][key]
         if f:

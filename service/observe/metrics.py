@@ -302,8 +302,11 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                 stats["admitted_by_priority"].items()),
         counter("slmrank_refused", "Requests refused at admission (UNAVAILABLE), by reason.", "reason",
                 stats["refused"].items()),
-        counter("slmrank_dropped", "Admitted requests dropped before they ran, by reason.", "reason",
-                [(r, stats[r]) for r in ("expired", "cancelled", "drained")]),
+        counter("slmrank_dropped", "Admitted requests dropped before they were answered, by reason: in the queue or "
+                "as members of a running batch.", "reason", [(r, stats[r]) for r in ("expired", "cancelled", "drained")]),
+        counter("slmrank_dropped_in_flight", "Of slmrank_dropped, the members of a batch already handed to the "
+                "executor, by reason (expired: its batch could not end by the deadline; cancelled: gRPC ended the "
+                "call first).", "reason", [(r, stats.get(f"{r}_in_flight", 0)) for r in ("expired", "cancelled")]),
         CounterMetricFamily("slmrank_answered_late", "Admitted requests that ran and were answered after their "
                             "deadline: admission promised them in time (0 when its predictions hold).",
                             value=stats["answered_late"]),

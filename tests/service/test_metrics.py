@@ -233,14 +233,17 @@ def test_scheduler_numbers(embedded_tiny, embedded_tiny_runtime) -> None:
 def test_scheduler_families_count_refusals() -> None:
     stats = {"queue_depth": {"ONLINE": 3, "NORMAL": 0, "BACKGROUND": 7}, "inflight": 2,
              "admitted_by_priority": {"ONLINE": 10, "NORMAL": 0, "BACKGROUND": 7},
-             "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 0, "drained": 0,
-             "answered_late": 3, "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
+             "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 5, "drained": 0,
+             "expired_in_flight": 0, "cancelled_in_flight": 2, "answered_late": 3, "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
              "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
     text = render(scheduler_families(stats))
     fam = parse(text)
     assert value_of(fam, "slmrank_queue_depth", {"lane": "BACKGROUND"}) == 7
     assert value_of(fam, "slmrank_refused_total", {"reason": "deadline"}) == 2
     assert value_of(fam, "slmrank_dropped_total", {"reason": "expired"}) == 1
+    assert value_of(fam, "slmrank_dropped_total", {"reason": "cancelled"}) == 5
+    assert value_of(fam, "slmrank_dropped_in_flight_total", {"reason": "cancelled"}) == 2
+    assert value_of(fam, "slmrank_dropped_in_flight_total", {"reason": "expired"}) == 0
     assert value_of(fam, "slmrank_answered_late_total") == 3
     assert value_of(fam, "slmrank_batches_total", {"outcome": "failed"}) == 1
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "2"}) == 2

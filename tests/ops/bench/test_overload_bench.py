@@ -50,18 +50,18 @@ def test_open_loop_reports_progress_on_its_schedule() -> None:
     assert all(0 < answered <= sent < len(outcomes) for _, answered, sent in reports)
 
 
-def _stats(expired: int, cancelled: int, late: int, front_refused: int = 0) -> dict[str, Any]:
+def _stats(expired: int, cancelled: int, late: int, front_refused: int = 0, cancelled_in_flight: int = 0) -> dict[str, Any]:
     return {"queue_depth": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0}, "inflight": 0,
             "admitted_by_priority": {"ONLINE": 0, "NORMAL": 0, "BACKGROUND": 0},
             "refused": {"queue_full": 0, "front_deadline": front_refused, "front_backlog": 2 * front_refused},
-            "expired": expired, "cancelled": cancelled, "drained": 0,
-            "answered_late": late, "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
+            "expired": expired, "cancelled": cancelled, "drained": 0, "expired_in_flight": 0,
+            "cancelled_in_flight": cancelled_in_flight, "answered_late": late, "batches": 0, "batches_failed": 0, "batch_sizes": {}, "buckets": {}}
 
 
 def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
     """The H200 overload run must show that no admitted request ends late: the server's metrics,
-    scraped before and after the window, separate the requests that expired or were cancelled in
-    its queue (never run) from those run and answered after their deadline."""
+    scraped before and after the window, separate the requests that expired or were cancelled
+    (in its queue, or in a running batch) from those run and answered after their deadline."""
     from ops.bench.bench_grpc import _SAMPLE
     from service.observe.metrics import render, scheduler_families
 
@@ -72,8 +72,9 @@ def test_the_server_view_splits_admitted_late_requests_by_why() -> None:
                 out[(m.group(1), m.group(2) or "")] = float(m.group(3))
         return out
 
-    view = ob.server_view(scraped(_stats(2, 1, 0, 1)), scraped(_stats(9, 4, 3, 11)), window_s=1.0, sent=100)
-    assert view["admitted_late"] == {"expired": 7, "cancelled": 3, "answered_late": 3}
+    view = ob.server_view(scraped(_stats(2, 1, 0, 1, 1)), scraped(_stats(9, 4, 3, 11, 3)), window_s=1.0, sent=100)
+    assert view["admitted_late"] == {"expired": 7, "cancelled": 3, "answered_late": 3, "expired_in_flight": 0,
+                                     "cancelled_in_flight": 2}
     # serve --fronts: what the fronts refused never reached the engine's RPC counts, and is not
     # counted as never finished
     assert view["front_refused"] == 30 and view["never_finished"] == 100 - 30

@@ -96,6 +96,10 @@ class AdmissionConfig:
     # serve --fronts N: the fronts refuse ("backlog") while forwarded requests wait longer than this
     # between a front and the engine's handler (the engine's event loop is behind)
     front_max_backlog_s: float = 0.005
+    # ... and refuse ("deadline") what their prediction finishes within this share of the time left
+    # before the deadline: their view is a little late, and what they let through the engine should
+    # admit (its refusals wait behind its event loop). verdict.py says more
+    front_deadline_margin: float = 0.03
 
     def __post_init__(self) -> None:
         if not self.max_calibration >= 1:
@@ -112,6 +116,8 @@ class AdmissionConfig:
         for name in ("safety_margin", "response_margin_s", "max_client_work_s", "calibration_decay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"admission.{name}: must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.front_deadline_margin < 1:
+            raise ValueError(f"admission.front_deadline_margin: must be in [0, 1), got {self.front_deadline_margin!r}")
         if not 0 < self.service_quantile <= 1:
             raise ValueError(f"admission.service_quantile: must be in (0, 1], got {self.service_quantile!r}")
         if not self.outlier_factor >= 1:

@@ -22,12 +22,23 @@ The checks, in order (the first that fails is the verdict):
   deadline      predicted completion after the deadline:          UNAVAILABLE, an appointment
                   wait   = (inflight + higher lanes + ahead in its lane) / parallelism · stretch
                   latency = ((wait + own) · (1 + safety_margin) + response) · calibration + ingress
+                (at a front: after the deadline less deadline_margin of the time left; see below)
                 except on idle lanes (nothing queued, nothing in flight): then a request is tried
                 when it would fit there, alone and uncalibrated, at its idle time (own when its
                 bucket has none of its own: running it is the only way to learn it). A model
                 that learnt from a slow host, or calibrated itself high, cannot refuse for ever.
 
 Every refusal on a prediction names the request's bucket and its estimate.
+
+A front's view is late (the snapshot was published before the requests forwarded since reached
+the engine) and partial, and under overload a lane holds work up to its deadline's edge, so every
+arrival's prediction lies near its deadline: there the smallest difference between the two views
+(the parallelism measured a moment later, one request forwarded meanwhile) makes the engine refuse
+what its front let through, and that refusal waits behind the engine's event loop. So a front
+counts the work of its own forwards that the snapshot cannot show yet, and its deadline check
+leaves `deadline_margin` (admission.front_deadline_margin, 3%) of the time left spare; the
+engine's own check, the authoritative one, has none. On the CPU at 3x capacity the engine made
+5.1% of the refusals before (14 ms at P99, against 1.3 ms at the median).
 
 This module imports no torch (the front processes use it) and holds no state but the retry book.
 """
@@ -113,6 +124,7 @@ class Outlook:
     bucket: str = ""  # the key of the bucket it runs in alone (named in refusals)
     idle_s: float | None = None  # its bucket's own measured idle time; None: none of its own
     is_idle: bool = False  # nothing queued and nothing in flight
+    deadline_margin: float = 0.0  # a front's: the share of the time left its prediction must leave spare
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +172,15 @@ def decide(o: Outlook) -> Verdict:
     if o.ingress_s > o.max_backlog_s:
         return verdict("backlog", o.ingress_s, f"the engine is {o.ingress_s * 1e3:.1f} ms behind with the requests "
                        f"forwarded to it (at most {o.max_backlog_s * 1e3:g} ms)")
-    if o.deadline is not None and finish > o.deadline and not (o.is_idle and _fits_idle(o)):
-        # back when it would fit, and one run of its own later
-        return verdict("deadline", max(finish - o.deadline, o.own_s),
-                       f"predicted completion in {finish - o.now:.4f} s misses the deadline in "
-                       f"{o.deadline - o.now:.4f} s (bucket {o.bucket or '?'}: {o.own_s:.4f} s alone, "
-                       f"{wait_s:.4f} s of work ahead, calibration {o.calibration:.2f})")
+    if o.deadline is not None:
+        due = o.deadline - o.deadline_margin * max(o.deadline - o.now, 0.0)
+        if finish > due and not (o.is_idle and _fits_idle(o)):
+            # back when it would fit, and one run of its own later
+            spare = f", less a front's margin of {o.deadline_margin:.0%}" if o.deadline_margin else ""
+            return verdict("deadline", max(finish - due, o.own_s),
+                           f"predicted completion in {finish - o.now:.4f} s misses the deadline in "
+                           f"{o.deadline - o.now:.4f} s{spare} (bucket {o.bucket or '?'}: {o.own_s:.4f} s alone, "
+                           f"{wait_s:.4f} s of work ahead, calibration {o.calibration:.2f})")
     return Verdict(None, 0.0, "", predicted_s, finish)
 
 

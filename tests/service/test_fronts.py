@@ -30,7 +30,7 @@ from service.sched.admission import (AdmissionConfig, AdmissionController, Deadl
                                        Ticket)
 from service.sched.cost import BucketInfo, RequestCost
 from service.model.config import ServingLimits
-from service.sched.shapes import message_dims
+from service.sched.shapes import message_dims, shape_key
 from service.sched.verdict import decide
 from service.serving.fronts.gate import FrontGate, refusal_reason, snapshot_outlook
 from service.serving.fronts.state import NUM_CLIENTS, NUM_POINTS, STATE_DRAINING, STATE_SERVING, LaneView, SharedState, Snapshot
@@ -121,10 +121,11 @@ def _engine_request(kind: str) -> Any:
     return ScoreRequest(samples=tuple((0,) * n for n in dims[2]), prefix_ids=(0,) * dims[1])
 
 
-def _world(seed: int, shared: SharedState, clients: list[str]):
+def _world(seed: int, shared: SharedState, clients: list[str], margin: float = 0.0):
     rng = random.Random(seed)
     clock = FakeClock()
-    cfg = AdmissionConfig(max_queue_online=rng.choice([4, 16, 128]), max_lane_work_s=rng.choice([0.5, 30.0]))
+    cfg = AdmissionConfig(max_queue_online=rng.choice([4, 16, 128]), max_lane_work_s=rng.choice([0.5, 30.0]),
+                          front_deadline_margin=margin)
     ctl = AdmissionController(cfg, cfg.service_model(num_lanes=rng.choice([1, 2])), clock=clock)
     model = ctl.model
     for i in range(rng.randrange(3, 12)):  # measured bucket times
@@ -164,17 +165,22 @@ def _engine_says(ctl, publisher, kind: str, priority: int, deadline: float | Non
     return refusal
 
 
+@pytest.mark.parametrize("margin", [0.0, 0.03])
 @pytest.mark.parametrize("seed", range(40))
-def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
+def test_a_front_refuses_only_what_the_engine_refuses(seed, margin, shared):
+    """... and with a deadline margin m, only what the engine refuses at a deadline m of the time
+    left sooner (the snapshot is published before each check: nothing is in transit)."""
     clients = ["alice", "bob", "ipv4:10.0.0.7", "carol"]
-    rng, clock, ctl, publisher = _world(seed, shared, clients)
+    rng, clock, ctl, publisher = _world(seed, shared, clients, margin)
     gate = FrontGate(shared.read, num_fronts=2, clock=clock)
-    checked = refused = 0
+    checked = refused = by_margin = 0
     for _ in range(60):
         kind = rng.choice(["score", "beam"])
         priority = rng.choice([1, 2, 3])
         deadline = None if rng.random() < 0.2 else clock.t + rng.choice([-0.001, 0.002, 0.02, 0.1, 0.5, 2.0])
         client = rng.choice(clients + ["dave"])
+        sooner = None if deadline is None else deadline - margin * max(deadline - clock.t, 0.0)
+        engine_sooner = _engine_says(ctl, publisher, kind, priority, sooner, client) if margin else None
         engine = _engine_says(ctl, publisher, kind, priority, deadline, client)  # also teaches the shape
         msg = pb2.ScoreRequest() if kind == "score" else pb2.BeamSearchRequest()
         msg.CopyFrom(SCORE_MSG if kind == "score" else BEAM_MSG)
@@ -184,6 +190,11 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
         if front is None:
             continue
         refused += 1
+        if engine is None and refusal_reason(front) == "deadline" and engine_sooner is not None:
+            by_margin += 1  # the margin's own: the engine refuses it at the sooner deadline
+            assert "margin of 3%" in str(front), front
+            clock.t += rng.uniform(0, 0.003)
+            continue
         assert engine is not None, f"the front refused ({front}) what the engine admits"
         if refusal_reason(front) == "impossible":
             assert isinstance(engine, DeadlineUnmeetable), (front, engine)
@@ -197,6 +208,70 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, shared):
                 assert engine.reason == "queue_full", (front, engine)
         clock.t += rng.uniform(0, 0.003)
     assert checked == 60
+
+
+def test_a_front_counts_its_own_forwards_the_snapshot_cannot_show(shared):
+    """Requests a front let through after the snapshot it reads was published (less the engine's
+    ingress delay) are not in that snapshot's lanes yet: the front counts their shares as work
+    ahead (its lane) or above (a higher lane), as the engine will once it has them; once a
+    snapshot shows them, they are not counted twice."""
+    _, clock, ctl, publisher = _world(3, shared, ["bench"])
+    gate = FrontGate(shared.read, clock=clock)
+    _engine_says(ctl, publisher, "score", 2, None, "bench")  # the shape priced, the snapshot published
+    clock.t += 0.001
+    snap = shared.read()
+    for priority in (2, 2, 1):  # let through after the snapshot was published
+        assert gate.check("score", _with_priority(SCORE_MSG, priority), None, "bench") is None
+        clock.t += 0.0005
+    tickets = [Ticket("q", "score", Priority(p), None, future=FakeFuture(), client="bench", cost=SCORE_COST)
+               for p in (2, 2, 1)]
+    for t in tickets:
+        ctl.admit(t)  # the engine has them now; `snap` does not show them
+    dims = message_dims("score", SCORE_MSG, LIMITS, 4)
+    share_s = snap.shapes[shape_key(dims)][1]  # the front's price of each: the shape's published share
+    assert share_s > 0
+    assert gate.in_transit_s(snap, Priority.NORMAL, clock.t) == pytest.approx((2 * share_s, share_s))
+    assert gate.in_transit_s(snap, Priority.ONLINE, clock.t) == pytest.approx((share_s, 0.0))
+    probe = Ticket("p", "score", Priority.NORMAL, None, client="bench", cost=SCORE_COST)
+    _, _, engine = ctl.price(probe, clock.t)
+    bare = snapshot_outlook(snap, Priority.NORMAL, dims, None, "bench", clock.t)
+    front = snapshot_outlook(snap, Priority.NORMAL, dims, None, "bench", clock.t,
+                             gate.in_transit_s(snap, Priority.NORMAL, clock.t))
+    assert front.ahead_s == pytest.approx(bare.ahead_s + 2 * share_s)
+    assert front.higher_work_s == pytest.approx(bare.higher_work_s + share_s)
+    # the engine, which has them, sees that much more (each priced with the queue it joined)
+    for name in ("ahead_s", "higher_work_s"):
+        assert abs(getattr(front, name) - getattr(engine, name)) < abs(getattr(bare, name) - getattr(engine, name))
+    clock.t += 0.001
+    publisher.publish()  # a snapshot that holds them
+    assert gate.in_transit_s(shared.read(), Priority.NORMAL, clock.t) == (0.0, 0.0)
+
+
+def test_the_margin_leaves_the_engine_what_its_front_lets_through(shared):
+    """A request predicted to finish just before its deadline (within the margin) is the one a
+    late view gets wrong: the front refuses it, naming the margin, though the engine (no margin)
+    would admit it; with no margin configured, the front lets it through."""
+    for margin in (0.03, 0.0):
+        _, clock, ctl, publisher = _world(5, shared, ["bench"], margin)
+        gate = FrontGate(shared.read, clock=clock)
+        _engine_says(ctl, publisher, "score", 2, None, "bench")
+        probe = Ticket("p", "score", Priority.NORMAL, None, client="bench", cost=SCORE_COST)
+        _, _, outlook = ctl.price(probe, clock.t)
+        finish_in = decide(outlook).finish - clock.t
+        deadline = clock.t + finish_in / (1 - 0.03 / 2)  # finishes within the 3% margin, before the deadline
+        assert _engine_says(ctl, publisher, "score", 2, deadline, "bench") is None
+        front = gate.check("score", SCORE_MSG, deadline, "bench")
+        if margin:
+            assert refusal_reason(front) == "deadline" and "margin of 3%" in str(front) and front.retry_after_s > 0
+        else:
+            assert front is None
+
+
+def _with_priority(msg: Any, priority: int) -> Any:
+    out = type(msg)()
+    out.CopyFrom(msg)
+    out.priority = priority
+    return out
 
 
 # what a front can know of a request's outlook, exactly, when the snapshot holds the whole state

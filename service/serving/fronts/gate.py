@@ -7,6 +7,15 @@ snapshot, each unknown taken at its least, so that a front refuses only what the
   in flight    the published remaining work, decayed at one second a second per batch since
   client work  not known: no client limit here (the engine keeps it)
   ingress      the engine's measured delay in taking what fronts forward (the "backlog" check)
+  in transit   this front's own forwards the snapshot cannot show yet (sent less than the ingress
+               delay before it was published): their shares count as work ahead (its lane) or
+               above (a higher lane)
+  margin       the deadline check leaves the engine's front_deadline_margin of the time left
+               spare (verdict.py says why)
+
+Without a margin and with nothing in transit a front refuses only what the engine would
+(tests/service/test_fronts.py checks this on random states); with them, what the engine would
+refuse at a deadline sooner by the margin, once the forwards in transit are queued.
 
 A refusal is the engine's own exception (Overloaded, DeadlineUnmeetable, NotServing), answered
 through the one status mapping (service/serving/status.py). Imports no torch.
@@ -15,6 +24,7 @@ through the one status mapping (service/serving/status.py). Imports no torch.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable
 
 from ...sched.shapes import message_dims, shape_key
@@ -24,8 +34,9 @@ from ..status import NotServing
 from .state import STATE_DRAINING, STATE_SERVING, Snapshot, SnapshotBusy, client_key, ingress_delay_s
 
 def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: float | None, client: str,
-                     now: float) -> Outlook:
-    """A front's view of one request's lane (module docstring)."""
+                     now: float, transit_s: tuple[float, float] = (0.0, 0.0)) -> Outlook:
+    """A front's view of one request's lane (module docstring). transit_s: the work of its forwards
+    in transit (FrontGate.in_transit_s), in the request's lane and in the lanes above it."""
     own_s, share_s, idle_s = snap.shapes.get(shape_key(dims), (0.0, 0.0, 0.0))
     lane = snap.lanes[priority - 1]
     tag = max(lane.vtime, lane.clients.get(client_key(client), 0.0))
@@ -37,8 +48,8 @@ def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: 
     return Outlook(
         now=now, deadline=deadline, priority=priority, own_s=own_s, work_s=share_s,
         is_measured=snap.measured and own_s > 0, lane_length=lane.length, lane_max_queue=lane.max_queue,
-        lane_work_s=lane.work_s, max_lane_work_s=snap.max_lane_work_s, ahead_s=ahead_s,
-        higher_work_s=lane.higher_work_s,
+        lane_work_s=lane.work_s, max_lane_work_s=snap.max_lane_work_s, ahead_s=ahead_s + transit_s[0],
+        higher_work_s=lane.higher_work_s + transit_s[1], deadline_margin=snap.deadline_margin,
         inflight_s=max(snap.inflight_s - snap.inflight_batches * max(now - snap.published_s, 0.0), 0.0),
         parallelism=snap.parallelism, stretch=lane.stretch, calibration=snap.calibration,
         safety_margin=snap.safety_margin, response_margin_s=snap.response_margin_s, response_s=snap.response_s,
@@ -69,6 +80,24 @@ class FrontGate:
         self.read, self.clock = read, clock
         # each of N fronts sees 1/N of the arrivals: its appointments are N shares apart
         self.retries = RetryBook(spread=num_fronts)
+        self._forwards: deque[tuple[float, Priority, float]] = deque()  # (when, lane, share) of what it let through
+
+    def in_transit_s(self, snap: Snapshot, priority: Priority, now: float) -> tuple[float, float]:
+        """The shares of this front's forwards that `snap` cannot show yet, in `priority`'s lane and
+        in the lanes above it: those let through later than the engine's ingress delay before the
+        snapshot was published. Older ones are forgotten (a second at most)."""
+        forwards = self._forwards
+        while forwards and (forwards[0][0] < now - 1.0 or forwards[0][0] <= snap.published_s - snap.ingress_s):
+            forwards.popleft()
+        since = snap.published_s - snap.ingress_s
+        same = above = 0.0
+        for t, p, share_s in forwards:
+            if t > since:
+                if p == priority:
+                    same += share_s
+                elif p < priority:
+                    above += share_s
+        return same, above
 
     def check(self, kind: str, msg: Any, deadline: float | None, client: str) -> Exception | None:
         """The refusal to answer with, or None: forward it to the engine. kind: "score" or "beam"."""
@@ -83,9 +112,13 @@ class FrontGate:
         dims = message_dims(kind, msg, snap, max(snap.max_token_bytes, 1)) if priority else None
         if dims is None:
             return None  # the engine names the field
-        outlook = snapshot_outlook(snap, priority, dims, deadline, client, self.clock())
+        now = self.clock()
+        outlook = snapshot_outlook(snap, priority, dims, deadline, client, now, self.in_transit_s(snap, priority, now))
         verdict = decide(outlook)
-        return None if verdict.reason is None else self.retries.refusal(verdict, outlook, hints)
+        if verdict.reason is not None:
+            return self.retries.refusal(verdict, outlook, hints)
+        self._forwards.append((now, priority, outlook.work_s))
+        return None
 
     def backlog_hint_s(self) -> float:
         """The retry hint of a request refused before the gate (too many RPCs at once at this

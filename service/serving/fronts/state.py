@@ -142,6 +142,7 @@ class Snapshot:
     ingress_s: float = 0.0  # the latest forwarded request's wait from its front to the engine's handler
     ingress_at: float = 0.0  # when it was measured
     max_backlog_s: float = math.inf  # fronts refuse while the engine is this far behind ("backlog")
+    deadline_margin: float = 0.0  # the share of the time left a front's prediction leaves spare
     # the serving limits (message_dims reads them from the snapshot itself)
     max_samples: int = 0
     max_score_tokens: int = 0

@@ -45,6 +45,7 @@ class FrontPublisher:
         self.shapes: OrderedDict[int, tuple[float, float, float]] = OrderedDict()
         self.ingress_s, self.ingress_at = 0.0, 0.0  # the latest forwarded request's wait to the engine's handler
         self.max_backlog_s = math.inf  # admission's, once attached
+        self.deadline_margin = 0.0  # ... likewise
         self.closed = False
         self._pending = False
         self.publish()
@@ -55,6 +56,7 @@ class FrontPublisher:
         self.limits = {name: getattr(limits, name) for name in LIMITS}
         self.max_token_bytes = max_token_bytes
         self.max_backlog_s = admission.config.front_max_backlog_s
+        self.deadline_margin = admission.config.front_deadline_margin
         admission.on_change = self.changed
 
     def note_ingress(self, sent_s: float) -> float:
@@ -112,7 +114,7 @@ class FrontPublisher:
         now = self.clock()
         snap = Snapshot(published_s=now, state=self.state, **self.limits, max_token_bytes=self.max_token_bytes,
                         shapes=dict(self.shapes), ingress_s=self.ingress_s, ingress_at=self.ingress_at,
-                        max_backlog_s=self.max_backlog_s)
+                        max_backlog_s=self.max_backlog_s, deadline_margin=self.deadline_margin)
         adm = self.admission
         if adm is not None:
             model, cfg = adm.model, adm.config

@@ -118,6 +118,7 @@ class TritonKernels:
         num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
         prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
         suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
+        suffix_rows: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
     def beam_candidates(
         self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
@@ -126,8 +127,9 @@ class TritonKernels:
     def beam_merge(self, keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.Tensor: ...
     def beam_commit(
         self, top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slot: torch.Tensor, vocab: int, step: int,
-        src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+        src: torch.Tensor | None = None, codes: torch.Tensor | None = None, suffix_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+               torch.Tensor | None]: ...
 
 class BeamWire:
     def __init__(self, token_bytes: list[bytes | None], model_vocab: int) -> None: ...

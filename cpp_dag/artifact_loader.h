@@ -21,7 +21,7 @@
 namespace slmrank {
 
 inline constexpr const char* kArtifactFormat = "slmrank-artifact";
-inline constexpr int64_t kArtifactFormatVersion = 12;  // service/artifact/artifact.py FORMAT_VERSION
+inline constexpr int64_t kArtifactFormatVersion = 13;  // service/artifact/artifact.py FORMAT_VERSION
 
 struct LoadedArtifact {
   std::string dir;

@@ -431,15 +431,23 @@ PYBIND11_MODULE(_core, m) {
              const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, const std::optional<at::Tensor>& q_norm,
              const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& prompt_k,
              const at::Tensor& prompt_v, const at::Tensor& kv_start, const at::Tensor& kv_len,
-             const at::Tensor& suffix_k, const at::Tensor& suffix_v, int64_t num_suffix, double scale) {
+             const at::Tensor& suffix_k, const at::Tensor& suffix_v, int64_t num_suffix, double scale,
+             const std::optional<at::Tensor>& suffix_rows) {
+            // none: every row's slots its own (kernels/decode_attention.py own_suffix_rows)
+            const at::Tensor rows = suffix_rows.has_value()
+                                        ? *suffix_rows
+                                        : at::arange(suffix_k.size(0), kv_start.options())
+                                              .unsqueeze(1)
+                                              .expand({suffix_k.size(0), suffix_k.size(1)})
+                                              .contiguous();
             return k.decode_attention_qkv(qkv, positions, pos_offset, cos, sin, num_heads,
                                           q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), eps, prompt_k,
-                                          prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale);
+                                          prompt_v, kv_start, kv_len, suffix_k, suffix_v, rows, num_suffix, scale);
           },
           py::arg("qkv"), py::arg("positions"), py::arg("pos_offset"), py::arg("cos"), py::arg("sin"),
           py::arg("num_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("prompt_k"),
           py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
-          py::arg("num_suffix"), py::arg("scale"))
+          py::arg("num_suffix"), py::arg("scale"), py::arg("suffix_rows") = py::none())
       .def(
           "beam_candidates",
           [](const TritonKernels& k, const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,
@@ -455,14 +463,15 @@ PYBIND11_MODULE(_core, m) {
           "beam_commit",
           [](const TritonKernels& k, const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths,
              const at::Tensor& slot, int64_t vocab, int64_t step, const std::optional<at::Tensor>& src,
-             const std::optional<at::Tensor>& codes) {
+             const std::optional<at::Tensor>& codes, const std::optional<at::Tensor>& suffix_rows) {
             auto out = k.beam_commit(top, seqs, widths, slot, vocab, step, src.value_or(at::Tensor()),
-                                     codes.value_or(at::Tensor()));
-            const at::Tensor& parent_rows = std::get<5>(out);
+                                     codes.value_or(at::Tensor()), suffix_rows.value_or(at::Tensor()));
+            const at::Tensor &parent_rows = std::get<5>(out), &rows_out = std::get<6>(out);
             return py::make_tuple(std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
-                                  std::get<4>(out), parent_rows.defined() ? py::cast(parent_rows) : py::none());
+                                  std::get<4>(out), parent_rows.defined() ? py::cast(parent_rows) : py::none(),
+                                  rows_out.defined() ? py::cast(rows_out) : py::none());
           },
           py::arg("top"), py::arg("seqs"), py::arg("widths"), py::arg("slot"), py::arg("vocab"), py::arg("step"),
-          py::arg("src") = py::none(), py::arg("codes") = py::none());
+          py::arg("src") = py::none(), py::arg("codes") = py::none(), py::arg("suffix_rows") = py::none());
 #endif
 }

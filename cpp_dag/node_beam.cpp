@@ -8,9 +8,10 @@
 // With the Triton kernels (ctx.fused) the selection is kernels/beam_topk.py: each packed row's top-B
 // keys in one pass over the model-dtype logits, written straight into its rank's place (slot / src),
 // then top-B of each request's B x B keys (torch), then one kernel for the bookkeeping (scores,
-// parents, tokens, sequences, each packed row's next token and parent row); every layer's suffix
-// K/V (views of one suffix_kv buffer) follows the parents in one gather, and not at all after the
-// last step. With catalogs, beam_allowed computes each row's allowed tokens from the trie forest
+// parents, tokens, sequences, each packed row's next token and parent row, and each row's
+// suffix_rows: the rows that hold its beam's suffix slots). Every layer's suffix K/V (views of one
+// suffix_kv buffer) stays where each step wrote it: the decode attention reads a row's slot j from
+// row suffix_rows[row, j] (kernels/decode_attention.py); on the ATen path it is copied after the parents. With catalogs, beam_allowed computes each row's allowed tokens from the trie forest
 // (catalog_forest.h) and beam_init / beam_step mask with them and advance beam_trie [R, B] (with the
 // Triton kernels: kernels/trie.py's two lookups, a kernel each).
 // Mirrors service/runtime/nodes.py::beam_allowed / beam_init / beam_step, op for op.
@@ -37,7 +38,7 @@ namespace {
 
 // A node that owns the per-beam suffix K/V (beam_state, beam_step): suffix_k.{i} / suffix_v.{i}
 // [rows, slots, G, E] per layer; with the fused kernels views of one buffer suffix_kv [layers, 2,
-// rows, slots, G, E], so that a beam step reorders every layer's suffix in one gather.
+// rows, slots, G, E], never reordered (suffix_rows [rows, slots] says where a row's slots are).
 // service/runtime/nodes.py::beam_state / set_beam_suffix.
 class SuffixOwner : public Node {
  public:
@@ -57,7 +58,7 @@ class SuffixOwner : public Node {
 // max(n-1, 1) slots (one per decode step; beam_seqs [R, B, n]).
 class BeamState final : public SuffixOwner {
  public:
-  explicit BeamState(const NodeSpec& spec) : SuffixOwner(spec) { require(2, 0, {}, {"suffix_kv"}); }
+  explicit BeamState(const NodeSpec& spec) : SuffixOwner(spec) { require(2, 0, {}, {"suffix_kv", "suffix_rows"}); }
   void run(const Context& ctx, Env& env) const override {
     const ModelConfig& cfg = ctx.cfg;
     const at::Tensor &seqs = in(env, 0), &slot = in(env, 1);
@@ -71,6 +72,9 @@ class BeamState final : public SuffixOwner {
       return;
     }
     set_suffix(env, at::zeros({cfg.num_layers, 2, shape[0], shape[1], shape[2], shape[3]}, options));
+    // every row's slots its own (kernels/decode_attention.py own_suffix_rows)
+    write(env, "suffix_rows",
+          at::arange(shape[0], seqs.options().dtype(at::kLong)).unsqueeze(1).expand({shape[0], shape[1]}).contiguous());
   }
 };
 
@@ -187,8 +191,8 @@ class BeamInit final : public Node {
       const at::Tensor keys = ctx.fused->beam_candidates(logits, at::zeros({r}, logits.options().dtype(at::kFloat)),
                                                          b, 1, allowed, ranks, ranks);
       // keys [R, B]: one parent a request, so each request's B best already
-      std::tie(seqs, scores, parents, tokens, row_tokens, std::ignore) =
-          ctx.fused->beam_commit(keys, seqs, widths, slot, logits.size(1), 0, at::Tensor(), codes);
+      std::tie(seqs, scores, parents, tokens, row_tokens, std::ignore, std::ignore) =
+          ctx.fused->beam_commit(keys, seqs, widths, slot, logits.size(1), 0, at::Tensor(), codes, at::Tensor());
     } else {
       std::tie(scores, tokens) = mask_logp(logits.log_softmax(-1), allowed).topk(b, -1);
       tokens = to_code_tokens(codes, tokens);
@@ -206,13 +210,14 @@ class BeamInit final : public Node {
   }
 };
 
-class BeamStep final : public SuffixOwner {
+class BeamStep final : public Node {
  public:
-  explicit BeamStep(const NodeSpec& spec) : SuffixOwner(spec) {
-    require(7, 0, {"suffix_kv"}, {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents", "suffix_kv"});
-    if (spec.inputs[6] != "suffix_kv") {  // inputs[7:] are the per-layer suffix buffers of the ATen path
-      throw std::invalid_argument("node " + spec.name + " (beam_step): input 6 must be suffix_kv, not '" +
-                                  spec.inputs[6] + "'");
+  explicit BeamStep(const NodeSpec& spec) : Node(spec) {
+    require(8, 0, {"suffix_kv", "suffix_rows"},
+            {"beam_seqs", "beam_scores", "beam_tokens", "beam_parents", "suffix_kv", "suffix_rows"});
+    if (spec.inputs[6] != "suffix_kv" || spec.inputs[7] != "suffix_rows") {  // inputs[8:]: the ATen path's per layer
+      throw std::invalid_argument("node " + spec.name + " (beam_step): inputs 6 and 7 must be suffix_kv and "
+                                  "suffix_rows, not '" + spec.inputs[6] + "', '" + spec.inputs[7] + "'");
     }
   }
   void run(const Context& ctx, Env& env) const override {
@@ -222,13 +227,16 @@ class BeamStep final : public SuffixOwner {
     const int64_t r = scores.size(0), b = scores.size(1), vocab = logits.size(-1);
     const at::Tensor allowed = declares_input("allowed") ? read(env, "allowed") : at::Tensor();
     const at::Tensor codes = optional_input(env, "beam_codes");
-    at::Tensor new_seqs, new_scores, parents, tokens, row_tokens, rows;
+    at::Tensor new_seqs, new_scores, parents, tokens, row_tokens, rows, suffix_rows;
     if (ctx.fused) {
       // each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), straight into its rank's place
-      // [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
+      // [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel (with each row's
+      // suffix_rows when a later decode step reads the suffix)
+      const bool later = spec_.step < seqs.size(2) - 1;
       const at::Tensor keys = ctx.fused->beam_candidates(logits, scores.reshape({-1}), b, b, allowed, slot, src);
-      std::tie(new_seqs, new_scores, parents, tokens, row_tokens, rows) =
-          ctx.fused->beam_commit(ctx.fused->beam_merge(keys, r, b), seqs, widths, slot, vocab, spec_.step, src, codes);
+      std::tie(new_seqs, new_scores, parents, tokens, row_tokens, rows, suffix_rows) =
+          ctx.fused->beam_commit(ctx.fused->beam_merge(keys, r, b), seqs, widths, slot, vocab, spec_.step, src, codes,
+                                 later ? read(env, "suffix_rows") : at::Tensor());
     } else {
       at::Tensor row_scores = to_rows(scores, slot, kNegInf);  // [N]: each row's beam score (padding: dead)
       at::Tensor cand = mask_logp(logits.log_softmax(-1), allowed).add(row_scores.unsqueeze(1));  // [N, V]
@@ -249,13 +257,13 @@ class BeamStep final : public SuffixOwner {
     write(env, "beam_parents", parents);
     if (allowed.defined()) write(env, "beam_trie", advance_trie(ctx, read(env, "beam_trie").gather(1, parents), tokens));
     if (!ctx.fused) {
-      for (size_t i = 7; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[6]: suffix_kv)
+      for (size_t i = 8; i < spec_.inputs.size(); ++i) {  // suffix_k.{i} / suffix_v.{i} (inputs[6:8]: the fused path's)
         const std::string& name = spec_.inputs[i];
         if (name.rfind("suffix_", 0) != 0) continue;  // then allowed, beam_trie with a catalog
         write(env, name, read(env, name).index_select(0, rows));
       }
-    } else if (spec_.step < new_seqs.size(2) - 1) {  // a later decode step reads the suffix: one gather
-      set_suffix(env, read(env, "suffix_kv").index_select(2, rows));
+    } else if (suffix_rows.defined()) {
+      write(env, "suffix_rows", suffix_rows);
     }
   }
 };

@@ -41,7 +41,7 @@ class DecoderLayer final : public Node {
         require(0, 0, {"x", "positions", "mask_self", "cu_self", "key_ranges"}, {"x", k, v});
         break;
       case Mode::kDecode:
-        require(0, 0, {"x", "beam_pos", "mask_beam", "kv_start", "kv_len", k, v, sk, sv}, {"x", sk, sv});
+        require(0, 0, {"x", "beam_pos", "mask_beam", "kv_start", "kv_len", k, v, sk, sv, "suffix_rows"}, {"x", sk, sv});
         break;
     }
   }
@@ -84,13 +84,13 @@ class DecoderLayer final : public Node {
       const at::Tensor &prompt_k = read(env, "prompt_k." + i_), &prompt_v = read(env, "prompt_v." + i_);
       if (fused) {
         // one kernel: q/k norm + RoPE of the GEMM's output, this token's k/v into suffix slot t-1, then the
-        // row's own prompt range (beam_masks) + its first t suffix slots
+        // row's own prompt range (beam_masks) + its first t suffix slots (slot j from row suffix_rows[row, j])
         const bool norm = cfg.qk_norm;
         attn = fused->decode_attention_qkv(linear(h, w.wqkv, w.bqkv, w.wqkv_scale), read(env, "beam_pos"), t - 1,
                                            ctx.rope_cos, ctx.rope_sin, cfg.num_heads, norm ? w.q_norm : at::Tensor(),
                                            norm ? w.k_norm : at::Tensor(), cfg.rms_norm_eps, prompt_k, prompt_v,
-                                           read(env, "kv_start"), read(env, "kv_len"), suffix_k, suffix_v, t,
-                                           ctx.scale);
+                                           read(env, "kv_start"), read(env, "kv_len"), suffix_k, suffix_v,
+                                           read(env, "suffix_rows"), t, ctx.scale);
       } else {  // this token's k and v go straight into suffix slot t-1, then the two parts
         at::Tensor q = std::get<0>(qkv_projection(cfg, w, h, read(env, "beam_pos"), t - 1, ctx.rope_cos,
                                                   ctx.rope_sin, nullptr, suffix_k.select(1, t - 1),

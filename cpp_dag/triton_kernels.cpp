@@ -386,7 +386,7 @@ at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor& qkv, const at::
                                                const at::Tensor& prompt_k, const at::Tensor& prompt_v,
                                                const at::Tensor& kv_start, const at::Tensor& kv_len,
                                                const at::Tensor& suffix_k, const at::Tensor& suffix_v,
-                                               int64_t num_suffix, double scale) const {
+                                               const at::Tensor& suffix_rows, int64_t num_suffix, double scale) const {
   require(qkv.dim() == 2 && prompt_k.dim() == 3 && suffix_k.dim() == 4, "decode_attention_qkv: qkv [N, (H + 2G) * E], "
           "prompt_k [P, G, E], suffix_k [N, S, G, E] expected");
   const int64_t n = qkv.size(0), h = num_heads, g = prompt_k.size(1), e = prompt_k.size(2), slots = suffix_k.size(1);
@@ -398,7 +398,11 @@ at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor& qkv, const at::
           "decode_attention_qkv: shapes do not agree");
   require(num_suffix >= 1 && num_suffix <= slots,
           "decode_attention_qkv: num_suffix outside [1, " + std::to_string(slots) + "]");
-  for (const at::Tensor* t : {&prompt_k, &prompt_v, &suffix_k, &suffix_v, &kv_start, &kv_len, &positions, &cos, &sin}) {
+  require(suffix_rows.scalar_type() == at::kLong && suffix_rows.dim() == 2 && suffix_rows.size(0) == n &&
+              suffix_rows.size(1) == slots,
+          "decode_attention_qkv: suffix_rows must be int64 [N, S] (the suffix's rows and slots)");
+  for (const at::Tensor* t : {&prompt_k, &prompt_v, &suffix_k, &suffix_v, &suffix_rows, &kv_start, &kv_len, &positions,
+                              &cos, &sin}) {
     require(t->is_contiguous(), "decode_attention_qkv: every tensor must be contiguous");
   }
   require(kv_start.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_start.numel() == n &&
@@ -418,7 +422,7 @@ at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor& qkv, const at::
   const int64_t beams = impl_->get(variant).constexprs.at("BEAMS");
   at::Tensor out = at::empty({n, h, e}, qkv.options());
   launch(variant, {static_cast<uint32_t>((n + beams - 1) / beams), static_cast<uint32_t>(g), 1},
-         {qkv, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions, cos, sin,
+         {qkv, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, suffix_rows, out, positions, cos, sin,
           has_norm ? q_norm : qkv, has_norm ? k_norm : qkv, static_cast<int32_t>(n), static_cast<int32_t>(slots),
           static_cast<int32_t>(num_suffix), static_cast<int32_t>(pos_offset), static_cast<float>(scale),
           static_cast<float>(eps)});
@@ -504,9 +508,9 @@ at::Tensor TritonKernels::beam_merge(const at::Tensor& keys, int64_t num_request
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
     const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths, const at::Tensor& slot, int64_t vocab,
-    int64_t step, const at::Tensor& src, const at::Tensor& codes) const {
+    int64_t step, const at::Tensor& src, const at::Tensor& codes, const at::Tensor& suffix_rows) const {
   require(seqs.dim() == 3, "beam_commit: seqs must be [R, B, n]");
   const int64_t r = seqs.size(0), b = seqs.size(1), n = seqs.size(2), rows = slot.numel();
   for (const auto& [name, t, shape] : {std::tuple<const char*, const at::Tensor*, std::vector<int64_t>>{
@@ -518,6 +522,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
             std::string("beam_commit: ") + name + " must be a contiguous int64 of the bookkeeping's shape");
   }
   require(step >= 0 && step < n, "beam_commit: step outside the sequence's columns");
+  require(!suffix_rows.defined() ||
+              (src.defined() && suffix_rows.scalar_type() == at::kLong && suffix_rows.dim() == 2 &&
+               suffix_rows.size(0) == rows && suffix_rows.is_contiguous()),
+          "beam_commit: suffix_rows must be a contiguous int64 [rows, S] of a decode step (with src)");
   constexpr int64_t kBlock = 128;  // kernels/beam_topk.py COMMIT_BLOCK (the variant's BLOCK)
   const std::string variant = variant_name("beam_commit", at::kFloat, {{"codes", codes.defined() ? 1 : 0}});
   require(impl_->get(variant).constexprs.at("BLOCK") == kBlock, "beam_commit: the compiled BLOCK is not 128");
@@ -525,13 +533,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor parents = at::empty_like(top), tokens = at::empty_like(top);
   at::Tensor row_tokens = at::empty({rows}, top.options()), parent_rows;
   if (src.defined()) parent_rows = at::empty({rows}, top.options());
+  at::Tensor rows_out;  // each row's suffix_rows for the next decode step (kernels/beam_topk.py)
+  if (suffix_rows.defined()) rows_out = at::empty_like(suffix_rows);
   const int64_t rank_programs = (r * b + kBlock - 1) / kBlock;
   launch(variant, {static_cast<uint32_t>(rank_programs + (rows + kBlock - 1) / kBlock), 1, 1},
          {top, seqs, widths, slot, src.defined() ? src : slot, codes.defined() ? codes : slot, seqs_out, scores,
-          parents, tokens, row_tokens, src.defined() ? parent_rows : row_tokens, static_cast<int32_t>(r * b),
-          static_cast<int32_t>(b), static_cast<int32_t>(n), static_cast<int32_t>(step), static_cast<int32_t>(vocab),
-          static_cast<int32_t>(rows), static_cast<int32_t>(rank_programs), static_cast<int32_t>(src.defined())});
-  return {seqs_out, scores, parents, tokens, row_tokens, parent_rows};
+          parents, tokens, row_tokens, src.defined() ? parent_rows : row_tokens,
+          suffix_rows.defined() ? suffix_rows : slot, suffix_rows.defined() ? rows_out : row_tokens,
+          static_cast<int32_t>(r * b), static_cast<int32_t>(b), static_cast<int32_t>(n), static_cast<int32_t>(step),
+          static_cast<int32_t>(vocab), static_cast<int32_t>(rows), static_cast<int32_t>(rank_programs),
+          static_cast<int32_t>(src.defined()), static_cast<int32_t>(suffix_rows.defined() ? suffix_rows.size(1) : 0)});
+  return {seqs_out, scores, parents, tokens, row_tokens, parent_rows, rows_out};
 }
 
 #else  // no CUDA in this build: no object can be made (bindings.cpp binds the class only with CUDA)
@@ -584,8 +596,8 @@ at::Tensor TritonKernels::segment_attention(const at::Tensor&, const at::Tensor&
 at::Tensor TritonKernels::decode_attention_qkv(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
                                                const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
                                                double, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                               double) const {
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, int64_t, double) const {
   no_cuda();
 }
 at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
@@ -593,9 +605,9 @@ at::Tensor TritonKernels::beam_candidates(const at::Tensor&, const at::Tensor&, 
   no_cuda();
 }
 at::Tensor TritonKernels::beam_merge(const at::Tensor&, int64_t, int64_t) const { no_cuda(); }
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> TritonKernels::beam_commit(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
-    const at::Tensor&) const {
+    const at::Tensor&, const at::Tensor&) const {
   no_cuda();
 }
 

@@ -73,14 +73,15 @@ class TritonKernels {
   // A decode step's attention from the q/k/v GEMM's output (kernels/decode_attention.py::
   // decode_attention_qkv, qkv_rope's work included): qkv [N, (H + 2G) * E]; positions [N] int64 (+
   // pos_offset); cos/sin [P, E]; q_norm/k_norm [E] or undefined; prompt_k/v [P, G, E]; kv_start/kv_len
-  // [N] int64; suffix_k/v [N, S, G, E]: each row's k and v go into slot num_suffix - 1, then the row
-  // attends to its prompt range and its first num_suffix slots -> out [N, H, E]
+  // [N] int64; suffix_k/v [N, S, G, E]: each row's k and v go into its own slot num_suffix - 1, then
+  // the row attends to its prompt range and its first num_suffix slots, slot j from row
+  // suffix_rows[row, j] ([N, S] int64: the row's beam's ancestor at step j) -> out [N, H, E]
   at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& positions, int64_t pos_offset,
                                   const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                                   const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
                                   const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& kv_start,
                                   const at::Tensor& kv_len, const at::Tensor& suffix_k, const at::Tensor& suffix_v,
-                                  int64_t num_suffix, double scale) const;
+                                  const at::Tensor& suffix_rows, int64_t num_suffix, double scale) const;
   // The beam step's per-row selection (kernels/beam_topk.py::beam_candidates): logits [rows, V]
   // (packed beam rows, contiguous); beam_scores [ranks] float32 (the [R, P] bookkeeping flattened;
   // -inf: a dead beam); allowed: undefined or an int32 [rows, ceil(V / 32)] token bitmask; slot
@@ -99,10 +100,12 @@ class TritonKernels {
   // top [R, B], seqs [R, B, n], widths [R], slot [N], src [R * B] (undefined: the first token), codes
   // [C] or undefined, all int64 -> (seqs with the parents' sequences and the new tokens at column step,
   // scores [R, B] float32 (-inf past each width), parents, tokens [R, B], row_tokens [N], parent_rows
-  // [N] (undefined for the first token)).
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_commit(
+  // [N] (undefined for the first token), and with suffix_rows [N, S] (a decode step's) the next
+  // step's: each row's parent row's for slots 0..step-1, its own for the rest (else undefined)).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_commit(
       const at::Tensor& top, const at::Tensor& seqs, const at::Tensor& widths, const at::Tensor& slot, int64_t vocab,
-      int64_t step, const at::Tensor& src = at::Tensor(), const at::Tensor& codes = at::Tensor()) const;
+      int64_t step, const at::Tensor& src = at::Tensor(), const at::Tensor& codes = at::Tensor(),
+      const at::Tensor& suffix_rows = at::Tensor()) const;
   // A catalog trie's lookups (kernels/trie.py; the forest of catalog_forest.h: int64 offsets, edge
   // tokens and children). trie [rows] int64 nodes (-1: unconstrained) -> the allowed-token bitmask
   // [rows, num_words] int32 that beam_candidates takes (cols [V] int64: the code column of each token,

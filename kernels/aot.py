@@ -178,7 +178,8 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
             variant_name("decode_attention", dt, h=num_heads, g=num_kv_heads, e=head_dim, norm=int(has_norm)),
             decode_attention.decode_attention_kernel,
             {"q_ptr": f"*{dt}", "pk_ptr": f"*{dt}", "pv_ptr": f"*{dt}", "start_ptr": "*i64", "len_ptr": "*i64",
-             "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "out_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": f"*{dt}",
+             "sk_ptr": f"*{dt}", "sv_ptr": f"*{dt}", "sr_ptr": "*i64", "out_ptr": f"*{dt}", "pos_ptr": "*i64",
+             "cos_ptr": f"*{dt}",
              "sin_ptr": f"*{dt}", "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "num_rows": "i32", "num_slots": "i32",
              "num_suffix": "i32", "pos_offset": "i32", "scale": "fp32", "eps": "fp32", "H": "constexpr",
              "G": "constexpr", "E": "constexpr", "QPG": "constexpr", "BEAMS": "constexpr", "BLOCK_M": "constexpr",
@@ -186,8 +187,8 @@ def model_kernel_specs(hidden_size: int, head_dim: int, intermediate_size: int, 
              "INTERPRETED": "constexpr"},
             decode_attention.kernel_constexprs(num_heads, num_kv_heads, head_dim, tile, rope=True, qk_norm=has_norm),
             num_warps=tile.num_warps, num_stages=tile.num_stages,
-            divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr",
-                             "pos_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr"),
+            divisible_by_16=("q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "sr_ptr",
+                             "out_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr"),
             grid="(cdiv(rows, BEAMS), num_kv_heads, 1)"))
     tile = segment_attention.default_tile(head_dim, dtype == "float32")
     specs.append(KernelSpec(
@@ -315,9 +316,10 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
         specs.append(KernelSpec(
             variant_name("beam_commit", "fp32", codes=codes), beam_topk.beam_commit_kernel,
             {**dict.fromkeys(i64, "*i64"), "scores_out_ptr": "*fp32", "parents_out_ptr": "*i64",
-             "tokens_out_ptr": "*i64", "row_tokens_ptr": "*i64", "parent_rows_ptr": "*i64",
+             "tokens_out_ptr": "*i64", "row_tokens_ptr": "*i64", "parent_rows_ptr": "*i64", "rows_in_ptr": "*i64",
+             "rows_out_ptr": "*i64",
              **dict.fromkeys(("num_ranks", "num_beams", "seq_len", "step", "vocab", "num_rows", "rank_programs",
-                              "is_step"), "i32"), "BLOCK": "constexpr", "HAS_CODES": "constexpr"},
+                              "is_step", "num_slots"), "i32"), "BLOCK": "constexpr", "HAS_CODES": "constexpr"},
             {"BLOCK": beam_topk.COMMIT_BLOCK, "HAS_CODES": bool(codes)},
             grid="(cdiv(ranks, BLOCK) + cdiv(rows, BLOCK), 1, 1)"))
     return specs

@@ -491,13 +491,15 @@ def _code_token(codes_ptr, col, ok, HAS_CODES: tl.constexpr):
 
 @triton.jit
 def beam_commit_kernel(top_ptr, seqs_ptr, widths_ptr, slot_ptr, src_ptr, codes_ptr, seqs_out_ptr, scores_out_ptr,
-                       parents_out_ptr, tokens_out_ptr, row_tokens_ptr, parent_rows_ptr, num_ranks, num_beams,
-                       seq_len, step, vocab, num_rows, rank_programs, is_step,
+                       parents_out_ptr, tokens_out_ptr, row_tokens_ptr, parent_rows_ptr, rows_in_ptr, rows_out_ptr,
+                       num_ranks, num_beams, seq_len, step, vocab, num_rows, rank_programs, is_step, num_slots,
                        BLOCK: tl.constexpr, HAS_CODES: tl.constexpr):
     """The programs below rank_programs take BLOCK ranks each: decode the rank's key, write its score
     (-inf past its request's width), parent, token and sequence (its parent's, is_step; its own, the
     first step), token at column `step`. The others take BLOCK packed rows each: the row's next input
-    token and (is_step) its parent's row, both 0 for a padding row."""
+    token and (is_step) its parent's row, both 0 for a padding row; and with num_slots > 0 the row's
+    suffix_rows [N, num_slots] (kernels/decode_attention.py): its parent row's for the slots the
+    steps so far wrote (j < step), its own for the rest (and for a padding row)."""
     pid = tl.program_id(0)
     if pid < rank_programs:
         rank = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -527,14 +529,20 @@ def beam_commit_kernel(top_ptr, seqs_ptr, widths_ptr, slot_ptr, src_ptr, codes_p
         if is_step != 0:
             prow = tl.load(src_ptr + (rank // num_beams) * num_beams + parent, mask=real, other=0)
             tl.store(parent_rows_ptr + row, tl.where(real, prow, 0), mask=ok)
+            j = 0
+            while j < num_slots:
+                inherit = real & (j < step) & (prow < num_rows)  # (a rank without a row: none to inherit)
+                a = tl.load(rows_in_ptr + prow * num_slots + j, mask=inherit, other=0)
+                tl.store(rows_out_ptr + row * num_slots + j, tl.where(inherit, a, row), mask=ok)
+                j += 1
 
 
 COMMIT_BLOCK = 128  # ranks or rows a beam_commit program
 
 
 def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slot: torch.Tensor, vocab: int,
-                step: int, src: torch.Tensor | None = None, codes: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, ...]:
+                step: int, src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                suffix_rows: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """A beam step's bookkeeping from its B best keys a request, in one kernel. top [R, B] int64
     (beam_merge); seqs [R, B, n] int64; widths [R] int64; slot [N] int64 (each packed row's rank,
     R * B: padding); vocab: the logits' columns (the key's flat index is parent * vocab + column);
@@ -543,7 +551,9 @@ def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slo
     or None: the tokens of the columns. Returns (seqs [R, B, n] with the parents' sequences and the
     new tokens, scores [R, B] float32 (-inf past each request's width), parents [R, B], tokens
     [R, B], row_tokens [N] (each packed row's next input; 0 for padding), parent_rows [N] (each
-    packed row's parent row; None for the first token))."""
+    packed row's parent row; None for the first token), and with suffix_rows [N, S] int64 (a decode
+    step's, kernels/decode_attention.py) the next step's: each row's parent row's for the slots
+    0..step-1, its own for the rest (None without))."""
     r, b, n = seqs.shape
     rows = slot.shape[0]
     for name, t, shape in (("top", top, (r, b)), ("seqs", seqs, (r, b, n)), ("widths", widths, (r,)),
@@ -553,19 +563,26 @@ def beam_commit(top: torch.Tensor, seqs: torch.Tensor, widths: torch.Tensor, slo
                              f"{list(t.shape)} {t.dtype}")
     if not 0 <= step < n:
         raise ValueError(f"beam_commit: step {step} outside the sequence's {n} columns")
+    if suffix_rows is not None and (src is None or suffix_rows.dtype != torch.int64 or suffix_rows.dim() != 2
+                                    or suffix_rows.shape[0] != rows or not suffix_rows.is_contiguous()):
+        raise ValueError(f"beam_commit: suffix_rows must be a contiguous int64 [{rows}, S] of a decode step (with src), "
+                         f"got {list(suffix_rows.shape)} {suffix_rows.dtype}")
     dev = top.device
     seqs_out = torch.empty_like(seqs)
     scores = torch.empty(r, b, dtype=torch.float32, device=dev)
     parents, tokens = torch.empty_like(top), torch.empty_like(top)
     row_tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     parent_rows = torch.empty(rows, dtype=torch.int64, device=dev) if src is not None else None
+    rows_out = torch.empty_like(suffix_rows) if suffix_rows is not None else None
     rank_programs = triton.cdiv(r * b, COMMIT_BLOCK)
     beam_commit_kernel[(rank_programs + triton.cdiv(rows, COMMIT_BLOCK),)](
         top, seqs, widths, slot, src if src is not None else slot, codes if codes is not None else slot, seqs_out,
-        scores, parents, tokens, row_tokens, parent_rows if parent_rows is not None else row_tokens, r * b, b, n,
-        step, vocab, rows, rank_programs, int(src is not None), BLOCK=COMMIT_BLOCK, HAS_CODES=codes is not None,
+        scores, parents, tokens, row_tokens, parent_rows if parent_rows is not None else row_tokens,
+        suffix_rows if suffix_rows is not None else slot, rows_out if rows_out is not None else row_tokens, r * b, b,
+        n, step, vocab, rows, rank_programs, int(src is not None),
+        0 if suffix_rows is None else suffix_rows.shape[1], BLOCK=COMMIT_BLOCK, HAS_CODES=codes is not None,
         **COMPILE_OPTIONS)
-    return seqs_out, scores, parents, tokens, row_tokens, parent_rows
+    return seqs_out, scores, parents, tokens, row_tokens, parent_rows, rows_out
 
 
 # The merge: top-B of each request's P x K keys. torch's top-k runs one slice per thread block, so a

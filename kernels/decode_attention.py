@@ -12,7 +12,14 @@ consecutive rows (row = request * B + beam), so a tile's rows share one prompt r
 tile straddles two requests; each row keys only its own): the prompt K/V is read once per tile
 and multiplied on the tensor cores, BLOCK_N keys at a time, with an online softmax in float32.
 The suffix slots follow in the same online softmax, one slot at a time: slot j of the tile's
-BEAMS beams is a key block too, each row seeing only its own beam's key. float32 inputs are
+BEAMS beams is a key block too, each row seeing only its own beam's key.
+
+A beam's suffix is not copied when beams are reordered: `suffix_rows` [N, S] names, per packed row
+and slot, the row whose cache holds that slot of the row's beam (its ancestor's at that step). A
+step writes its k/v into the row's own slot, which no later step overwrites, and the beam step
+hands each new beam its parent's `suffix_rows` (kernels/beam_topk.py beam_commit), so the step's
+reorder is N x S indices instead of every layer's suffix K/V: at W5's 400 beams of qwen3-0.6b the
+gather it replaces moved 367 MB (287 us on an H100) a step. float32 inputs are
 multiplied in float32 (IEEE), never TF32: float32 on CUDA must stay within 3e-4 of Hugging Face
 run in float64.
 
@@ -105,7 +112,7 @@ def _roped(qkv_ptr, rows, heads, ok, pos, cos_ptr, sin_ptr, w_ptr, eps, H: tl.co
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, sv_ptr, out_ptr, pos_ptr, cos_ptr,
+def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, sv_ptr, sr_ptr, out_ptr, pos_ptr, cos_ptr,
                             sin_ptr, qw_ptr, kw_ptr, num_rows, num_slots, num_suffix, pos_offset, scale, eps,
                             H: tl.constexpr, G: tl.constexpr, E: tl.constexpr, QPG: tl.constexpr,
                             BEAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +121,9 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
     """ROPE: q_ptr is the q/k/v GEMM's output [N, (H + 2G) * E]; the program norms (QK_NORM) and
     rotates its q rows and its beams' k of head g at positions pos + pos_offset and writes its
     beams' k and v of head g into suffix slot num_suffix - 1 (qkv_rope and the attention in one
-    launch). Else q_ptr is q [N, H, E]. Either way every suffix slot is read from the cache."""
+    launch). Else q_ptr is q [N, H, E]. Either way every suffix slot is read from the cache, slot j
+    of row r from row sr_ptr[r, j] (its beam's ancestor at step j; the row itself for the slot this
+    step writes)."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     # matrix row m = (beam m // QPG of the tile, query head g * QPG + m % QPG); BLOCK_M >= BEAMS * QPG.
@@ -169,7 +178,8 @@ def decode_attention_kernel(q_ptr, pk_ptr, pv_ptr, start_ptr, len_ptr, sk_ptr, s
     own = (m // QPG)[:, None] == b[None, :]
     j = 0
     while j < num_suffix:
-        offs = ((b_row * num_slots + j) * G + g)[:, None] * E + dims[None, :]
+        src = tl.load(sr_ptr + b_row * num_slots + j, mask=b_ok, other=0).to(tl.int32)
+        offs = ((src * num_slots + j) * G + g)[:, None] * E + dims[None, :]
         k = tl.load(sk_ptr + offs, mask=b_ok[:, None], other=0.0)
         v = tl.load(sv_ptr + offs, mask=b_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend(q, k, v, own, m_i, l_i, acc, qk_scale, INTERPRETED)
@@ -220,7 +230,8 @@ def kernel_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, tile: Ti
 
 
 def _check_cache(n: int, g: int, e: int, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
-                 kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int) -> None:
+                 kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int,
+                 suffix_rows: torch.Tensor) -> None:
     if (prompt_k.dim() != 3 or prompt_k.shape[1:] != (g, e) or prompt_v.shape != prompt_k.shape
             or suffix_k.dim() != 4 or suffix_k.shape[0] != n or suffix_k.shape[2:] != (g, e)
             or suffix_v.shape != suffix_k.shape):
@@ -232,14 +243,22 @@ def _check_cache(n: int, g: int, e: int, prompt_k: torch.Tensor, prompt_v: torch
         raise ValueError(f"decode_attention: head_dim {e} must be a power of two >= 16")
     if kv_start.dtype != torch.int64 or kv_len.dtype != torch.int64 or kv_start.shape != (n,) or kv_len.shape != (n,):
         raise ValueError("decode_attention: kv_start and kv_len must be int64 [N]")
-    for t in (prompt_k, prompt_v, suffix_k, suffix_v, kv_start, kv_len):
+    if suffix_rows.dtype != torch.int64 or suffix_rows.shape != suffix_k.shape[:2]:
+        raise ValueError(f"decode_attention: suffix_rows must be int64 {list(suffix_k.shape[:2])}, got "
+                         f"{list(suffix_rows.shape)} {suffix_rows.dtype}")
+    for t in (prompt_k, prompt_v, suffix_k, suffix_v, kv_start, kv_len, suffix_rows):
         if not t.is_contiguous():
             raise ValueError("decode_attention: every tensor must be contiguous")
 
 
+def own_suffix_rows(num_rows: int, num_slots: int, device: torch.device | str) -> torch.Tensor:
+    """suffix_rows [N, S] int64 where every row's slots are its own (before any reorder)."""
+    return torch.arange(num_rows, dtype=torch.int64, device=device).unsqueeze(1).expand(num_rows, num_slots).contiguous()
+
+
 def _launch(q: torch.Tensor, num_heads: int, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
-            kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
-            tile: Tile | None, positions: torch.Tensor | None = None, pos_offset: int = 0,
+            kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, suffix_rows: torch.Tensor,
+            num_suffix: int, scale: float, tile: Tile | None, positions: torch.Tensor | None = None, pos_offset: int = 0,
             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
             k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """q: q [N, H, E], or with positions (and the RoPE tables) the q/k/v GEMM's output (ROPE)."""
@@ -251,7 +270,7 @@ def _launch(q: torch.Tensor, num_heads: int, prompt_k: torch.Tensor, prompt_v: t
     out = torch.empty(n, num_heads, e, dtype=q.dtype, device=q.device)
     unused = q  # the pointers a variant never reads
     decode_attention_kernel[(triton.cdiv(n, consts["BEAMS"]), g)](
-        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, out, positions if rope else kv_start,
+        q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, suffix_rows, out, positions if rope else kv_start,
         cos if rope else unused, sin if rope else unused, q_norm if qk_norm else unused,
         k_norm if qk_norm else unused, n, suffix_k.shape[1], num_suffix, pos_offset, scale, eps,
         **consts, num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
@@ -260,31 +279,37 @@ def _launch(q: torch.Tensor, num_heads: int, prompt_k: torch.Tensor, prompt_v: t
 
 def decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
                      kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int,
-                     scale: float, tile: Tile | None = None) -> torch.Tensor:
+                     scale: float, tile: Tile | None = None, suffix_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, E]; prompt_k/v [P, G, E]; kv_start/kv_len [N] int64: row n's prompt keys are
     prompt_k[kv_start[n] : kv_start[n] + kv_len[n]] (kv_len 0: none); suffix_k/v [N, S, G, E] of
-    which the first num_suffix (>= 1) slots are live. Returns out [N, H, E] (q.dtype).
+    which the first num_suffix (>= 1) slots are live, slot j of row n at row suffix_rows[n, j]
+    ([N, S] int64; None: every row's own). Returns out [N, H, E] (q.dtype).
     Fast when the rows sharing a prompt range are consecutive (a request's beams). tile: None for
     default_tile (what kernels/aot.py compiles)."""
     n, h, e = q.shape
     if h % prompt_k.shape[1] or prompt_k.shape[2] != e or not q.is_contiguous():
         raise ValueError(f"decode_attention: shapes q {list(q.shape)}, prompt_k {list(prompt_k.shape)}, "
                          f"suffix_k {list(suffix_k.shape)} do not agree")
-    _check_cache(n, prompt_k.shape[1], e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
-    return _launch(q, h, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile)
+    if suffix_rows is None:
+        suffix_rows = own_suffix_rows(n, suffix_k.shape[1], q.device)
+    _check_cache(n, prompt_k.shape[1], e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix,
+                 suffix_rows)
+    return _launch(q, h, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, suffix_rows, num_suffix, scale, tile)
 
 
 def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor,
                          sin: torch.Tensor, num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                          eps: float, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
                          kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int,
-                         scale: float, tile: Tile | None = None) -> torch.Tensor:
+                         scale: float, tile: Tile | None = None, suffix_rows: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """A decode step's attention from the q/k/v GEMM's output, kernels/qkv_rope.py's work included:
     qkv [N, (H + 2G) * E]; positions [N] int64 (+ pos_offset: the rows' RoPE positions); cos/sin
     [P, E] (the model's tables, qkv's dtype); q_norm/k_norm [E] (Qwen3) or None. Each row's k and v
     go into suffix slot num_suffix - 1 (as qkv_rope(..., k_out=suffix_k[:, num_suffix - 1]) puts
-    them), then the attention as decode_attention's. Returns out [N, H, E]; equal to qkv_rope
-    followed by decode_attention (bit for bit in 16 bits: the q/k norm sums squares in float64)."""
+    them: the row's own slot, so suffix_rows[:, num_suffix - 1] must be each row itself), then the
+    attention as decode_attention's. Returns out [N, H, E]; equal to qkv_rope followed by
+    decode_attention (bit for bit in 16 bits: the q/k norm sums squares in float64)."""
     n = qkv.shape[0]
     g, e = prompt_k.shape[1], prompt_k.shape[2]
     if (qkv.dim() != 2 or not qkv.is_contiguous() or num_heads % g or qkv.shape[1] != (num_heads + 2 * g) * e
@@ -298,16 +323,23 @@ def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, pos_offset:
         raise ValueError("decode_attention_qkv: cos and sin must be contiguous [P, E] tables of qkv's dtype")
     if (q_norm is None) != (k_norm is None) or any(w is not None and w.shape != (e,) for w in (q_norm, k_norm)):
         raise ValueError(f"decode_attention_qkv: q_norm and k_norm must both be [{e}] or both None")
-    _check_cache(n, g, e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix)
-    return _launch(qkv, num_heads, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, tile,
-                   positions, pos_offset, cos, sin, q_norm, k_norm, eps)
+    if suffix_rows is None:
+        suffix_rows = own_suffix_rows(n, suffix_k.shape[1], qkv.device)
+    _check_cache(n, g, e, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, suffix_rows)
+    return _launch(qkv, num_heads, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, suffix_rows, num_suffix,
+                   scale, tile, positions, pos_offset, cos, sin, q_norm, k_norm, eps)
 
 
 def decode_attention_ref(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor,
                          kv_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, suffix_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, same arguments: the prompt part over a dense [N, P] mask built from
-    kv_start/kv_len, the suffix part per row, merged through their log-sum-exp."""
+    kv_start/kv_len, the suffix part per row (slot j from row suffix_rows[:, j]), merged through
+    their log-sum-exp."""
+    if suffix_rows is not None:  # each row's own beam's slots, gathered
+        slots = torch.arange(num_suffix, device=suffix_k.device)
+        idx = suffix_rows[:, :num_suffix]
+        suffix_k, suffix_v = suffix_k[idx, slots], suffix_v[idx, slots]  # [N, num_suffix, G, E]
     keys = torch.arange(prompt_k.shape[0], device=q.device)
     mask = (keys[None, :] >= kv_start[:, None]) & (keys[None, :] < (kv_start + kv_len)[:, None])  # [N, P]
     out_a, lse_a = masked_attention_ref(q, prompt_k, prompt_v, mask, scale)

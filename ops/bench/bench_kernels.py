@@ -421,6 +421,7 @@ def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, 
     beam_src as pack_beam makes them, the suffix K/V (one buffer + views when fused)."""
     from service.artifact.buckets import BeamBucket
     from service.runtime.batch import pack_beam
+    from kernels.decode_attention import own_suffix_rows
     from service.runtime.nodes import set_beam_suffix
     from service.runtime.requests import BeamRequest
 
@@ -439,6 +440,7 @@ def _beam_env(layers: int, g: int, e: int, r: int, b: int, n: int, fused: bool, 
     kv = torch.randn(layers, 2, rows, max(n - 1, 1), g, e, generator=gen, device="cuda").to(torch.bfloat16)
     if fused:
         set_beam_suffix(env, kv)
+        env["suffix_rows"] = own_suffix_rows(rows, kv.shape[3], "cuda")
     else:
         env.update({f"suffix_{'kv'[j]}.{i}": kv[i, j].clone() for i in range(layers) for j in range(2)})
     return env
@@ -451,7 +453,7 @@ def _beam_workload(name: str, paths: Sequence[str] = ("aten", "fused")) -> list[
     from service.runtime.nodes import NodeContext, beam_init, beam_step
 
     model, layers, g, e, r, b, n = BEAM_SHAPES[name]
-    suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")  # as the DAG declares
+    suffix = ("suffix_kv", "suffix_rows") + tuple(f"suffix_{kv}.{i}" for i in range(layers) for kv in "kv")  # as the DAG
     outs = ("beam_tokens", "beam_scores", "beam_seqs", "beam_parents")
     ins = ("logits", "beam_scores", "beam_seqs", "beam_width", "beam_slot", "beam_src")
     ctx = {"aten": NodeContext(None, {}, [], torch.empty(0), torch.empty(0), None),  # type: ignore[arg-type]
@@ -502,8 +504,9 @@ def _beam_workload(name: str, paths: Sequence[str] = ("aten", "fused")) -> list[
     rows = env["logits"].shape[0]
     parts = {"candidates": (candidates, 2 * one_read),
              "candidates+merge": (lambda: beam_topk.merge_candidates(candidates(), r, b, VOCAB), 2 * one_read),
-             "suffix_gather": (lambda: env["suffix_kv"].index_select(2, torch.arange(rows, device="cuda")),
-                               2 * env["suffix_kv"].numel() * 2)}
+             # the copy of every layer's suffix K/V a step made before suffix_rows (2026-12-06): for comparison
+             "suffix_gather (replaced)": (lambda: env["suffix_kv"].index_select(2, torch.arange(rows, device="cuda")),
+                                          2 * env["suffix_kv"].numel() * 2)}
     keys = candidates()
     # each launch of the selection alone: the select first, while the collect's counters are those of one
     # pass (replaying the collect alone keeps adding to them)
@@ -563,8 +566,9 @@ def bench_beam_step(shapes: Sequence[str] = tuple(BEAM_SHAPES), paths: Sequence[
                     ) -> list[dict[str, Any]]:
     """The beam bookkeeping of a BeamSearch batch, ATen (float32 log-softmax over [rows, V], top-k
     over B x V per request, every layer's suffix K/V index_select'ed) against the fused path
-    (kernels/beam_topk.py on the bf16 logits, top-B of B x B keys, one gather of the suffix buffer,
-    none after the last step), through the nodes themselves (service/runtime/nodes.py), per step
+    (kernels/beam_topk.py on the bf16 logits, top-B of B x B keys, the bookkeeping kernel handing on
+    each row's suffix_rows: no copy of the suffix K/V since 2026-12-06, whose old gather is timed
+    among the parts for comparison), through the nodes themselves (service/runtime/nodes.py), per step
     and per batch (beam_init + the decode steps); then the fused parts against 4.8 TB/s.
     Baseline at b258f99, W2x8: beam_step 12.1 ms a batch."""
     return [row for name in shapes for row in _beam_workload(name, paths)]

@@ -44,7 +44,7 @@ from ..siblings import sibling
 # kernels/ under this install's name (service/siblings.py): checkout and wheel name it differently
 quantize_rows = sibling("kernels.fp8_linear").quantize_rows
 
-FORMAT_VERSION = 12  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
+FORMAT_VERSION = 13  # 2: Score request blocks; 3: varlen segment bounds; 4: every buffer declared, beam_state node;
 # 5: key_ranges (the masks nodes' output, the score/prefill layers' input: the fused segment attention);
 # 6: Score requests packed back to back (buckets by total tokens; request_rows, prefix_rows);
 # 7: beam rows packed by each request's width (BeamBucket.max_rows; beam_slot, beam_src);
@@ -52,6 +52,7 @@ FORMAT_VERSION = 12  # 2: Score request blocks; 3: varlen segment bounds; 4: eve
 # 9: catalogs (tries), beam_catalog input, beam_allowed nodes; 10: weights.fp8 (e4m3 linear layers + NAME.scale);
 # 11: beam_codes (batches normalised over a catalog's code tokens: the constrained beam nodes' input)
 # 12: beam_steps input, beam_hold nodes, held_seqs / held_scores outputs (a batch's requests of different new_tokens)
+# 13: suffix_rows (beam_state, beam_step, decode layers): the fused path's suffix K/V is never reordered
 DTYPES = dict(zip(WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "WEIGHTS", "Artifact", "ArtifactError", "build_artifact",

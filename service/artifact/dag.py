@@ -103,7 +103,7 @@ def _layers(cfg: ModelConfig, prefix: str, mode: str, step: int = 0, max_rows: i
             outs = ("x", f"prompt_k.{i}", f"prompt_v.{i}")
         else:  # decode: one token per beam; prompt part + per-beam suffix part, merged by LSE
             ins = ("x", "beam_pos", "mask_beam", "kv_start", "kv_len", f"prompt_k.{i}", f"prompt_v.{i}",
-                   f"suffix_k.{i}", f"suffix_v.{i}")
+                   f"suffix_k.{i}", f"suffix_v.{i}", "suffix_rows")
             outs = ("x", f"suffix_k.{i}", f"suffix_v.{i}")
         # mlp_out: a layer's MLP output is added to x by the next layer's first norm (or the final
         # norm), in one kernel with it; the first layer of a forward has nothing pending
@@ -158,8 +158,9 @@ def beam_dag(cfg: ModelConfig, max_new_tokens: int, constrained: bool = False, f
     trie = ("allowed", "beam_trie") if constrained else ()
     codes = ("beam_codes",) if constrained else ()  # present in a batch normalised over a catalog's codes
     # per-beam suffix K/V, one slot per decode step: one buffer (suffix_kv) on the fused path, with
-    # every layer's suffix_k/v.i a view of it; separate buffers on the ATen path
-    suffix = ("suffix_kv",) + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
+    # every layer's suffix_k/v.i a view of it, and each row's slots' rows (suffix_rows: the K/V is
+    # never copied there); separate buffers on the ATen path, copied after the parents
+    suffix = ("suffix_kv", "suffix_rows") + tuple(f"suffix_{kv}.{i}" for i in range(cfg.num_layers) for kv in "kv")
     nodes = [Node("masks", "beam_masks", ("positions", "seg", "beam_req", "beam_pos", "last"),
                   ("mask_self", "cu_self", "key_ranges", "mask_beam", "kv_start", "kv_len")),
              Node("beam_state", "beam_state", ("beam_seqs", "beam_slot"), suffix),

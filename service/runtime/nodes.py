@@ -125,7 +125,7 @@ def decoder_layer(ctx: NodeContext, node: Node, env: Env) -> None:
             attn = ctx.fused.decode_attention_qkv(
                 linear(h, w.wqkv, w.bqkv, w.wqkv_scale), env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin,
                 cfg.num_heads, *norms, cfg.rms_norm_eps, env[f"prompt_k.{i}"], env[f"prompt_v.{i}"], env["kv_start"],
-                env["kv_len"], suffix_k, suffix_v, t, ctx.scale)
+                env["kv_len"], suffix_k, suffix_v, t, ctx.scale, suffix_rows=env["suffix_rows"])
         else:  # this token's k and v go straight into suffix slot t-1, then the two parts
             q, _, _ = qkv_projection(cfg, w, h, env["beam_pos"], t - 1, ctx.rope_cos, ctx.rope_sin, None,
                                      k_out=suffix_k[:, t - 1], v_out=suffix_v[:, t - 1])
@@ -215,8 +215,9 @@ def _mask_extra_beams(scores: torch.Tensor, widths: torch.Tensor) -> torch.Tenso
 def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
     """The per-beam suffix K/V, one slot per decode step, one row per packed beam row (beam_slot
     [N]), slots from beam_seqs [R, B, n]: suffix_k.{i} / suffix_v.{i} [N, max(n-1, 1), G, E]. With
-    the fused kernels they are views of one buffer suffix_kv [layers, 2, N, slots, G, E], so that a
-    beam step reorders every layer's suffix in one gather (cpp_dag/node_beam.cpp alike)."""
+    the fused kernels they are views of one buffer suffix_kv [layers, 2, N, slots, G, E], never
+    reordered: suffix_rows [N, slots] names the row that holds each slot of a row's beam
+    (kernels/decode_attention.py), every row's own to begin with (cpp_dag/node_beam.cpp alike)."""
     cfg = ctx.cfg
     seqs, slot = (env[n] for n in node.inputs)
     shape = (slot.shape[0], max(seqs.shape[2] - 1, 1), cfg.num_kv_heads, cfg.head_dim)
@@ -226,6 +227,7 @@ def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
                 env[f"suffix_{kv}.{i}"] = torch.zeros(shape, dtype=ctx.rope_cos.dtype, device=seqs.device)
         return
     set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=seqs.device))
+    env["suffix_rows"] = ctx.fused.own_suffix_rows(shape[0], shape[1], seqs.device)
 
 
 def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:
@@ -322,8 +324,8 @@ def beam_init(ctx: NodeContext, node: Node, env: Env) -> None:
         keys = ctx.fused.beam_candidates(logits, torch.zeros(r, dtype=torch.float32, device=logits.device), num_beams,
                                          1, allowed, ranks, ranks)
         # keys [R, B]: one parent a request, so each request's B best already
-        seqs, scores, parents, tokens, row_tokens, _ = ctx.fused.beam_commit(keys, seqs, widths, slot, vocab, 0, None,
-                                                                             codes)
+        seqs, scores, parents, tokens, row_tokens, _, _ = ctx.fused.beam_commit(keys, seqs, widths, slot, vocab, 0,
+                                                                                None, codes)
     else:
         logp = _mask_logp(torch.log_softmax(logits, dim=-1), allowed)
         scores, tokens = logp.topk(num_beams, dim=-1)  # [R, B], sorted best first
@@ -344,7 +346,8 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     """log-softmax + add beam score + top-B over B x V + parent gather + suffix K/V reorder. The
     candidates come from the N packed rows and are merged per request in the [R, B] bookkeeping
     (beam_src: each rank's row; the ranks a request does not have hold no candidate); the new beams
-    go back to packed rows (beam_slot), each taking its parent's suffix K/V."""
+    go back to packed rows (beam_slot), each taking its parent's suffix K/V: on the ATen path a copy
+    of it, with the fused kernels its suffix_rows (the K/V stays where it was written)."""
     # [N, V], [R, B], [R, B, n], [R], [N], [R*B]
     logits, scores, seqs, widths, slot, src = (env[n] for n in node.inputs[:6])
     r, b = scores.shape
@@ -355,8 +358,10 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
         # each row's top-B + log-sum-exp in one pass (kernels/beam_topk.py), straight into its rank's place
         # [R*B, B]; top-B of each request's B x B; then the bookkeeping in one kernel
         keys = ctx.fused.beam_candidates(logits, scores.reshape(-1), b, b, allowed, slot, src)
-        new_seqs, new_scores, parents, tokens, row_tokens, rows = ctx.fused.beam_commit(
-            ctx.fused.beam_merge(keys, r, b), seqs, widths, slot, vocab, node.step, src, codes)
+        later = node.step < seqs.shape[2] - 1  # a later decode step reads the suffix
+        new_seqs, new_scores, parents, tokens, row_tokens, rows, suffix_rows = ctx.fused.beam_commit(
+            ctx.fused.beam_merge(keys, r, b), seqs, widths, slot, vocab, node.step, src, codes,
+            env["suffix_rows"] if later else None)
     else:
         row_scores = to_rows(scores, slot, float("-inf"))  # [N]: each row's beam score (padding: dead, never read)
         cand = _mask_logp(torch.log_softmax(logits, dim=-1), allowed) + row_scores.unsqueeze(1)  # [N, V]
@@ -376,11 +381,11 @@ def beam_step(ctx: NodeContext, node: Node, env: Env) -> None:
     if allowed is not None:
         env["beam_trie"] = advance_trie(ctx, env["beam_trie"].gather(1, parents), tokens)
     if ctx.fused is None:
-        for name in node.inputs[7:]:  # suffix_k.{i} / suffix_v.{i} (inputs[6] is the fused path's suffix_kv)
+        for name in node.inputs[8:]:  # suffix_k.{i} / suffix_v.{i} (inputs[6:8]: the fused path's suffix_kv, suffix_rows)
             if name.startswith("suffix_"):  # (then allowed, beam_trie with a catalog)
                 env[name] = env[name].index_select(0, rows)
-    elif node.step < seqs.shape[2] - 1:  # a later decode step reads the suffix: every layer's in one gather
-        set_beam_suffix(env, env["suffix_kv"].index_select(2, rows))
+    elif suffix_rows is not None:
+        env["suffix_rows"] = suffix_rows
 
 
 def beam_hold(ctx: NodeContext, node: Node, env: Env) -> None:

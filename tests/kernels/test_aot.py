@@ -75,11 +75,12 @@ def test_manifest_states_the_launch_abi(compiled) -> None:
     attn = by_name["decode_attention.h4.g2.e32.norm1.bf16"]
     names = [p["name"] for p in attn["params"]]
     # constexprs are baked in and absent; the two scratch pointers of Triton >= 3.5 come last
-    assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "out_ptr", "pos_ptr",
-                     "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "num_rows", "num_slots", "num_suffix", "pos_offset",
+    assert names == ["q_ptr", "pk_ptr", "pv_ptr", "start_ptr", "len_ptr", "sk_ptr", "sv_ptr", "sr_ptr", "out_ptr",
+                     "pos_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "num_rows", "num_slots", "num_suffix", "pos_offset",
                      "scale", "eps", "global_scratch", "profile_scratch"]
     types = {p["name"]: p["type"] for p in attn["params"]}
     assert types["scale"] == "float" and types["num_suffix"] == "int32_t" and types["q_ptr"] == "CUdeviceptr"
+    assert types["sr_ptr"] == "CUdeviceptr"  # suffix_rows: where each row's suffix slots are
     assert attn["constexprs"]["E"] == 32 and attn["function"] == "decode_attention_kernel"  # embedded:tiny head_dim
     assert attn["constexprs"]["BEAMS"] == 32 and attn["constexprs"]["INTERPRETED"] is False  # 64 rows / 2 q heads
     # the runtimes' form only: from the q/k/v GEMM's output, with and without Qwen3's q/k norms

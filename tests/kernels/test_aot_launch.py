@@ -120,8 +120,14 @@ def test_decode_attention_from_qkv_in_a_cuda_graph(kernels, qk_norm: bool) -> No
     mask = torch.arange(2, device="cuda").repeat_interleave(32)[:, None] == seg[None, :]
     scale = 0.125
 
-    def run(fn, k_cache, v_cache, t=3):
-        return fn(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, k_cache, v_cache, t, scale)
+    # the beams' ancestry before step 3: slots 0 and 1 of each row at other rows, slot 2 and 3 its own
+    own = torch.arange(rows, device="cuda").unsqueeze(1).expand(rows, slots)
+    anc = torch.where(torch.arange(slots, device="cuda") < 2, torch.randint(0, rows, (rows, slots), generator=g)
+                      .cuda(), own).contiguous()
+
+    def run(fn, k_cache, v_cache, t=3, rows_of=anc):
+        return fn(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, k_cache, v_cache, t, scale,
+                  suffix_rows=rows_of)
 
     eager_k, eager_v = sk.clone(), sv.clone()
     eager = run(kernels.decode_attention_qkv, eager_k, eager_v)
@@ -129,9 +135,11 @@ def test_decode_attention_from_qkv_in_a_cuda_graph(kernels, qk_norm: bool) -> No
     assert torch.equal(eager, run(decode_attention_qkv, jit_k, jit_v)), "AOT cubin and JIT kernel disagree"
     assert torch.equal(eager_k, jit_k) and torch.equal(eager_v, jit_v)
     q, _, _ = qkv_rope(qkv, pos, cos, sin, h, kv, *norms, 1e-6, pos_offset=2)
-    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, eager_k[:, :3].double(),
-                               eager_v[:, :3].double(), None, scale)
-    ref = two_part_attention(q, pk, pv, mask, eager_k[:, :3], eager_v[:, :3], None, scale)
+    read_k = eager_k[anc, torch.arange(slots, device="cuda")][:, :3]  # each row's slots through its rows
+    read_v = eager_v[anc, torch.arange(slots, device="cuda")][:, :3]
+    truth = two_part_attention(q.double(), pk.double(), pv.double(), mask, read_k.double(), read_v.double(), None,
+                               scale)
+    ref = two_part_attention(q, pk, pv, mask, read_k, read_v, None, scale)
     assert (eager.double() - truth).abs().max() <= (ref.double() - truth).abs().max() + 1e-3
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -144,8 +152,10 @@ def test_decode_attention_from_qkv_in_a_cuda_graph(kernels, qk_norm: bool) -> No
     assert torch.equal(captured, eager) and torch.equal(sk, eager_k)
     # a bucket with fewer new tokens has fewer suffix slots: the same compiled variant serves it
     few_k, few_v = sk[:, :2].contiguous(), sv[:, :2].contiguous()
-    few = run(kernels.decode_attention_qkv, few_k, few_v, t=2)
-    assert torch.equal(few, run(decode_attention_qkv, sk[:, :2].contiguous(), sv[:, :2].contiguous(), t=2))
+    few_rows = torch.stack([anc[:, 0], own[:, 1]], 1).contiguous()  # before step 2: slot 1 is the row's own
+    few = run(kernels.decode_attention_qkv, few_k, few_v, t=2, rows_of=few_rows)
+    assert torch.equal(few, run(decode_attention_qkv, sk[:, :2].contiguous(), sv[:, :2].contiguous(), t=2,
+                                rows_of=few_rows))
 
 
 def test_segment_attention_in_a_cuda_graph(kernels) -> None:

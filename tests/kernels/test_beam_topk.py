@@ -321,7 +321,9 @@ def test_beam_commit_equals_the_aten_bookkeeping(device: str, first: bool, codes
     """The commit kernel against the ATen ops the runtimes ran (service/runtime/nodes.py before):
     decoded keys, scores masked past each width, the parents' sequences with the new tokens, each
     packed row's token and parent row; through a catalog's code columns (a padding column -1
-    becomes token 0), and the first token (one parent, each beam its own sequence)."""
+    becomes token 0), and the first token (one parent, each beam its own sequence). A decode step
+    also hands each packed row its parent row's suffix_rows for the slots written so far (j < step)
+    and its own for the rest; a padding row keeps its own."""
     b, n, widths, rows = 5, 4, [5, 2, 0, 3], 12
     r, vocab, step = len(widths), 50, 0 if first else 2
     slot, src = _packing(widths, b, rows)
@@ -337,7 +339,10 @@ def test_beam_commit_equals_the_aten_bookkeeping(device: str, first: bool, codes
         if codes else None
     width_t = torch.tensor(widths)
     to = lambda *ts: [t.to(device) if t is not None else None for t in ts]  # noqa: E731
-    got = beam_commit(*to(top, seqs, width_t, slot), vocab, step, *to(None if first else src, code_tokens))
+    slots = n - 1
+    suffix_rows = None if first else torch.randint(0, rows, (rows, slots), generator=g)
+    got = beam_commit(*to(top, seqs, width_t, slot), vocab, step, *to(None if first else src, code_tokens),
+                      suffix_rows=None if first else suffix_rows.to(device))
     # the ATen ops (nodes.py's decode_keys, to_code_tokens, _mask_extra_beams, to_rows, gather)
     w_scores, w_parents, w_cols = decode_keys(top, vocab)
     w_tokens = w_cols if code_tokens is None else code_tokens.index_select(0, w_cols.reshape(-1)).clamp_min(0) \
@@ -350,9 +355,15 @@ def test_beam_commit_equals_the_aten_bookkeeping(device: str, first: bool, codes
     w_row_tokens = pad_rows(w_tokens)
     want = [w_seqs, w_scores, w_parents, w_tokens, w_row_tokens]
     if not first:
-        want.append(pad_rows(src.index_select(0, (w_parents + torch.arange(r).unsqueeze(1) * b).reshape(-1))))
-    assert (got[5] is None) == first
-    for name, x, y in zip(("seqs", "scores", "parents", "tokens", "row_tokens", "parent_rows"), got, want):
+        parent_rows = pad_rows(src.index_select(0, (w_parents + torch.arange(r).unsqueeze(1) * b).reshape(-1)))
+        own = torch.arange(rows).unsqueeze(1).expand(rows, slots)
+        real = ((slot < r * b) & (parent_rows < rows)).unsqueeze(1)  # (a parent rank without a row: none)
+        inherit = real & (torch.arange(slots).unsqueeze(0) < step)
+        want += [parent_rows, torch.where(inherit, suffix_rows.index_select(0, parent_rows.clamp_max(rows - 1)), own)]
+        assert not torch.equal(want[-1], own) and not torch.equal(want[-1][:, step:], suffix_rows[:, step:])
+    assert (got[5] is None) == first and (got[6] is None) == first
+    for name, x, y in zip(("seqs", "scores", "parents", "tokens", "row_tokens", "parent_rows", "suffix_rows"), got,
+                          want):
         assert x.dtype == y.dtype and torch.equal(x.cpu(), y), name
     if codes:
         assert (got[3] >= 0).all() and (code_tokens < 0).any()
@@ -432,9 +443,12 @@ def test_aot_packed_beam_step_equals_the_jit_kernels_in_a_cuda_graph(aot_kernels
     width_t = torch.tensor(widths).cuda()
     code_tokens = torch.randint(0, 151936, (vocab,), generator=g).cuda() if codes else None
 
+    suffix_rows = torch.randint(0, rows, (rows, 4), generator=g).cuda()
+
     def step(kern):
         keys = kern.beam_candidates(logits, scores.reshape(-1), b, b, None, slot, src)
-        return kern.beam_commit(kern.beam_merge(keys, len(widths), b), seqs, width_t, slot, vocab, 2, src, code_tokens)
+        return kern.beam_commit(kern.beam_merge(keys, len(widths), b), seqs, width_t, slot, vocab, 2, src, code_tokens,
+                                suffix_rows=suffix_rows)
 
     jit = types.SimpleNamespace(beam_candidates=beam_candidates, beam_merge=beam_merge, beam_commit=beam_commit)
     eager, want = step(aot_kernels), step(jit)

@@ -97,6 +97,53 @@ def test_any_row_layout_is_correct(seed: int) -> None:
                                atol=2e-6, rtol=2e-6)
 
 
+def _ancestry(seed: int, rows: int, slots: int, t: int) -> torch.Tensor:
+    """suffix_rows as beam steps leave them before decode step t: slots 0..t-2 of each row at some
+    earlier row (a beam's ancestors), slot t-1 and later its own."""
+    g = torch.Generator().manual_seed(seed)
+    anc = torch.randint(0, rows, (rows, slots), generator=g)
+    own = torch.arange(rows).unsqueeze(1).expand(rows, slots)
+    return torch.where(torch.arange(slots).unsqueeze(0) < t - 1, anc, own).contiguous()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["qwen2.5-0.5b", "mha"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_suffix_slots_read_through_their_rows(dtype: torch.dtype, layout: str, t: int) -> None:
+    """A reordered beam's suffix is not copied: slot j of row r is read from row suffix_rows[r, j]. The
+    kernel so gives, bit for bit, what it gives on a cache where every row's slots were gathered into
+    the row (the copy the beam step made before); the reference reads through the rows as well; and
+    the step's own k/v still goes into the row's own slot t - 1."""
+    h, g, e = LAYOUTS[layout]
+    q, pk, pv, start, length, sk, sv, _ = _case(7 + t, dtype, "cpu", h, g, e, prompts=[7, 30, 12], beams=5, slots=4)
+    rows = q.shape[0]
+    anc = _ancestry(t, rows, 4, t)
+    assert not torch.equal(anc[:, :t - 1], torch.arange(rows).unsqueeze(1).expand(rows, t - 1))
+    slots = torch.arange(4)
+    copied_k, copied_v = sk[anc, slots].contiguous(), sv[anc, slots].contiguous()  # the gather it replaces
+    got = decode_attention(q, pk, pv, start, length, sk, sv, t, 0.3, suffix_rows=anc)
+    assert torch.equal(got, decode_attention(q, pk, pv, start, length, copied_k, copied_v, t, 0.3))
+    ref = decode_attention_ref(q, pk, pv, start, length, sk, sv, t, 0.3, suffix_rows=anc)
+    assert torch.equal(ref, decode_attention_ref(q, pk, pv, start, length, copied_k, copied_v, t, 0.3))
+    torch.testing.assert_close(got.float(), ref.float(), **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16
+                                                           else {"atol": 1e-5, "rtol": 1e-5}))
+    # from the q/k/v GEMM's output: the step's k/v into the row's own slot t - 1, the rest through the rows
+    qkv, pos, cos, sin, norms, pk, pv, start, length, sk, sv = _qkv_case(t, dtype, "cpu", h, g, e, False, 4)
+    rows = qkv.shape[0]
+    anc = _ancestry(t + 1, rows, 4, t)
+    k1, v1 = sk.clone(), sv.clone()
+    got = decode_attention_qkv(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, k1, v1, t, 0.3,
+                               suffix_rows=anc)
+    k2, v2 = sk[anc, slots].contiguous(), sv[anc, slots].contiguous()
+    want = decode_attention_qkv(qkv, pos, t - 1, cos, sin, h, *norms, 1e-6, pk, pv, start, length, k2, v2, t, 0.3)
+    assert torch.equal(got, want)
+    assert torch.equal(k1[:, t - 1], k2[:, t - 1]) and torch.equal(v1[:, t - 1], v2[:, t - 1])
+    assert torch.equal(k1[:, :t - 1], sk[:, :t - 1])  # the earlier slots stay where they were
+    with pytest.raises(ValueError, match="suffix_rows must be int64"):
+        decode_attention(q[:rows], pk, pv, start, length, sk, sv, t, 0.3, suffix_rows=anc.int())
+
+
 def _qkv_case(seed: int, dtype: torch.dtype, device: str, heads: int, kv_heads: int, dim: int, qk_norm: bool,
               slots: int):
     """A decode step's inputs from the q/k/v GEMM: qkv [N, (H + 2G) * E], each row's position, RoPE

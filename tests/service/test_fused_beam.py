@@ -42,24 +42,39 @@ def test_fused_beam_search_equals_hf_and_the_aten_path(fused, hf_ref) -> None:
 
 
 def test_fused_beam_state_is_one_suffix_buffer(fused, hf_ref) -> None:
-    """With the fused kernels the per-layer suffix K/V are views of one buffer, the logits reach
-    the beam nodes in the model dtype, and the last step leaves the suffix where it was."""
+    """With the fused kernels the per-layer suffix K/V are views of one buffer that is never
+    reordered: a beam step hands each packed row its parent row's suffix_rows for the slots written
+    so far (its own for the rest), and the last step leaves them as they are; the logits reach the
+    beam nodes in the model dtype."""
     m, rt = fused
     reqs = [BeamRequest(hf_ref.rand_ids(random.Random(3), 6), 4, 3)]
     bucket = pick_beam_bucket(m.artifact.buckets, reqs)
-    seen: dict[str, object] = {}
+    seen: dict[str, tuple] = {}
 
     def trace(node, env) -> None:
         if node.type in ("beam_init", "beam_step"):
             seen[node.name] = (env["logits"].dtype, env["suffix_kv"].data_ptr(),
                                all(env[f"suffix_k.{i}"].data_ptr() == env["suffix_kv"][i, 0].data_ptr()
-                                   for i in range(m.artifact.config.num_layers)))
+                                   for i in range(m.artifact.config.num_layers)),
+                               env["suffix_rows"].clone(), env["beam_parents"].clone())
 
-    rt.run_beam(pack_beam(reqs, bucket), trace=trace)
+    batch = pack_beam(reqs, bucket)
+    rt.run_beam(batch, trace=trace)
     assert set(seen) == {"beam_init", "step1.beam_step", "step2.beam_step"}
-    assert all(dtype == rt.dtype and views for dtype, _, views in seen.values())
-    assert seen["step1.beam_step"][1] != seen["beam_init"][1]  # step 1 reordered into a new buffer
-    assert seen["step2.beam_step"][1] == seen["step1.beam_step"][1]  # the last step did not
+    assert all(dtype == rt.dtype and views for dtype, _, views, _, _ in seen.values())
+    assert len({ptr for _, ptr, _, _, _ in seen.values()}) == 1  # one buffer, never copied
+    rows_before, rows_after, parents = seen["beam_init"][3], seen["step1.beam_step"][3], seen["step1.beam_step"][4]
+    n, slots = rows_before.shape
+    own = torch.arange(n).unsqueeze(1).expand(n, slots)
+    assert torch.equal(rows_before, own)
+    slot, src = batch.inputs["beam_slot"], batch.inputs["beam_src"]
+    b = parents.shape[1]
+    real = slot < parents.numel()
+    parent_row = src[(slot.clamp_max(parents.numel() - 1) // b) * b + parents.reshape(-1)[slot.clamp_max(parents.numel() - 1)]]
+    assert torch.equal(rows_after[:, 0], torch.where(real, parent_row, torch.arange(n)))  # slot 0: the parent's
+    assert torch.equal(rows_after[:, 1:], own[:, 1:])  # the slot step 2 writes: the row's own
+    assert not torch.equal(rows_after, own)  # some beam moved
+    assert torch.equal(seen["step2.beam_step"][3], rows_after)  # the last step: no later step reads them
     assert rt.dtype == torch.float32  # the tiny checkpoints are float32
 
 
@@ -80,11 +95,12 @@ def test_the_one_kernel_decode_attention_equals_qkv_rope_then_the_attention(qwen
     calls = []
 
     def qkv_rope_then_attention(qkv, positions, pos_offset, cos, sin, num_heads, q_norm, k_norm, eps, prompt_k,
-                                prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale):
+                                prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale, suffix_rows):
         calls.append(num_suffix)
         q, _, _ = two.ctx.fused.qkv_rope(qkv, positions, pos_offset, cos, sin, num_heads, prompt_k.shape[1], q_norm,
                                          k_norm, eps, suffix_k[:, num_suffix - 1], suffix_v[:, num_suffix - 1])
-        return decode_attention(q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale)
+        return decode_attention(q, prompt_k, prompt_v, kv_start, kv_len, suffix_k, suffix_v, num_suffix, scale,
+                                suffix_rows=suffix_rows)
 
     two.ctx.fused.decode_attention_qkv = qkv_rope_then_attention
     rng = random.Random(5)

@@ -86,17 +86,11 @@ class FrontGate:
         """The shares of this front's forwards that `snap` cannot show yet, in `priority`'s lane and
         in the lanes above it: those let through later than the engine's ingress delay before the
         snapshot was published. Older ones are forgotten (a second at most)."""
-        forwards = self._forwards
-        while forwards and (forwards[0][0] < now - 1.0 or forwards[0][0] <= snap.published_s - snap.ingress_s):
+        forwards, since = self._forwards, max(snap.published_s - snap.ingress_s, now - 1.0)
+        while forwards and forwards[0][0] <= since:  # in the order they were let through
             forwards.popleft()
-        since = snap.published_s - snap.ingress_s
-        same = above = 0.0
-        for t, p, share_s in forwards:
-            if t > since:
-                if p == priority:
-                    same += share_s
-                elif p < priority:
-                    above += share_s
+        same = sum(share_s for _, p, share_s in forwards if p == priority)
+        above = sum(share_s for _, p, share_s in forwards if p < priority)
         return same, above
 
     def check(self, kind: str, msg: Any, deadline: float | None, client: str) -> Exception | None:

@@ -117,8 +117,7 @@ class TritonKernels:
         self, qkv: torch.Tensor, positions: torch.Tensor, pos_offset: int, cos: torch.Tensor, sin: torch.Tensor,
         num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
         prompt_k: torch.Tensor, prompt_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
-        suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float,
-        suffix_rows: torch.Tensor | None = None,
+        suffix_k: torch.Tensor, suffix_v: torch.Tensor, num_suffix: int, scale: float, suffix_rows: torch.Tensor,
     ) -> torch.Tensor: ...
     def beam_candidates(
         self, logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,

@@ -432,22 +432,16 @@ PYBIND11_MODULE(_core, m) {
              const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& prompt_k,
              const at::Tensor& prompt_v, const at::Tensor& kv_start, const at::Tensor& kv_len,
              const at::Tensor& suffix_k, const at::Tensor& suffix_v, int64_t num_suffix, double scale,
-             const std::optional<at::Tensor>& suffix_rows) {
-            // none: every row's slots its own (kernels/decode_attention.py own_suffix_rows)
-            const at::Tensor rows = suffix_rows.has_value()
-                                        ? *suffix_rows
-                                        : at::arange(suffix_k.size(0), kv_start.options())
-                                              .unsqueeze(1)
-                                              .expand({suffix_k.size(0), suffix_k.size(1)})
-                                              .contiguous();
+             const at::Tensor& suffix_rows) {
             return k.decode_attention_qkv(qkv, positions, pos_offset, cos, sin, num_heads,
                                           q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), eps, prompt_k,
-                                          prompt_v, kv_start, kv_len, suffix_k, suffix_v, rows, num_suffix, scale);
+                                          prompt_v, kv_start, kv_len, suffix_k, suffix_v, suffix_rows, num_suffix,
+                                          scale);
           },
           py::arg("qkv"), py::arg("positions"), py::arg("pos_offset"), py::arg("cos"), py::arg("sin"),
           py::arg("num_heads"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("prompt_k"),
           py::arg("prompt_v"), py::arg("kv_start"), py::arg("kv_len"), py::arg("suffix_k"), py::arg("suffix_v"),
-          py::arg("num_suffix"), py::arg("scale"), py::arg("suffix_rows") = py::none())
+          py::arg("num_suffix"), py::arg("scale"), py::arg("suffix_rows"))
       .def(
           "beam_candidates",
           [](const TritonKernels& k, const at::Tensor& logits, const at::Tensor& beam_scores, int64_t num_candidates,

@@ -135,7 +135,7 @@ def table(result: dict[str, Any]) -> list[str]:
     lines.append(f"| **all** | {' | '.join(str(x) for x in totals)} |")
     if len(steps) > 1:
         lines.append(f"a decode step: {max(totals[1:])} launches (steps {steps[1]}-{steps[-1]}: "
-                     f"{', '.join(map(str, totals[1:]))}; the last reorders no suffix K/V)")
+                     f"{', '.join(map(str, totals[1:]))})")
     return lines
 
 

@@ -50,7 +50,6 @@ class JitKernels:
         self._trie_allowed, self.trie_advance = trie.trie_allowed, trie.trie_advance
         self.segment_attention = segment_attention.segment_attention
         self.decode_attention_qkv = decode_attention.decode_attention_qkv
-        self.own_suffix_rows = decode_attention.own_suffix_rows
         self.beam_candidates, self.beam_merge, self.beam_commit = (beam_topk.beam_candidates, beam_topk.beam_merge,
                                                                 beam_topk.beam_commit)
         self._rms_norm, self._qkv_rope = norm_act.rms_norm, qkv_rope.qkv_rope

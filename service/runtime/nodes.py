@@ -227,7 +227,9 @@ def beam_state(ctx: NodeContext, node: Node, env: Env) -> None:
                 env[f"suffix_{kv}.{i}"] = torch.zeros(shape, dtype=ctx.rope_cos.dtype, device=seqs.device)
         return
     set_beam_suffix(env, torch.zeros((cfg.num_layers, 2, *shape), dtype=ctx.rope_cos.dtype, device=seqs.device))
-    env["suffix_rows"] = ctx.fused.own_suffix_rows(shape[0], shape[1], seqs.device)
+    # plain torch, as cpp_dag/node_beam.cpp writes it: ctx.fused is the extension's TritonKernels on a GPU
+    rows = torch.arange(shape[0], dtype=torch.int64, device=seqs.device)
+    env["suffix_rows"] = rows.unsqueeze(1).expand(shape[0], shape[1]).contiguous()
 
 
 def to_rows(rect: torch.Tensor, slot: torch.Tensor, pad: float) -> torch.Tensor:

@@ -58,3 +58,24 @@ def test_bad_kernel_choices_are_refused(qwen2_tiny, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="only under Triton's interpreter"):
         PythonRuntime(qwen2_tiny.artifact, kernels="triton")
+
+
+def test_every_fused_call_is_bound_by_the_extension_too() -> None:
+    """On a GPU the Python runtime's ctx.fused is the extension's TritonKernels, not JitKernels: a name
+    the service calls on `fused` must be bound there as well as here. (2026-12-06: beam_state called
+    fused.own_suffix_rows, which only JitKernels had; every CPU test passed, every GPU beam failed.)"""
+    import re
+
+    from service.runtime.fused import JitKernels
+    from service.siblings import ROOT
+
+    source = (ROOT / "cpp_dag" / "bindings.cpp").read_text()
+    block = source[source.index("py::class_<TritonKernels"):]
+    bound = set(re.findall(r'\.def\(\s*"(\w+)"', block))
+    called = {name for path in (ROOT / "service").rglob("*.py")
+              for name in re.findall(r"\bfused\.([a-z_0-9]+)\(", path.read_text())}
+    assert {"beam_commit", "decode_attention_qkv", "rms_norm"} <= called  # the scan sees the calls
+    assert called - bound == set(), "called on fused but not bound by cpp_dag/bindings.cpp's TritonKernels"
+    jit = {name for name in dir(JitKernels()) if not name.startswith("_")}
+    assert called - jit == set(), "called on fused but missing from JitKernels"
+    assert jit - bound == set(), "JitKernels offers what the extension does not: the GPU path would lack it"

@@ -41,6 +41,12 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"by kind at {load_of(r)}: " + "; ".join(
                 f"{m} {k['qps']:.1f} req/s, mean {k['mean_ms']:.2f} / P99 {k['p99_ms']:.2f} ms"
                 for m, k in kinds.items()))
+    for r in result["levels"]:  # --metrics: the server's own view of the window (batching, where the time went)
+        if sv := r.get("server"):
+            lines.append(f"server at {load_of(r)}: {sv['requests_per_batch']} requests/batch ({sv['batches']} batches)"
+                         + "".join(f", {stage} {ms:.2f}" for stage, ms in sv["stage_mean_ms"].items())
+                         + (" ms a request" if sv["stage_mean_ms"] else "")
+                         + (f"; event loop busy {sv['loop_busy']:.0%}" if sv.get("loop_busy") is not None else ""))
     for r in result["levels"]:
         if r["errors"]:
             lines.append(f"errors at {load_of(r)}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())))

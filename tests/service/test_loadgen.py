@@ -354,6 +354,23 @@ def test_a_mixed_level_reports_each_kind_on_its_own() -> None:
     assert "by kind" not in report.table(one_kind)
 
 
+def test_the_table_shows_the_server_s_view_of_a_level() -> None:
+    """With --metrics, a level's line of the server's own view: requests per batch (what issue 27 asks
+    at each level) and each stage's mean; without it, no such line."""
+    from service.loadgen.server_view import server_breakdown
+
+    stage = 'slmrank_request_stage_seconds_{}'
+    before = {("slmrank_node_batches_total", 'node="beam"'): 10.0, ("slmrank_event_loop_cpu_seconds_total", ""): 1.0}
+    after = {("slmrank_node_batches_total", 'node="beam"'): 30.0, ("slmrank_event_loop_cpu_seconds_total", ""): 2.5,
+             (stage.format("sum"), 'stage="queue"'): 0.3, (stage.format("count"), 'stage="queue"'): 60.0,
+             (stage.format("sum"), 'stage="execute"'): 0.9, (stage.format("count"), 'stage="execute"'): 60.0}
+    result = synthetic_result()
+    result["levels"][1]["server"] = server_breakdown(before, after, requests=60, window_s=3.0)
+    text = report.table(result)
+    assert "server at 2: 3.0 requests/batch (20 batches), queue 5.00, execute 15.00 ms a request; event loop busy 50%" in text
+    assert text.count("server at") == 1 and "server at" not in report.table(synthetic_result())
+
+
 def test_a_checkpoints_config_is_read_within_its_bound(tmp_path: Path) -> None:
     """`slmrank bench --model DIR` reads config.json as the server does: a valid one is the model's
     config; one larger than a config can be is refused unread."""

@@ -63,7 +63,8 @@ def test_bad_kernel_choices_are_refused(qwen2_tiny, monkeypatch) -> None:
 def test_every_fused_call_is_bound_by_the_extension_too() -> None:
     """On a GPU the Python runtime's ctx.fused is the extension's TritonKernels, not JitKernels: a name
     the service calls on `fused` must be bound there as well as here. (2026-12-06: beam_state called
-    fused.own_suffix_rows, which only JitKernels had; every CPU test passed, every GPU beam failed.)"""
+    fused.own_suffix_rows, which only JitKernels had; every CPU test passed, and every fused
+    BeamSearch of the Python runtime failed on the GPU.)"""
     import re
 
     from service.runtime.fused import JitKernels

@@ -60,23 +60,60 @@ def test_bad_kernel_choices_are_refused(qwen2_tiny, monkeypatch) -> None:
         PythonRuntime(qwen2_tiny.artifact, kernels="triton")
 
 
-def test_every_fused_call_is_bound_by_the_extension_too() -> None:
-    """On a GPU the Python runtime's ctx.fused is the extension's TritonKernels, not JitKernels: a name
-    the service calls on `fused` must be bound there as well as here. (2026-12-06: beam_state called
-    fused.own_suffix_rows, which only JitKernels had; every CPU test passed, and every fused
-    BeamSearch of the Python runtime failed on the GPU.)"""
+def _bound_methods() -> dict[str, list[str]]:
+    """cpp_dag/bindings.cpp's TritonKernels: each bound method's py::arg names, in order."""
     import re
 
-    from service.runtime.fused import JitKernels
     from service.siblings import ROOT
 
     source = (ROOT / "cpp_dag" / "bindings.cpp").read_text()
     block = source[source.index("py::class_<TritonKernels"):]
-    bound = set(re.findall(r'\.def\(\s*"(\w+)"', block))
-    called = {name for path in (ROOT / "service").rglob("*.py")
-              for name in re.findall(r"\bfused\.([a-z_0-9]+)\(", path.read_text())}
-    assert {"beam_commit", "decode_attention_qkv", "rms_norm"} <= called  # the scan sees the calls
-    assert called - bound == set(), "called on fused but not bound by cpp_dag/bindings.cpp's TritonKernels"
-    jit = {name for name in dir(JitKernels()) if not name.startswith("_")}
-    assert called - jit == set(), "called on fused but missing from JitKernels"
-    assert jit - bound == set(), "JitKernels offers what the extension does not: the GPU path would lack it"
+    return {m.group(1): re.findall(r'py::arg\("(\w+)"\)', part)
+            for part in re.split(r"\n\s*\.def\(", block)[1:] if (m := re.match(r'\s*"(\w+)"', part))}
+
+
+def _fused_calls() -> list[tuple[str, str, int | None, list[str]]]:
+    """Every call `<...>fused.NAME(...)` in service/: (where, NAME, positional count or None with *args,
+    keyword names)."""
+    import ast
+
+    from service.siblings import ROOT
+
+    calls = []
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if (owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")) == "fused":
+                    starred = any(isinstance(a, ast.Starred) for a in node.args)
+                    calls.append((f"{path.name}:{node.lineno}", node.func.attr, None if starred else len(node.args),
+                                  [k.arg for k in node.keywords]))
+    return calls
+
+
+def test_every_fused_call_is_bound_by_the_extension_too() -> None:
+    """On a GPU the Python runtime's ctx.fused is the extension's TritonKernels, not JitKernels: a call
+    the service makes on `fused` must be bound there, with its keywords, as well as here, and each
+    method's parameters must come in the same order in both (a JitKernels-only parameter, such as a
+    tile, has a default and is never passed). (2026-12-06: beam_state called fused.own_suffix_rows,
+    which only JitKernels had; every CPU test passed, and every fused BeamSearch of the Python
+    runtime failed on the GPU.)"""
+    import inspect
+
+    from service.runtime.fused import JitKernels
+
+    bound, jit = _bound_methods(), JitKernels()
+    calls = _fused_calls()
+    assert {"beam_commit", "decode_attention_qkv", "rms_norm"} <= {name for _, name, _, _ in calls}  # the scan sees them
+    for where, name, positional, keywords in calls:
+        assert name in bound, f"{where}: fused.{name} is not bound by cpp_dag/bindings.cpp's TritonKernels"
+        assert hasattr(jit, name), f"{where}: fused.{name} is missing from JitKernels"
+        assert set(keywords) <= set(bound[name]), f"{where}: fused.{name}: keywords {keywords} not all bound"
+        assert positional is None or positional + len(keywords) <= len(bound[name]), where
+    public = {n for n in dir(jit) if not n.startswith("_")}
+    assert public - set(bound) == set(), "JitKernels offers what the extension does not: the GPU path would lack it"
+    for name in public:
+        params = inspect.signature(getattr(jit, name)).parameters
+        extra = [n for n in params if n not in bound[name]]
+        assert all(params[n].default is not inspect.Parameter.empty for n in extra), (name, extra)
+        assert [n for n in params if n in bound[name]] == bound[name], (name, list(params), bound[name])

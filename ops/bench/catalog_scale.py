@@ -9,7 +9,7 @@ write_catalog, token ids from 1000, distinct per level, inside Qwen's 151,936) i
 peak RSS (ru_maxrss) is its own:
   build: `slmrank build`'s catalog step, build_catalog (parse_catalog + build_trie + writing the trie
          and item files with their sha256), against Qwen's vocabulary of 151,936;
-  load:  load_catalog (the files -> numpy, item ids -> a list) + trie_forest (the beam_allowed
+  load:  load_catalog (the files -> numpy, the item ids' lines found) + trie_forest (the beam_allowed
          constants, to --device, cpu by default) + the first Catalog.item_of of 400 codes; the
          bytes are the forest tensors' (what the device holds) and layout_bytes' CSR sum (what the
          files hold);

@@ -41,7 +41,7 @@ CHUNK = 256  # requests handed to the engine at a time
 def _items(path: Path, vocab_size: int) -> dict[tuple[int, ...], str]:
     """code -> item id, read by the build's own parser."""
     ids, codes = parse_catalog(path, vocab_size)
-    return {tuple(code): item.decode() for item, code in zip(ids, codes.tolist())}
+    return dict(zip(map(tuple, codes.tolist()), ids.tolist()))
 
 
 def check(req: BeamRequest, res: object, items: dict[tuple[int, ...], str] | None) -> str | None:

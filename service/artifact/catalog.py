@@ -45,12 +45,66 @@ class CatalogError(ValueError):
     """A catalog file that cannot be built: str(e) names file:line."""
 
 
+@dataclass(frozen=True, eq=False)
+class ItemIds:
+    """Item ids as one byte string and each one's place in it: no Python object an item. A list of
+    10M str (or bytes) takes about a second to build, split or join, all of it holding the GIL,
+    and a server that reads a replacement catalog beside live traffic (Admin.ReplaceCatalog) would
+    stall its event loop that long; numpy's array work lets go of the GIL. An id is decoded when
+    it is looked up (Catalog.item_of: a beam's few hundred)."""
+    data: bytes
+    starts: np.ndarray  # int64 [n]: where each id begins in data
+    lengths: np.ndarray  # int64 [n]: its bytes
+
+    @classmethod
+    def of_lines(cls, data: bytes) -> ItemIds:
+        """One id a line, each line ended by a newline (a catalog's items file)."""
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+        return cls(data, starts[:len(ends)], ends - starts[:len(ends)])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> str:
+        start = int(self.starts[i])
+        return self.data[start:start + int(self.lengths[i])].decode()
+
+    def tolist(self) -> list[str]:
+        """Every id (a str each: for small catalogs and tests, not a server's path)."""
+        return [self[i] for i in range(len(self))]
+
+    def fixed(self) -> np.ndarray:
+        """[n] S<longest>, each id zero-padded (no id holds a zero byte: parse_catalog): what numpy
+        sorts and compares without the GIL. Built a byte column at a time, not an index an id byte."""
+        n, width = len(self), int(self.lengths.max(initial=1))
+        buf = np.frombuffer(self.data, dtype=np.uint8)
+        rows = np.zeros((n, width), dtype=np.uint8)
+        shortest = int(self.lengths.min(initial=0))
+        for col in range(width):
+            if col < shortest:
+                rows[:, col] = buf[self.starts + col]
+            else:
+                has = self.lengths > col
+                rows[has, col] = buf[self.starts[has] + col]
+        return rows.view(f"S{width}").reshape(n)
+
+    def lines(self, order: np.ndarray, fixed: np.ndarray | None = None) -> ItemIds:
+        """These ids in `order`, one a line (the items file's bytes); fixed: self.fixed(), if made."""
+        fixed, lengths = (self.fixed() if fixed is None else fixed)[order], self.lengths[order]
+        n, width = len(fixed), fixed.dtype.itemsize
+        rows = np.zeros((n, width + 1), dtype=np.uint8)
+        rows[:, :width] = fixed.view(np.uint8).reshape(n, width)
+        rows[np.arange(n), lengths] = 10
+        return ItemIds.of_lines(rows[np.arange(width + 1) <= lengths[:, None]].tobytes())
+
+
 @dataclass(frozen=True)
 class Catalog:
     name: str
     offsets: np.ndarray  # int64 [num_nodes + 1]
     tokens: np.ndarray  # int32 [num_edges]
-    item_ids: list[str]  # leaf order (items sorted by code)
+    item_ids: ItemIds  # leaf order (items sorted by code), one a line: the items file
     code_length: int
     version: str = ""  # the first 12 hex digits of sha256(trie file's sha256 + items file's sha256)
 
@@ -88,11 +142,11 @@ class Catalog:
             edge = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
             found &= (keys[edge] == want) & (codes[:, level] < span)
             node = edge + 1
-        first_leaf = self.num_nodes - self.num_items
-        return [self.item_ids[n - first_leaf] if ok else None for n, ok in zip(node.tolist(), found.tolist())]
+        first_leaf, ids = self.num_nodes - self.num_items, self.item_ids
+        return [ids[n - first_leaf] if ok else None for n, ok in zip(node.tolist(), found.tolist())]
 
 
-def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]:
+def parse_catalog(path: Path, vocab_size: int) -> tuple[ItemIds, np.ndarray]:
     """(item ids, codes [n, L] int64) in file order; CatalogError naming file:line."""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
@@ -128,8 +182,16 @@ def parse_catalog(path: Path, vocab_size: int) -> tuple[list[bytes], np.ndarray]
                 counts=per_line)
     codes = values.reshape(len(ends), int(per_line[0]))
     _fail_where(path, (codes >= vocab_size).any(axis=1), f"token id outside the model's vocabulary [0, {vocab_size})")
-    ids = data.replace(b"\t", b"\n").split(b"\n")[0:2 * len(ends):2]
-    return ids, codes
+    # the ids (before each TAB): no zero byte (ItemIds.fixed pads with them), UTF-8 (a gRPC string)
+    zeros = np.flatnonzero(buf == 0)
+    _fail_lines(path, np.searchsorted(ends, zeros)[zeros < tabs[np.searchsorted(ends, zeros)]],
+                "an item id holds a zero byte")
+    if (buf >= 128).any():  # not all ASCII: decode once (the token parts are ASCII by now)
+        try:
+            data.decode()
+        except UnicodeDecodeError as e:
+            raise CatalogError(f"{path}:{int(np.searchsorted(ends, e.start)) + 1}: the item id is not UTF-8") from None
+    return ItemIds(data, starts, tabs - starts), codes
 
 
 def _parse_tokens(buf: np.ndarray, ends: np.ndarray, tabs: np.ndarray,
@@ -183,7 +245,7 @@ def _fail_where(path: Path, bad: np.ndarray, what: str, counts: np.ndarray | Non
         raise CatalogError(f"{path}:{line + 1}: {message}")
 
 
-def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Catalog:
+def build_trie(name: str, ids: ItemIds, codes: np.ndarray, path: Path) -> Catalog:
     """Sorts the items by code and lays out the BFS trie; CatalogError for duplicate ids or codes."""
     n, length = codes.shape
     bits = max(int(codes.max(initial=0)).bit_length(), 1)
@@ -204,14 +266,14 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
         i = int(np.argmax(same))
         a, b = sorted((int(order[i]) + 1, int(order[i + 1]) + 1))
         raise CatalogError(f"{path}:{b}: duplicate item code (the same tokens as line {a})")
-    id_arr = np.array(ids, dtype=object)
-    id_fixed = np.array(ids)  # S<longest>, zero-padded: sorted here, and the ids in leaf order below
+    id_fixed = ids.fixed()  # sorted here and compared, without the GIL (no object an id)
     by_id = np.argsort(id_fixed, kind="stable")
-    same_id = id_arr[by_id[1:]] == id_arr[by_id[:-1]]
+    same_id = id_fixed[by_id[1:]] == id_fixed[by_id[:-1]]
     if same_id.any():
         i = int(np.argmax(same_id))
         a, b = int(by_id[i]), int(by_id[i + 1])
-        raise CatalogError(f"{path}:{b + 1}: duplicate item id {ids[b].decode(errors='replace')!r} (also line {a + 1})")
+        raise CatalogError(f"{path}:{b + 1}: duplicate item id {ids[b]!r} (also line {a + 1})")
+    del by_id, same_id
     new = np.arange(n) == 0  # row starts a new prefix of the current length
     level_sizes, edge_tokens, child_counts = [1], [], []
     parent_of_row = np.zeros(n, dtype=np.int64)  # the row's node index within the previous level
@@ -226,20 +288,7 @@ def build_trie(name: str, ids: list[bytes], codes: np.ndarray, path: Path) -> Ca
     child_counts.append(np.zeros(n, dtype=np.int64))  # the leaves
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(child_counts))]).astype(np.int64)
     tokens = np.concatenate(edge_tokens).astype(np.int32)
-    # the ids in leaf order from the fixed-width copy (a gather of bytes, not of 10M objects in a
-    # random order: 5.4 s at 10M), cut to their true lengths, decoded and split in one piece
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))[order]
-    return Catalog(name, offsets, tokens, _join_lines(id_fixed[order], lengths).decode().split("\n"), length)
-
-
-def _join_lines(fixed: np.ndarray, lengths: np.ndarray) -> bytes:
-    """Byte strings as a zero-padded S array and their true lengths (a trailing zero byte of an id
-    is its own) -> b"\n".join of them."""
-    n, width = len(fixed), fixed.dtype.itemsize
-    rows = np.zeros((n, width + 1), dtype=np.uint8)
-    rows[:, :width] = fixed.view(np.uint8).reshape(n, width)
-    rows[np.arange(n), lengths] = 10
-    return rows[np.arange(width + 1) <= lengths[:, None]].tobytes()[:-1]
+    return Catalog(name, offsets, tokens, ids.lines(order, id_fixed), length)
 
 
 def layout_bytes(cat: Catalog, vocab_size: int) -> list[dict[str, int]]:
@@ -295,7 +344,7 @@ def _read(name: str, path: str | Path, vocab_size: int, quiet: bool,
     shas = (hashlib.sha256(files[0]).hexdigest(), hashlib.sha256(files[1]).hexdigest())
     version = hashlib.sha256((shas[0] + shas[1]).encode()).hexdigest()[:12]
     cat = Catalog(cat.name, cat.offsets, cat.tokens, cat.item_ids, cat.code_length, version)
-    cat.edge_keys  # noqa: B018  (here, not on the first request's beams)
+    cat.edge_keys, cat.code_tokens  # noqa: B018  (here, off the event loop: not on the first beams, nor in ModelInfo)
     if big and not quiet:
         note(f"catalog {name}: {cat.num_items:,} items, {cat.num_nodes:,} trie nodes")
     return cat, files, shas
@@ -304,15 +353,15 @@ def _read(name: str, path: str | Path, vocab_size: int, quiet: bool,
 def catalog_files(cat: Catalog) -> tuple[bytes, bytes]:
     """The bytes of the catalog's two files: the trie (safetensors) and the item ids, a line each."""
     trie = save({"offsets": torch.from_numpy(cat.offsets), "tokens": torch.from_numpy(cat.tokens)})
-    return trie, "\n".join(cat.item_ids).encode() + b"\n"
+    return trie, cat.item_ids.data
 
 
 def load_catalog(art_dir: Path, entry: dict) -> Catalog:
     trie = load_file(str(art_dir / entry["file"]))
-    items = (art_dir / entry["items_file"]).read_bytes().decode().split("\n")[:-1]
+    items = ItemIds.of_lines((art_dir / entry["items_file"]).read_bytes())
     cat = Catalog(entry["name"], trie["offsets"].numpy(), trie["tokens"].numpy(), items, int(entry["code_length"]),
                   str(entry["version"]))
-    cat.edge_keys  # noqa: B018  (at load, not on the first request's beams)
+    cat.edge_keys, cat.code_tokens  # noqa: B018  (at load, not on the first request's beams)
     return cat
 
 

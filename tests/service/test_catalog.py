@@ -25,7 +25,7 @@ def test_trie_is_bfs_csr_with_sorted_children(tmp_path):
     # root -> {0, 3}; 0 -> {5}; 3 -> {1, 2}; 05 -> {5}; 31 -> {0, 2}; 32 -> {0}; then 4 leaves
     assert cat.offsets.tolist() == [0, 2, 3, 5, 6, 8, 9, 9, 9, 9, 9]
     assert cat.tokens.tolist() == [0, 3, 5, 1, 2, 5, 0, 2, 0]
-    assert cat.item_ids == ["c", "b", "a", "d"]  # leaf order: sorted by code
+    assert cat.item_ids.tolist() == ["c", "b", "a", "d"]  # leaf order: sorted by code
     codes = np.array([[3, 1, 0], [0, 5, 5], [3, 2, 1], [3, 2, 0], [9, 9, 9]])
     assert cat.item_of(codes) == ["b", "c", None, "d", None]
 
@@ -40,6 +40,7 @@ def test_trie_is_bfs_csr_with_sorted_children(tmp_path):
     ("a\t1 -2\n", 1, "integer ids separated by spaces"),
     ("\t1 2\n", 1, "empty item id"),
     ("a\t1 2\nb\t \n", 2, "no tokens"),
+    ("a\t1 2\nb\x00\t1 3\n", 2, "an item id holds a zero byte"),
     ("a\t1 2\n\nb\t3 4\n", 2, "needs exactly one TAB"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, text, line, what):
@@ -49,7 +50,32 @@ def test_bad_lines_name_file_and_line(tmp_path, text, line, what):
 
 
 def test_crlf_and_no_final_newline(tmp_path):
-    assert _trie(tmp_path, "a\t1 2\r\nb\t1 3").item_ids == ["a", "b"]
+    assert _trie(tmp_path, "a\t1 2\r\nb\t1 3").item_ids.tolist() == ["a", "b"]
+
+
+def test_an_id_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "c.tsv"
+    path.write_bytes("a\t1 2\nb\u00e9\t1 3\n".encode() + b"c\xe9\t1 4\n")
+    with pytest.raises(CatalogError, match="c.tsv:3: the item id is not UTF-8"):
+        parse_catalog(path, 10)
+
+
+def test_ids_of_any_length_and_utf8_survive_build_files_and_load(tmp_path):
+    """Item ids as one byte string (ItemIds): from the file through the trie's leaf order, the items
+    file and a load, each id comes back whole, of 1 to 40 bytes, ASCII or not, a prefix of another."""
+    rng = np.random.default_rng(5)
+    alphabet = list("abcXYZ019-_.") + ["\u00e9", "\u4e2d", "\U0001f600"]
+    ids = {"".join(rng.choice(alphabet, int(rng.integers(1, 15)))) for _ in range(400)} | {"a", "ab", "abc"}
+    ids = sorted(ids)
+    codes = rng.permutation(4096)[:len(ids)]
+    path = tmp_path / "c.tsv"
+    path.write_text("".join(f"{i}\t{c // 64} {c % 64}\n" for i, c in zip(ids, codes)))
+    entry = build_catalog("c", path, 64, tmp_path, quiet=True)
+    cat = load_catalog(tmp_path, entry)
+    by_code = sorted(zip(codes.tolist(), ids))
+    assert cat.item_ids.tolist() == [i for _, i in by_code]  # leaf order
+    assert (tmp_path / entry["items_file"]).read_text() == "".join(f"{i}\n" for _, i in by_code)
+    assert cat.item_of(np.stack([codes // 64, codes % 64], axis=1)) == ids
 
 
 def test_forest_of_two_catalogs(tmp_path):
@@ -118,7 +144,7 @@ def test_blocks_of_lines_parse_as_the_whole_file(tmp_path, monkeypatch):
     whole = parse_catalog(path, 151_936)
     monkeypatch.setattr(catalog, "BLOCK_BYTES", 16)
     ids, got = parse_catalog(path, 151_936)
-    assert ids == whole[0] and (got == whole[1]).all() and (got == codes).all()
+    assert ids.tolist() == whole[0].tolist() and (got == whole[1]).all() and (got == codes).all()
     lines = path.read_text().split("\n")
     for bad, what in (("item9\t1 2 x", "integer ids"), ("item9\t1 2 1234567890", "more than 9 digits"),
                       ("item9\t1 2", "2 tokens, but line 1 has 3")):

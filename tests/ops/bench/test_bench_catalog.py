@@ -75,7 +75,7 @@ def test_the_generated_catalog_is_deterministic_per_seed(tmp_path: Path, monkeyp
     assert gen.write_catalog(tmp_path / "b.tsv", 5000, seed=4).read_bytes() == a
     assert gen.write_catalog(tmp_path / "c.tsv", 5000, seed=5).read_bytes() != a
     ids, codes = parse_catalog(tmp_path / "a.tsv", 151_936)
-    assert len(ids) == 5000 and len(set(ids)) == 5000 and ids[:2] == [b"i0000", b"i0001"]
+    assert len(ids) == 5000 and len(set(ids.tolist())) == 5000 and ids.tolist()[:2] == ["i0000", "i0001"]
     assert len(np.unique(codes, axis=0)) == 5000  # distinct codes
     for level in range(3):  # each level's 256 tokens, apart from the other levels', inside tiny's 4,096 too
         assert codes[:, level].min() >= 1000 + 256 * level and codes[:, level].max() < 1000 + 256 * (level + 1)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import shutil
 import sys
 import threading
 import time
@@ -38,6 +36,7 @@ import grpc
 import numpy as np
 
 from ops.bench.bench_grpc import Proc, wait_serving
+from ops.bench.workloads import cached_catalog_artifact
 from service.loadgen.catalogs import catalog_codes, write_catalog
 from service.serving.proto_gen import load as load_stubs
 
@@ -49,23 +48,11 @@ SEEDS = {"v1": 28, "v2": 29}
 def swap_artifact(model: str, items: int, catalog_dir: Path, quiet: bool = True) -> Path:
     """The artifact of `model` with catalog NAME = v1 (cached, keyed by the model and the items); v1.tsv
     and v2.tsv written into catalog_dir."""
-    from service.artifact.artifact import build_artifact, load_artifact
-    from service.artifact.manifest import ArtifactError
-    from service.artifact.resolve import cache_dir
-
     catalog_dir.mkdir(parents=True, exist_ok=True)
     for version, seed in SEEDS.items():
         write_catalog(catalog_dir / f"{version}.tsv", items, seed, LEVELS, CODES, BASE)
     key = json.dumps([model, NAME, items, SEEDS["v1"], LEVELS, CODES, BASE])
-    out = cache_dir() / "artifacts" / ("swap-" + hashlib.sha256(key.encode()).hexdigest()[:16])
-    if (out / "manifest.msgpack").exists():
-        try:
-            if NAME in load_artifact(out).catalog_lengths:
-                return out
-        except ArtifactError:
-            shutil.rmtree(out, ignore_errors=True)
-    build_artifact(model, out, quiet=quiet, catalogs={NAME: catalog_dir / "v1.tsv"})
-    return out
+    return cached_catalog_artifact(model, NAME, lambda: catalog_dir / "v1.tsv", key, "swap-", quiet=quiet)
 
 
 class Items:

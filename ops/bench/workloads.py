@@ -10,7 +10,7 @@ runs against).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from service.loadgen.workloads import (  # noqa: F401  (re-exported: the benches import them from here)
     ID_HIGH, MIXES, SCORE_MIX, WORKLOADS, Requests, WorkloadError, flops_per_request, message_flops)
@@ -96,27 +96,42 @@ def runtime_of(msg: Any) -> Any:
 def catalog_artifact(model: str, catalog: str, out: str | Path | None = None, quiet: bool = True) -> Path:
     """The artifact of an embedded spec or checkpoint `model` built with the catalog CATALOGS[catalog]
     (service/loadgen/catalogs.py, seeded: the same items every time) under that name: what a catalog
-    workload (W7, W8) runs against. Built once into out (default: the artifact cache,
-    $SLMRANK_CACHE/artifacts, keyed by the model, the catalog's name and its definition), the
-    catalog file beside it; later calls load the one there (rebuilt if it does not load)."""
-    import hashlib
+    workload (W7, W8) runs against. Built once into out (default: the artifact cache, keyed by the
+    model, the catalog's name and its definition), the catalog file beside it; later calls load the
+    one there (rebuilt if it does not load)."""
     import json
 
-    from service.artifact.artifact import build_artifact, load_artifact
-    from service.artifact.manifest import ArtifactError
     from service.artifact.resolve import cache_dir
     from service.loadgen.catalogs import CATALOGS, catalog_file
 
     if catalog not in CATALOGS:
         raise SystemExit(f"catalog {catalog!r} is not one of {', '.join(CATALOGS)}")
     key = json.dumps([model, catalog, CATALOGS[catalog]], sort_keys=True)
-    out = Path(out) if out else cache_dir() / "artifacts" / ("catalog-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    return cached_catalog_artifact(model, catalog, lambda: catalog_file(catalog, cache_dir() / "catalogs"),
+                                   key, "catalog-", out, quiet)
+
+
+def cached_catalog_artifact(model: str, name: str, file: Callable[[], Path], key: str, prefix: str,
+                            out: str | Path | None = None, quiet: bool = True) -> Path:
+    """The artifact of `model` with the catalog file() under `name`, in out (default: the artifact
+    cache, $SLMRANK_CACHE/artifacts/<prefix><sha256 of key>): the one there when its manifest holds
+    that catalog, else built afresh (a cached one that did not load is removed first); file() is
+    called only then."""
+    import hashlib
+    import shutil
+
+    from service.artifact.artifact import build_artifact, load_artifact
+    from service.artifact.manifest import ArtifactError
+    from service.artifact.resolve import cache_dir
+
+    cached = not out
+    out = Path(out) if out else cache_dir() / "artifacts" / (prefix + hashlib.sha256(key.encode()).hexdigest()[:16])
     if (out / "manifest.msgpack").exists():
         try:
-            if catalog in load_artifact(out).catalog_lengths:
+            if name in load_artifact(out).catalog_lengths:
                 return out
         except ArtifactError:
-            pass
-    file = catalog_file(catalog, cache_dir() / "catalogs")
-    build_artifact(model, out, quiet=quiet, catalogs={catalog: file})
+            if cached:
+                shutil.rmtree(out, ignore_errors=True)
+    build_artifact(model, out, quiet=quiet, catalogs={name: file()})
     return out

@@ -32,9 +32,8 @@ from service.sched.cost import BucketInfo, RequestCost
 from service.model.config import ServingLimits
 from service.sched.shapes import message_dims, shape_key
 from service.sched.verdict import decide
-from service.serving.fronts.gate import FrontGate, SharedForwards, Transit, refusal_reason, snapshot_outlook
-from service.serving.fronts.state import (NUM_CLIENTS, NUM_POINTS, STATE_DRAINING, STATE_SERVING, TRANSIT_RING, LaneView,
-                                          SharedState, Snapshot)
+from service.serving.fronts.gate import FrontGate, refusal_reason, snapshot_outlook
+from service.serving.fronts.state import NUM_CLIENTS, NUM_POINTS, STATE_DRAINING, STATE_SERVING, LaneView, SharedState, Snapshot
 from service.serving.fronts.supervisor import FrontPublisher
 from service.serving.proto_gen import load as load_stubs
 from tests.service.fakes import FakeClock, FakeFuture
@@ -211,94 +210,41 @@ def test_a_front_refuses_only_what_the_engine_refuses(seed, margin, shared):
     assert checked == 60
 
 
-@pytest.mark.parametrize("shared_rings", [False, True])
-def test_a_front_counts_the_forwards_the_snapshot_cannot_show(shared, shared_rings):
-    """Requests let through after the snapshot a front reads was published (less the engine's
+def test_a_front_counts_its_own_forwards_the_snapshot_cannot_show(shared):
+    """Requests a front let through after the snapshot it reads was published (less the engine's
     ingress delay) are not in that snapshot's lanes yet: the front counts their shares as work
-    ahead (its lane) or above (a higher lane), and those of its lane in its length, as the engine
-    will once it has them; once a snapshot shows them, they are not counted twice. With the rings
-    in the shared file (as `serve --fronts` runs them), the forwards of the other fronts count too:
-    here three let through by front 0 and one by front 1, counted by both."""
+    ahead (its lane) or above (a higher lane), as the engine will once it has them; once a
+    snapshot shows them, they are not counted twice."""
     _, clock, ctl, publisher = _world(3, shared, ["bench"])
-    if shared_rings:
-        gate = FrontGate(shared.read, num_fronts=2, clock=clock, forwards=SharedForwards(shared, 0, 2))
-        other = FrontGate(shared.read, num_fronts=2, clock=clock, forwards=SharedForwards(shared, 1, 2))
-    else:
-        gate = other = FrontGate(shared.read, clock=clock)
+    gate = FrontGate(shared.read, clock=clock)
     _engine_says(ctl, publisher, "score", 2, None, "bench")  # the shape priced, the snapshot published
     clock.t += 0.001
     snap = shared.read()
-    for front, priority in ((gate, 2), (other, 2), (gate, 1), (gate, 3)):  # let through after the snapshot
-        assert front.check("score", _with_priority(SCORE_MSG, priority), None, "bench") is None
+    for priority in (2, 2, 1):  # let through after the snapshot was published
+        assert gate.check("score", _with_priority(SCORE_MSG, priority), None, "bench") is None
         clock.t += 0.0005
     tickets = [Ticket("q", "score", Priority(p), None, future=FakeFuture(), client="bench", cost=SCORE_COST)
-               for p in (2, 2, 1, 3)]
+               for p in (2, 2, 1)]
     for t in tickets:
         ctl.admit(t)  # the engine has them now; `snap` does not show them
     dims = message_dims("score", SCORE_MSG, LIMITS, 4)
     share_s = snap.shapes[shape_key(dims)][1]  # the front's price of each: the shape's published share
     assert share_s > 0
-    for g in (gate, other):
-        assert g.in_transit(snap, Priority.NORMAL, clock.t) == Transit(2, pytest.approx(2 * share_s), pytest.approx(share_s))
-        assert g.in_transit(snap, Priority.ONLINE, clock.t) == Transit(1, pytest.approx(share_s), 0.0)
-        assert g.in_transit(snap, Priority.BACKGROUND, clock.t) == Transit(1, pytest.approx(share_s), pytest.approx(3 * share_s))
+    assert gate.in_transit_s(snap, Priority.NORMAL, clock.t) == pytest.approx((2 * share_s, share_s))
+    assert gate.in_transit_s(snap, Priority.ONLINE, clock.t) == pytest.approx((share_s, 0.0))
     probe = Ticket("p", "score", Priority.NORMAL, None, client="bench", cost=SCORE_COST)
     _, _, engine = ctl.price(probe, clock.t)
     bare = snapshot_outlook(snap, Priority.NORMAL, dims, None, "bench", clock.t)
     front = snapshot_outlook(snap, Priority.NORMAL, dims, None, "bench", clock.t,
-                             gate.in_transit(snap, Priority.NORMAL, clock.t))
+                             gate.in_transit_s(snap, Priority.NORMAL, clock.t))
     assert front.ahead_s == pytest.approx(bare.ahead_s + 2 * share_s)
     assert front.higher_work_s == pytest.approx(bare.higher_work_s + share_s)
-    assert front.lane_length == bare.lane_length + 2 == engine.lane_length
-    assert front.lane_work_s == pytest.approx(bare.lane_work_s + 2 * share_s)
     # the engine, which has them, sees that much more (each priced with the queue it joined)
     for name in ("ahead_s", "higher_work_s"):
         assert abs(getattr(front, name) - getattr(engine, name)) < abs(getattr(bare, name) - getattr(engine, name))
     clock.t += 0.001
     publisher.publish()  # a snapshot that holds them
-    assert gate.in_transit(shared.read(), Priority.NORMAL, clock.t) == Transit()
-
-
-def test_the_last_places_of_a_lane_go_to_one_front_not_to_each(shared):
-    """A lane one request short of its cap: the front that lets one through takes the place, and
-    another front refuses the next ("queue_full") before a snapshot shows it, instead of both
-    letting one through for the engine to refuse behind its event loop."""
-    clock = FakeClock()
-    cfg = AdmissionConfig(max_queue_normal=4, max_lane_work_s=30.0)
-    ctl = AdmissionController(cfg, cfg.service_model(num_lanes=1), clock=clock)
-    publisher = FrontPublisher(shared, clock)
-    publisher.attach(ctl, LIMITS, 4)
-    publisher.set_state(STATE_SERVING)
-    fronts = [FrontGate(shared.read, num_fronts=2, clock=clock, forwards=SharedForwards(shared, i, 2)) for i in range(2)]
-    _engine_says(ctl, publisher, "score", 2, None, "bench")
-    for _ in range(cfg.max_queue_normal - 1):
-        ctl.admit(Ticket("q", "score", Priority.NORMAL, None, future=FakeFuture(), client="bench", cost=SCORE_COST))
-    publisher.publish()
-    clock.t += 0.0005
-    assert fronts[0].check("score", SCORE_MSG, None, "bench") is None
-    refusal = fronts[1].check("score", SCORE_MSG, None, "bench")
-    assert refusal is not None and refusal_reason(refusal) == "queue_full", refusal
-    # the same two fronts each with only its own forwards: both let one through
-    fronts = [FrontGate(shared.read, num_fronts=2, clock=clock) for _ in range(2)]
-    clock.t += 0.0005
-    assert [f.check("score", SCORE_MSG, None, "bench") for f in fronts] == [None, None]
-
-
-def test_a_ring_keeps_its_front_s_latest_forwards(shared):
-    """Past TRANSIT_RING forwards a front's ring holds its latest ones; each front's are read from
-    its own ring, newest first, down to the time asked."""
-    for k in range(TRANSIT_RING + 5):
-        shared.note_forward(2, 100.0 + k, 1 + k % 3, 0.001 * k)
-    shared.note_forward(0, 150.0, 2, 0.5)
-    got = shared.forwards_since(3, 0.0)
-    assert len(got) == TRANSIT_RING + 1
-    assert got[0] == (2, 0.5)
-    assert got[1] == (1 + (TRANSIT_RING + 4) % 3, pytest.approx(0.001 * (TRANSIT_RING + 4)))
-    assert got[-1] == (1 + 5 % 3, pytest.approx(0.005))  # the oldest kept
-    last = TRANSIT_RING + 4  # front 2's newest: k = last at 100 + last
-    assert shared.forwards_since(3, 100.0 + last - 2) == [(1 + last % 3, pytest.approx(0.001 * last)),
-                                                          (1 + (last - 1) % 3, pytest.approx(0.001 * (last - 1)))]
-    assert shared.forwards_since(2, 0.0) == [(2, 0.5)]  # fronts 0 and 1 only
+    assert gate.in_transit_s(shared.read(), Priority.NORMAL, clock.t) == (0.0, 0.0)
 
 
 def test_the_margin_leaves_the_engine_what_its_front_lets_through(shared):
@@ -709,7 +655,7 @@ def test_an_answer_after_the_caller_s_deadline_ends_the_front_s_handler_quietly(
     import argparse
     from service.serving.fronts.front import Front
 
-    shared.write(Snapshot(state=STATE_SERVING, **LIMIT_FIELDS, lanes=tuple(LaneView(max_queue=128) for _ in range(3))))
+    shared.write(Snapshot(state=STATE_SERVING, **LIMIT_FIELDS))
     args = argparse.Namespace(state=shared.path, slot=0, fronts=1, client_id_metadata="x-client-id",
                               max_inflight=8)
     front = Front(args)

@@ -34,7 +34,7 @@ from ...sched.verdict import Overloaded
 from ..proto_gen import load as load_stubs
 from ..stalls import StallInterceptor, StallWatch
 from ..status import connection_options, server_options, status_of
-from .gate import FrontGate, SharedForwards, refusal_reason
+from .gate import FrontGate, refusal_reason
 from .state import DEADLINE_KEY, SENT_KEY, SharedState, client_id
 
 log = logging.getLogger("slmrank.front")
@@ -57,7 +57,7 @@ class Front:
         self.args = args
         self.shared = SharedState(args.state)
         self.slot = args.slot
-        self.gate = FrontGate(self.shared.read, args.fronts, forwards=SharedForwards(self.shared, args.slot, args.fronts))
+        self.gate = FrontGate(self.shared.read, args.fronts)
         self.pb2 = load_stubs().pb2
         self.parse = {"Score": self.pb2.ScoreRequest.FromString, "BeamSearch": self.pb2.BeamSearchRequest.FromString}
         self.channel: grpc.aio.Channel | None = None  # made on the serving loop (run)

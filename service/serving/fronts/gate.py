@@ -7,13 +7,9 @@ snapshot, each unknown taken at its least, so that a front refuses only what the
   in flight    the published remaining work, decayed at one second a second per batch since
   client work  not known: no client limit here (the engine keeps it)
   ingress      the engine's measured delay in taking what fronts forward (the "backlog" check)
-  in transit   every front's forwards the snapshot cannot show yet (let through later than the
-               ingress delay before it was published; each front writes its own into its ring in
-               the shared file): their shares count as work ahead (its lane) or above (a higher
-               lane), and those of its lane as queued there (its length and work). With one front
-               counting only its own, N fronts let through up to N times what each thought was
-               room, and the engine refused the rest itself, behind its event loop: 3.6% (W1) and
-               12% (W2) of the refusals at 3x on the H200 with 8 fronts, 2026-12-06, their P99 13 ms
+  in transit   this front's own forwards the snapshot cannot show yet (sent less than the ingress
+               delay before it was published): their shares count as work ahead (its lane) or
+               above (a higher lane)
   margin       the deadline check leaves the engine's front_deadline_margin of the time left
                spare (verdict.py says why)
 
@@ -29,20 +25,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...sched.shapes import message_dims, shape_key
 from ...sched.verdict import DeadlineUnmeetable, Outlook, Overloaded, Priority, RetryBook, RetryHints, decide, \
     lane_of
 from ..status import NotServing
-from .state import STATE_DRAINING, STATE_SERVING, SharedState, Snapshot, SnapshotBusy, client_key, ingress_delay_s
+from .state import STATE_DRAINING, STATE_SERVING, Snapshot, SnapshotBusy, client_key, ingress_delay_s
 
 def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: float | None, client: str,
-                     now: float, transit: Transit | None = None) -> Outlook:
-    """A front's view of one request's lane (module docstring). transit: the fronts' forwards in
-    transit (FrontGate.in_transit), in the request's lane and in the lanes above it."""
-    transit = transit or Transit()
+                     now: float, transit_s: tuple[float, float] = (0.0, 0.0)) -> Outlook:
+    """A front's view of one request's lane (module docstring). transit_s: the work of its forwards
+    in transit (FrontGate.in_transit_s), in the request's lane and in the lanes above it."""
     own_s, share_s, idle_s = snap.shapes.get(shape_key(dims), (0.0, 0.0, 0.0))
     lane = snap.lanes[priority - 1]
     tag = max(lane.vtime, lane.clients.get(client_key(client), 0.0))
@@ -53,55 +47,15 @@ def snapshot_outlook(snap: Snapshot, priority: Priority, dims: tuple, deadline: 
         ahead_s = cum
     return Outlook(
         now=now, deadline=deadline, priority=priority, own_s=own_s, work_s=share_s,
-        is_measured=snap.measured and own_s > 0, lane_length=lane.length + transit.same_n,
-        lane_max_queue=lane.max_queue, lane_work_s=lane.work_s + transit.same_s, max_lane_work_s=snap.max_lane_work_s,
-        ahead_s=ahead_s + transit.same_s, higher_work_s=lane.higher_work_s + transit.above_s,
-        deadline_margin=snap.deadline_margin,
+        is_measured=snap.measured and own_s > 0, lane_length=lane.length, lane_max_queue=lane.max_queue,
+        lane_work_s=lane.work_s, max_lane_work_s=snap.max_lane_work_s, ahead_s=ahead_s + transit_s[0],
+        higher_work_s=lane.higher_work_s + transit_s[1], deadline_margin=snap.deadline_margin,
         inflight_s=max(snap.inflight_s - snap.inflight_batches * max(now - snap.published_s, 0.0), 0.0),
         parallelism=snap.parallelism, stretch=lane.stretch, calibration=snap.calibration,
         safety_margin=snap.safety_margin, response_margin_s=snap.response_margin_s, response_s=snap.response_s,
         client=client, ingress_s=ingress_delay_s(snap.ingress_s, snap.ingress_at, now),
         max_backlog_s=snap.max_backlog_s, idle_s=idle_s if idle_s > 0 else None,
         is_idle=not snap.inflight_batches and not any(lane.length for lane in snap.lanes))
-
-
-@dataclass(frozen=True)
-class Transit:
-    """Forwards a snapshot cannot show yet: in one lane, their count and shares; above it, their shares."""
-
-    same_n: int = 0
-    same_s: float = 0.0
-    above_s: float = 0.0
-
-
-class OwnForwards:
-    """A front's record of its own forwards only (one front, or a gate on its own in tests)."""
-
-    def __init__(self) -> None:
-        self._forwards: deque[tuple[float, int, float]] = deque()  # (when, lane, share), in order
-
-    def note(self, when: float, priority: int, share_s: float) -> None:
-        self._forwards.append((when, priority, share_s))
-
-    def since(self, t: float) -> list[tuple[int, float]]:
-        forwards = self._forwards
-        while forwards and forwards[0][0] <= t:
-            forwards.popleft()
-        return [(p, share_s) for _, p, share_s in forwards]
-
-
-class SharedForwards:
-    """Every front's forwards, from their rings in the shared file (state.SharedState.note_forward):
-    this front (`slot`) writes its own, and reads those of all `num_fronts`."""
-
-    def __init__(self, shared: SharedState, slot: int, num_fronts: int) -> None:
-        self.shared, self.slot, self.num_fronts = shared, slot, num_fronts
-
-    def note(self, when: float, priority: int, share_s: float) -> None:
-        self.shared.note_forward(self.slot, when, priority, share_s)
-
-    def since(self, t: float) -> list[tuple[int, float]]:
-        return self.shared.forwards_since(self.num_fronts, t)
 
 
 def hints_of(snap: Snapshot) -> RetryHints:
@@ -122,23 +76,22 @@ class FrontGate:
     """verdict.decide at a front, on the snapshot `read` returns (module docstring)."""
 
     def __init__(self, read: Callable[[], Snapshot], num_fronts: int = 1,
-                 clock: Callable[[], float] = time.monotonic, forwards: OwnForwards | SharedForwards | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.read, self.clock = read, clock
         # each of N fronts sees 1/N of the arrivals: its appointments are N shares apart
         self.retries = RetryBook(spread=num_fronts)
-        self.forwards = forwards or OwnForwards()  # what it let through (with fronts: what all of them did)
+        self._forwards: deque[tuple[float, Priority, float]] = deque()  # (when, lane, share) of what it let through
 
-    def in_transit(self, snap: Snapshot, priority: Priority, now: float) -> Transit:
-        """The forwards that `snap` cannot show yet, in `priority`'s lane (count, shares) and in the
-        lanes above it (shares): those let through later than the engine's ingress delay before
-        the snapshot was published, a second back at most."""
-        same_n, same_s, above_s = 0, 0.0, 0.0
-        for p, share_s in self.forwards.since(max(snap.published_s - snap.ingress_s, now - 1.0)):
-            if p == priority:
-                same_n, same_s = same_n + 1, same_s + share_s
-            elif p < priority:
-                above_s += share_s
-        return Transit(same_n, same_s, above_s)
+    def in_transit_s(self, snap: Snapshot, priority: Priority, now: float) -> tuple[float, float]:
+        """The shares of this front's forwards that `snap` cannot show yet, in `priority`'s lane and
+        in the lanes above it: those let through later than the engine's ingress delay before the
+        snapshot was published. Older ones are forgotten (a second at most)."""
+        forwards, since = self._forwards, max(snap.published_s - snap.ingress_s, now - 1.0)
+        while forwards and forwards[0][0] <= since:  # in the order they were let through
+            forwards.popleft()
+        same = sum(share_s for _, p, share_s in forwards if p == priority)
+        above = sum(share_s for _, p, share_s in forwards if p < priority)
+        return same, above
 
     def check(self, kind: str, msg: Any, deadline: float | None, client: str) -> Exception | None:
         """The refusal to answer with, or None: forward it to the engine. kind: "score" or "beam"."""
@@ -154,11 +107,11 @@ class FrontGate:
         if dims is None:
             return None  # the engine names the field
         now = self.clock()
-        outlook = snapshot_outlook(snap, priority, dims, deadline, client, now, self.in_transit(snap, priority, now))
+        outlook = snapshot_outlook(snap, priority, dims, deadline, client, now, self.in_transit_s(snap, priority, now))
         verdict = decide(outlook)
         if verdict.reason is not None:
             return self.retries.refusal(verdict, outlook, hints)
-        self.forwards.note(now, priority, outlook.work_s)
+        self._forwards.append((now, priority, outlook.work_s))
         return None
 
     def backlog_hint_s(self) -> float:
@@ -173,4 +126,4 @@ class FrontGate:
         return hints_of(snap).clamp((snap.inflight_s + queued) / max(snap.parallelism, 1e-9))
 
 
-__all__ = ["FrontGate", "OwnForwards", "SharedForwards", "Transit", "refusal_reason", "snapshot_outlook"]
+__all__ = ["FrontGate", "refusal_reason", "snapshot_outlook"]

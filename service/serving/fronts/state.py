@@ -15,9 +15,7 @@ order (virtual start tag -> work queued up to it) and the virtual finish of the 
 most queued; the executor's remaining in-flight work, parallelism and calibration; the service
 time of the request shapes seen lately (a shape's key is computed from the message by both sides
 with `message_dims`); the serving limits. Each front has a slot of counters there too (forwarded,
-refused by reason, its last arrival), which the engine reads for its metrics and its drain, and a
-ring of its latest forwards (when, lane, share), which every front reads: what all fronts let
-through after a snapshot was published is not in it yet (gate.py's "in transit").
+refused by reason, its last arrival), which the engine reads for its metrics and its drain.
 
 The gate (gate.py) calls admission's one verdict function (service/sched/verdict.py) over that
 snapshot, with every unknown taken at its least. The file's layout is generated from one table per
@@ -171,14 +169,6 @@ _SHAPES = Layout(("num_shapes", "q"), ("keys", "q", NUM_SHAPES), ("own_s", "d", 
 SLOT_FIELDS = ("pid", "ready", "forwarded", "refused_deadline", "refused_queue_full", "refused_unavailable",
                "refused_impossible", "refused_backlog", "stalled_receive", "stalled_no_message", "stalled_send")
 _SLOT = Layout(*((name, "q") for name in SLOT_FIELDS), ("last_arrival_s", "d"))
-# a front's latest forwards (a ring, written by its front only, read by every front): when each
-# was let through, its lane and its share, so that each front counts all fronts' forwards that a
-# snapshot cannot show yet, not only its own (FrontGate.in_transit)
-TRANSIT_RING = 64
-_RING = Layout(("count", "q"), ("sent", "d", TRANSIT_RING), ("priority", "q", TRANSIT_RING),
-               ("share_s", "d", TRANSIT_RING))
-_RING_SENT, _RING_PRIORITY, _RING_SHARE = (_RING.offset(name) for name in ("sent", "priority", "share_s"))
-_Q, _D = struct.Struct("<q"), struct.Struct("<d")
 
 _SEQ = struct.Struct("<Q")  # the sequence lock: odd while the engine writes
 _BODY_AT = _SEQ.size
@@ -186,8 +176,7 @@ _LANES_AT = _BODY_AT + _GLOBAL.size
 _SHAPES_AT = _LANES_AT + NUM_LANES * _LANE.size
 _BODY_END = _SHAPES_AT + _SHAPES.size
 _SLOTS_AT = 16384
-_RINGS_AT = _SLOTS_AT + MAX_FRONTS * _SLOT.size
-SIZE = _RINGS_AT + MAX_FRONTS * _RING.size
+SIZE = _SLOTS_AT + MAX_FRONTS * _SLOT.size
 assert _BODY_END <= _SLOTS_AT
 
 
@@ -302,32 +291,6 @@ class SharedState:
     def slot(self, index: int) -> dict[str, float]:
         return _SLOT.unpack_from(self.mm, _SLOTS_AT + index * _SLOT.size)
 
-    def note_forward(self, index: int, sent: float, priority: int, share_s: float) -> None:
-        """Front `index` let a request of lane `priority` and share `share_s` through at `sent`
-        (time.monotonic()): into its ring, the entry before the count that publishes it."""
-        at = _RINGS_AT + index * _RING.size
-        count = _Q.unpack_from(self.mm, at)[0]
-        k = count % TRANSIT_RING
-        _D.pack_into(self.mm, at + _RING_SENT + 8 * k, sent)
-        _Q.pack_into(self.mm, at + _RING_PRIORITY + 8 * k, priority)
-        _D.pack_into(self.mm, at + _RING_SHARE + 8 * k, share_s)
-        _Q.pack_into(self.mm, at, count + 1)
-
-    def forwards_since(self, num_fronts: int, since: float) -> list[tuple[int, float]]:
-        """(lane, share) of every forward of fronts 0..num_fronts-1 let through after `since`, newest
-        first per front, as far back as their rings reach (TRANSIT_RING each)."""
-        mm, out = self.mm, []
-        for i in range(num_fronts):
-            at = _RINGS_AT + i * _RING.size
-            count = _Q.unpack_from(mm, at)[0]
-            for c in range(count - 1, max(count - TRANSIT_RING, 0) - 1, -1):
-                k = c % TRANSIT_RING
-                if _D.unpack_from(mm, at + _RING_SENT + 8 * k)[0] <= since:
-                    break
-                out.append((_Q.unpack_from(mm, at + _RING_PRIORITY + 8 * k)[0],
-                            _D.unpack_from(mm, at + _RING_SHARE + 8 * k)[0]))
-        return out
-
     def clear_slot(self, index: int) -> None:
         """A front (re)starting in this slot: its counters so far are kept, its pid and readiness reset."""
         self.slot_set(index, "pid", 0)
@@ -348,5 +311,5 @@ def _parse(body: bytes) -> Snapshot:
 
 
 __all__ = ["DEADLINE_KEY", "MAX_FRONTS", "NUM_CLIENTS", "NUM_LANES", "NUM_POINTS", "NUM_SHAPES", "SENT_KEY", "SIZE",
-           "SLOT_FIELDS", "STATE_DRAINING", "STATE_LOADING", "STATE_SERVING", "TRANSIT_RING", "LaneView", "Layout", "SharedState", "Snapshot",
+           "SLOT_FIELDS", "STATE_DRAINING", "STATE_LOADING", "STATE_SERVING", "LaneView", "Layout", "SharedState", "Snapshot",
            "SnapshotBusy", "client_id", "client_key", "ingress_delay_s"]

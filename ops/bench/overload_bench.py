@@ -65,7 +65,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ops.bench.bench_grpc import Proc, bench_system, scrape, wait_serving, window_delta
+from ops.bench.bench_grpc import ROOT, Proc, bench_system, scrape, wait_serving, window_delta
 from ops.bench.workloads import ID_HIGH, Requests, flops_per_request, parse_workload
 from service.serving.proto_gen import load as load_stubs
 
@@ -529,6 +529,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "workload": w, "model": model,
+        "server_root": args.server_root,
         "device": args.device, "runtime": runtime, "dtype": dtype, "factor": args.factor,
         "duration_s": args.duration_s, "online_share": args.online_share, "client_procs": args.client_procs,
         "channels_per_proc": args.channels_per_proc,
@@ -542,7 +543,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sys.executable, "-m", "service.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
         "--metrics-port", "0", "--runtime", runtime, "--device", args.device, "--dtype", dtype, "--grace-s", "10",
         "--kernels", args.kernels, *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s,
-        cpus=server_cpus)
+        Path(args.server_root), cpus=server_cpus)
     try:
         await wait_serving(server.target, args.start_timeout_s)
         if args.capacity:
@@ -768,6 +769,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--runtime", default=None, choices=["python", "cpp"])
     p.add_argument("--dtype", default=None)
     p.add_argument("--kernels", default="aten", choices=["aten", "triton"])
+    p.add_argument("--server-root", default=str(ROOT),
+                   help="the source tree slmrank's server runs from (default: this one); an A/B run measures "
+                        "another version of the server with the same load (ops/device/overload AB_ROUNDS)")
     p.add_argument("--serve-args", default="",
                    help="more `slmrank serve` flags, e.g. '--admission-max-queue-online 64'")
     p.add_argument("--start-timeout-s", type=float, default=900.0)

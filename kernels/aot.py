@@ -286,7 +286,7 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
             grid="(rows, NUM_PARTS, 1)"))
     for kp in widths:
         sz = beam_topk.sizes(kp)
-        consts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": sz["NG"], "KP": kp}
+        consts = {"NUM_PARTS": beam_topk.NUM_PARTS, "NG": sz["NG"], "KP": kp, "INTERPRETED": False}
         specs.append(KernelSpec(
             variant_name("beam_threshold", "fp32", g=sz["NG"], k=kp), beam_topk.beam_threshold_kernel,
             {"s_ptr": "*fp32", "slot_ptr": "*i64", "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "gpart_ptr": "*fp32",
@@ -295,7 +295,7 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
             consts, grid="(rows, 1, 1)",
             divisible_by_16=("s_ptr", "slot_ptr", "pmax_ptr", "psum_ptr", "gpart_ptr", "stats_ptr", "count_ptr")))
         for mask in (0, 1):
-            consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": bool(mask)}
+            consts = {"NG": sz["NG"], "KP": kp, "CAP": sz["CAP"], "HAS_MASK": bool(mask), "INTERPRETED": False}
             specs.append(KernelSpec(
                 variant_name("beam_select", dt, k=kp, mask=mask), beam_topk.beam_select_kernel,
                 {**logits, "allowed_ptr": "*i32", "stats_ptr": "*fp32", "count_ptr": "*i32", "buf_ptr": "*i32",
@@ -309,7 +309,8 @@ def beam_topk_specs(dt: str, max_sort: int = 512) -> list[KernelSpec]:
         specs.append(KernelSpec(
             variant_name("beam_merge", "fp32", k=kp), beam_topk.beam_merge_kernel,
             {"in_ptr": "*i64", "out_ptr": "*i64", "n_in": "i32", "n_out": "i32", "num_beams": "i32",
-             "KP": "constexpr", "CHUNK": "constexpr"}, {"KP": kp, "CHUNK": sz["CHUNK"]}, num_warps=sz["num_warps"],
+             "KP": "constexpr", "CHUNK": "constexpr", "INTERPRETED": "constexpr"},
+            {"KP": kp, "CHUNK": sz["CHUNK"], "INTERPRETED": False}, num_warps=sz["num_warps"],
             grid="(requests, cdiv(keys a request, CHUNK), 1)"))
     i64 = ("top_ptr", "seqs_ptr", "widths_ptr", "slot_ptr", "src_ptr", "codes_ptr", "seqs_out_ptr")
     for codes in (0, 1):  # the bookkeeping: integer work, one variant for every model (named fp32 as above)

@@ -94,6 +94,29 @@ def _scores_at(x_ptr, allowed_ptr, row, stride_x, words, cols, inb, row_max, log
 
 
 @triton.jit
+def _top(x, KP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """tl.topk(x, KP) of a 1-D x: its KP largest, largest first. Under Triton's CPU interpreter the
+    same values are taken by rank instead: tl.topk's bitonic network runs a Python-level reduction
+    there for each compare-and-swap (~50 ms each, ~60 a sort: most of the CPU test suite's time in
+    the beam kernels), where an [N, N] comparison is one numpy operation. Equal values take
+    distinct ranks by position, so the values are tl.topk's (the candidate scores have no -0.0,
+    `_cand`; the keys are unique). Compiled, it is tl.topk: the branch is a constexpr's."""
+    if INTERPRETED:
+        if x.shape[0] <= 1024:  # [N, N] within Triton's largest tensor (2^20 elements)
+            i = tl.arange(0, x.shape[0])
+            xi, xj = x[:, None], x[None, :]
+            ahead = (xj > xi) | ((xj == xi) & (i[None, :] < i[:, None]))  # [N, N]: x[j] goes before x[i]
+            rank = tl.sum(ahead.to(tl.int32), axis=1)  # 0 .. N-1, each once
+            hit = rank[None, :] == tl.arange(0, KP)[:, None]  # [KP, N]: one x a row
+            top = tl.max(tl.where(hit, x[None, :], tl.min(x, axis=0)), axis=1)
+        else:
+            top = tl.topk(x, KP)
+    else:
+        top = tl.topk(x, KP)
+    return top
+
+
+@triton.jit
 def _key(c, flat):
     """int64 key: ordered bits of c (a signed int32 that sorts like the float) above 2^32-1-flat."""
     bits = c.to(tl.int32, bitcast=True)
@@ -167,7 +190,8 @@ def beam_stats_kernel(x_ptr, s_ptr, slot_ptr, allowed_ptr, pmax_ptr, psum_ptr, g
 
 @triton.jit
 def beam_threshold_kernel(s_ptr, slot_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_ptr, count_ptr, num_candidates,
-                          num_ranks, NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr):
+                          num_ranks, NUM_PARTS: tl.constexpr, NG: tl.constexpr, KP: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
     """Per row: its max and log(sum exp(x - max)), and T = the K-th largest group max as a
     candidate score (-inf with fewer than K allowed groups). Writes stats [rows, 4] = (max,
     log-sum, T, the row's beam score s) and zeroes the row's collect counts."""
@@ -184,7 +208,7 @@ def beam_threshold_kernel(s_ptr, slot_ptr, pmax_ptr, psum_ptr, gpart_ptr, stats_
     gmax = tl.full([NG], float("-inf"), tl.float32)
     for q in tl.static_range(NUM_PARTS):
         gmax = tl.maximum(gmax, tl.load(gpart_ptr + (row * NUM_PARTS + q) * NG + j))
-    top = tl.topk(_cand(gmax, row_max, log_sum, s), KP)  # [KP] best first
+    top = _top(_cand(gmax, row_max, log_sum, s), KP, INTERPRETED)  # [KP] best first
     thr = tl.max(tl.where(tl.arange(0, KP) == num_candidates - 1, top, float("-inf")), axis=0)
     tl.store(stats_ptr + row * 4 + 0, row_max)
     tl.store(stats_ptr + row * 4 + 1, log_sum)
@@ -255,7 +279,8 @@ def _count_at_least(x_ptr, allowed_ptr, row, stride_x, words, vocab, row_max, lo
 @triton.jit
 def beam_select_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, src_ptr, out_ptr, vocab, stride_x, words,
                        num_candidates, num_parents, num_rows,
-                       NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
+                       NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
     """Per rank (program): the K best candidates of its packed row src[rank], best first, as keys
     whose flat index is (rank % num_parents) * V + token, into out [ranks, K]; a rank with no row
     (src[rank] >= num_rows) gets K NO_KEYs."""
@@ -263,7 +288,7 @@ def beam_select_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, src_pt
     row = tl.load(src_ptr + rank)
     if row < num_rows:
         top = _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, rank % num_parents, vocab,
-                          stride_x, words, num_candidates, NG, KP, CAP, HAS_MASK)
+                          stride_x, words, num_candidates, NG, KP, CAP, HAS_MASK, INTERPRETED)
     else:
         top = tl.full([KP], NO_KEY, tl.int64)
     kk = tl.arange(0, KP)
@@ -272,7 +297,8 @@ def beam_select_kernel(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, src_pt
 
 @triton.jit
 def _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, parent, vocab, stride_x, words,
-                num_candidates, NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr):
+                num_candidates, NG: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, HAS_MASK: tl.constexpr,
+                INTERPRETED: tl.constexpr):
     """A row's KP best keys, best first (the caller stores the first K)."""
     s = tl.load(stats_ptr + row * 4 + 3)
     row_max = tl.load(stats_ptr + row * 4 + 0)
@@ -330,16 +356,17 @@ def _select_row(x_ptr, allowed_ptr, stats_ptr, count_ptr, buf_ptr, row, parent, 
     # typically ~K tokens are buffered: sort the first 2 KP slots then, all CAP only when more are
     if n <= 2 * KP:
         top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max,
-                            log_sum, s, CAP, 2 * KP, KP, HAS_MASK)
+                            log_sum, s, CAP, 2 * KP, KP, HAS_MASK, INTERPRETED)
     else:
         top = _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max,
-                            log_sum, s, CAP, CAP, KP, HAS_MASK)
+                            log_sum, s, CAP, CAP, KP, HAS_MASK, INTERPRETED)
     return top
 
 
 @triton.jit
 def _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, parent, n, row_max, log_sum, s,
-                  CAP: tl.constexpr, WIDTH: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr):
+                  CAP: tl.constexpr, WIDTH: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     """The KP best keys of the row's first n (<= WIDTH) buffered tokens, best first (flat index
     parent * V + token)."""
     i = tl.arange(0, WIDTH)
@@ -348,7 +375,7 @@ def _buffered_top(x_ptr, allowed_ptr, buf_ptr, row, stride_x, words, vocab, pare
     c = _scores_at(x_ptr, allowed_ptr, row, stride_x, words, tok, valid, row_max, log_sum, s, HAS_MASK)
     flat = parent * vocab + tok
     key = tl.where(valid, _key(c, flat), -(2 ** 63))
-    return tl.topk(key, KP)
+    return _top(key, KP, INTERPRETED)
 
 
 def _check(logits: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, num_parents: int,
@@ -409,6 +436,7 @@ def candidate_launches(logits: torch.Tensor, beam_scores: torch.Tensor, num_cand
         beam_select_kernel[(ranks,)](logits, allowed if allowed is not None else count, stats, count, buf, src, keys,
                                      vocab, logits.stride(0), (vocab + 31) // 32, num_candidates, num_parents, rows,
                                      NG=sz["NG"], KP=sz["KP"], CAP=sz["CAP"], HAS_MASK=allowed is not None,
+                                     INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
                                      num_warps=sz["select_warps"], **COMPILE_OPTIONS)
 
     return keys, launches + [("select", select)]
@@ -453,7 +481,7 @@ def row_pass_launches(logits: torch.Tensor, beam_scores: torch.Tensor, slot: tor
 
     def threshold() -> None:
         beam_threshold_kernel[(rows,)](beam_scores, slot, pmax, psum, gpart, stats, count, num_candidates, ranks,
-                                       NUM_PARTS=parts, NG=ng, KP=kp, **COMPILE_OPTIONS)
+                                       NUM_PARTS=parts, NG=ng, KP=kp, INTERPRETED=interpreted, **COMPILE_OPTIONS)
 
     def collect() -> None:
         beam_collect_kernel[(rows, parts)](logits, mask, stats, count, buf, vocab, stride, words, cap,
@@ -604,7 +632,8 @@ def merge_sizes(num_beams: int) -> dict[str, int]:
 
 
 @triton.jit
-def beam_merge_kernel(in_ptr, out_ptr, n_in, n_out, num_beams, KP: tl.constexpr, CHUNK: tl.constexpr):
+def beam_merge_kernel(in_ptr, out_ptr, n_in, n_out, num_beams, KP: tl.constexpr, CHUNK: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     """Program (request r, chunk c): the num_beams largest of in[r, c * CHUNK:(c + 1) * CHUNK] (a
     request's keys: n_in of them; past n_in, none), largest first, into out[r, c * num_beams:] (n_out a
     request). A chunk with fewer keys than num_beams pads with -2^63, below every key (NO_KEY too)."""
@@ -613,7 +642,7 @@ def beam_merge_kernel(in_ptr, out_ptr, n_in, n_out, num_beams, KP: tl.constexpr,
     i = c * CHUNK + tl.arange(0, CHUNK)
     inb = i < n_in
     x = tl.where(inb, tl.load(in_ptr + r * n_in + i, mask=inb, other=0), -(2 ** 63))
-    top = tl.topk(x, KP)
+    top = _top(x, KP, INTERPRETED)
     kk = tl.arange(0, KP)
     tl.store(out_ptr + r * n_out + c * num_beams + kk, top, mask=kk < num_beams)
 
@@ -637,7 +666,8 @@ def beam_merge(keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.T
         chunks = triton.cdiv(n, sz["CHUNK"])
         out = torch.empty(num_requests, chunks * num_beams, dtype=torch.int64, device=keys.device)
         beam_merge_kernel[(num_requests, chunks)](x, out, n, chunks * num_beams, num_beams, KP=sz["KP"],
-                                                  CHUNK=sz["CHUNK"], num_warps=sz["num_warps"], **COMPILE_OPTIONS)
+                                                  CHUNK=sz["CHUNK"], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                                  num_warps=sz["num_warps"], **COMPILE_OPTIONS)
         if chunks == 1:
             return out
         x, n = out, chunks * num_beams

@@ -3,7 +3,7 @@ does a light caller keep its latency while another sends the heaviest requests?
 
   python -m ops.bench.light_heavy [--light W1] [--heavy W5] [--model SPEC] [--light-clients 4]
       [--heavy-clients 2] [--windows 8] [--window-s 3] [--device cuda] [--kernels triton]
-      [--serve-args "..."] [--out DIR]
+      [--serve-args "..."] [--server-root DIR] [--out DIR]
 
 1. `slmrank serve` runs as a subprocess on 127.0.0.1 (ops/bench/bench_grpc.py's Proc), the model the
    light workload names unless --model is given; both workloads' shapes run on it.
@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from ops.bench.bench_grpc import Proc, wait_serving
+from ops.bench.bench_grpc import ROOT, Proc, wait_serving
 from ops.bench.overload_bench import Outcome, _requests, closed_loop, summarize
 from ops.bench.workloads import ID_HIGH, parse_workload
 from service.serving.proto_gen import load as load_stubs
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"])
     p.add_argument("--serve-args", default="", help="more `slmrank serve` flags, one string")
+    p.add_argument("--server-root", default=str(ROOT),
+                   help="the source tree the server runs from (default: this one): an A/B run measures another "
+                        "version of the server with the same callers (ops/device/light_heavy AB_ROUNDS)")
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--out", default="/tmp/light_heavy")
     args = p.parse_args(argv)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     server = Proc("slmrank", [
         sys.executable, "-m", "service.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
         "--metrics-port", "0", "--device", args.device, "--kernels", args.kernels, "--grace-s", "10",
-        *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s)
+        *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s, Path(args.server_root))
     try:
         asyncio.run(wait_serving(server.target, args.start_timeout_s))
         alone, beside, heavy_out = asyncio.run(alternate(server.target, light, heavy, high, args))
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "model": model,
               "light": args.light, "heavy": args.heavy, "light_clients": args.light_clients,
               "heavy_clients": args.heavy_clients, "windows": args.windows, "window_s": args.window_s,
-              "device": args.device, "serve_args": args.serve_args, **report(alone, beside, heavy_out, args)}
+              "device": args.device, "serve_args": args.serve_args, "server_root": args.server_root, **report(alone, beside, heavy_out, args)}
     (out / "light_heavy.json").write_text(json.dumps(result, indent=1))
     a, b, h = result["light_alone"], result["light_beside_heavy"], result["heavy"]
     print(f"{'':22s} {'sent':>6s} {'p50 ms':>8s} {'p99 ms':>8s}  codes")

@@ -16,10 +16,14 @@ share of the memory the host has left, service/sched/memory.py),
 and while draining none starts that is expected to end after the drain's timeout: its requests are
 answered "draining" at once.
 
-A batch predicted to take longer than `heavy_batch_s` may hold at most max_inflight - 1 of the
-in-flight slots: the last one goes to lighter work, so a small request is not stuck behind
-maximal ones (on a GPU, each slot is a lane: its own stream and graphs); its packing and
-unpacking (thousands of beam rows) run off the event loop, where light requests wait.
+A heavy batch may hold at most max_inflight - 1 of the in-flight slots: the last one goes to
+lighter work, so a small request is not stuck behind maximal ones (on a GPU, each slot is a lane:
+its own stream and graphs); its packing and unpacking (thousands of beam rows) run off the event
+loop, where light requests wait. Heavy: predicted to take longer than `heavy_batch_s`, or holding a
+request that alone takes more than `heavy_ratio` x the lightest request of another kind seen in the
+last `light_window_s` (batches of different kinds never share a bucket, so a light Score would wait
+behind two batches of far longer BeamSearches, each at most heavy_batch_s). Requests of one kind,
+or of kinds alike in cost, never count heavy by the ratio: their batches use every slot.
 
 The C++ runtime runs a batch through `runtime.submit` (its lanes, no GIL); any other runtime runs
 on `max_inflight` worker threads. Batch times (packing + the executor's start → done, not its
@@ -83,6 +87,10 @@ class BatcherConfig:
     # a batch predicted to take longer holds at most max_inflight - 1 of the in-flight slots (one
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
+    # a request whose time alone is more than this many times the lightest request of another kind
+    # seen in the last light_window_s makes its batch heavy too (0: only heavy_batch_s does)
+    heavy_ratio: float = 4.0
+    light_window_s: float = 1.0
     load_wait_share: float = 0.15  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
     load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)
     # such a wait ends once the batch holds the requests of its kind expected in the server now
@@ -91,7 +99,7 @@ class BatcherConfig:
     load_wait_outside_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "heavy_batch_s", "load_wait_share", "load_wait_max_s",
+        for name in ("max_wait_s", "heavy_batch_s", "heavy_ratio", "light_window_s", "load_wait_share", "load_wait_max_s",
                      "load_wait_outside_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
@@ -135,6 +143,35 @@ class ArrivalRates:
         return rate * math.exp(-max(now - at, 0.0) / self.tau_s)
 
 
+class RecentSolos:
+    """Per kind, the buckets its requests ran in alone (their solo bucket), seen in the last window_s:
+    from them, the lightest request of each kind lately, at the model's current times."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._seen: dict[str, dict[str, tuple[Any, float]]] = {}  # kind -> bucket key -> (info, last seen)
+
+    def add(self, kind: str, info: Any, now: float) -> None:
+        self._seen.setdefault(kind, {})[info.key] = (info, now)
+
+    def __len__(self) -> int:  # kinds seen (some perhaps no longer within the window)
+        return len(self._seen)
+
+    def lightest(self, bucket_s: Callable[[Any], float], now: float) -> dict[str, float]:
+        """kind -> the least bucket_s(info) of its solo buckets seen within the window (older ones
+        are forgotten)."""
+        out: dict[str, float] = {}
+        for kind in list(self._seen):
+            seen = self._seen[kind]
+            for key in [k for k, (_, at) in seen.items() if now - at > self.window_s]:
+                del seen[key]
+            if seen:
+                out[kind] = min(bucket_s(info) for info, _ in seen.values())
+            else:
+                del self._seen[kind]
+        return out
+
+
 class Residence:
     """Seconds a request of a kind spends in the server (submit to answer), exponentially weighted
     over answered requests (weight alpha each); None before the first answer."""
@@ -156,6 +193,7 @@ class _Plan:
     tickets: list[Ticket]
     is_full: bool  # something of its kind was left out, or the cap was reached: release now
     bucket: Any = None  # the bucket it runs in (None: it fits none, and fails alone)
+    is_heavy: bool = False  # it may not take the last free slot (BatcherConfig.heavy_batch_s, heavy_ratio)
 
     @property
     def oldest_s(self) -> float:
@@ -401,6 +439,7 @@ class Scheduler:
         self._occupancy: dict[str, list[float]] = {}  # bucket key -> [batches, sum of occupancy]
         self._arrivals = ArrivalRates()
         self._residence = Residence()
+        self._recent = RecentSolos(self.config.light_window_s)
         self._inflight_by_kind: Counter[str] = Counter()  # requests in batches handed to the executor
         self._flights: dict[int, _Flight] = {}  # id(ticket) -> its batch, while handed to the executor
         self._dropped_in_flight: Counter[str] = Counter()  # "expired", "cancelled": members of running batches
@@ -445,6 +484,8 @@ class Scheduler:
         ticket = Ticket(request, request_kind(request), priority, deadline, future=loop.create_future(),
                         client=client, cost=self._cost(request))
         self._arrivals.add(ticket.kind, self.clock())
+        if ticket.cost is not None:
+            self._recent.add(ticket.kind, ticket.cost.solo, self.clock())
         self.admission.admit(ticket)
         timer = None
         if deadline is not None:
@@ -626,17 +667,19 @@ class Scheduler:
         if head is None:
             return None
         can_go_heavy = self._heavy_inflight < max(self.config.max_inflight - 1, 1)
-        if (not can_go_heavy and self._is_heavy(head, now)) or self._held_for_catalogs(head):
+        limits = self._heavy_limits(now)
+        if (not can_go_heavy and self._is_heavy(head, now, limits)) or self._held_for_catalogs(head):
             # the last free slot is kept for lighter work: the first queued request light on its own
             # (and, while a catalog is replaced, not constrained)
             head = next((t for t in self.admission.waiting()
-                         if (can_go_heavy or not self._is_heavy(t, now)) and not self._held_for_catalogs(t)), None)
+                         if (can_go_heavy or not self._is_heavy(t, now, limits)) and not self._held_for_catalogs(t)),
+                        None)
             if head is None:
                 return None
         fill = _Fill(self.artifact.buckets.of_kind(head.kind))
         bucket = fill.fit_request(head.payload)
         if bucket is None:  # fits no bucket alone (not validated): it fails in _execute, alone
-            return _Plan([head], True)
+            return _Plan([head], True, is_heavy=self._is_heavy(head, now, limits))
         fill.add_request(head.payload)
         tickets, is_full = [head], False
         deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
@@ -652,7 +695,7 @@ class Scheduler:
                 break
             if misses >= MAX_MISSES:  # planning stays O(batch), not O(queue), under overload
                 break
-            if self._held_for_catalogs(t):
+            if self._held_for_catalogs(t) or (not can_go_heavy and self._is_heavy(t, now, limits)):
                 misses += 1
                 continue
             bucket = fill.fit_request(t.payload)
@@ -679,7 +722,9 @@ class Scheduler:
             deadline = tighter
         # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
         is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
-        return _Plan(tickets, is_full, fill.bucket)
+        is_heavy = (self._bucket_s(fill.bucket, now) > self.config.heavy_batch_s
+                    or any(self._is_heavy(t, now, limits) for t in tickets))
+        return _Plan(tickets, is_full, fill.bucket, is_heavy)
 
     def _release_s(self, plan: _Plan, now: float) -> float:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
@@ -770,8 +815,21 @@ class Scheduler:
         deadline, a queued request can no longer be answered in time."""
         return 0.0 if ticket.cost is None else self.model.bucket_min_s(ticket.cost.solo, self.clock())
 
-    def _is_heavy(self, ticket: Ticket, now: float) -> bool:
-        return ticket.cost is not None and self._solo_s(ticket, now) > self.config.heavy_batch_s
+    def _heavy_limits(self, now: float) -> dict[str, float]:
+        """Per kind seen lately, the time alone above which its request counts heavy: heavy_ratio x
+        the lightest request of another kind seen in the last light_window_s, when that is less than
+        heavy_batch_s (a kind not here: heavy_batch_s). Empty while only one kind is seen."""
+        cfg = self.config
+        lightest = self._recent.lightest(lambda info: self.model.bucket_s(info, now), now) \
+            if cfg.heavy_ratio > 0 and len(self._recent) > 1 else {}
+        if len(lightest) < 2:
+            return {}
+        return {kind: min(cfg.heavy_batch_s, cfg.heavy_ratio * min(s for k, s in lightest.items() if k != kind))
+                for kind in lightest}
+
+    def _is_heavy(self, ticket: Ticket, now: float, limits: dict[str, float]) -> bool:
+        """Whether the request alone outlasts its kind's limit (_heavy_limits(now))."""
+        return ticket.cost is not None and self._solo_s(ticket, now) > limits.get(ticket.kind, self.config.heavy_batch_s)
 
     def _cost(self, request: Request) -> RequestCost | None:
         try:
@@ -784,7 +842,7 @@ class Scheduler:
         self._inflight += 1
         self._num_batches += 1
         batch_id = self._num_batches
-        is_heavy = plan.bucket is not None and self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s
+        is_heavy = plan.is_heavy
         self._heavy_inflight += is_heavy
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         constrained = any(getattr(t.payload, "catalog", "") for t in plan.tickets)

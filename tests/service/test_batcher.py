@@ -279,14 +279,17 @@ class KindRuntime(FakeRuntime):
         super().__init__()
         self.beam_s, self.score_s = beam_s, score_s
         self.spans: list[tuple[str, float, float]] = []
+        self.began: list[str] = []  # the first request id of each batch, as it begins (started: as it ends)
 
     def run_score(self, batch: ScoreBatch) -> torch.Tensor:
+        self.began.append(batch.requests[0].id)
         t0 = time.monotonic()
         time.sleep(self.score_s)
         self.spans.append((batch.requests[0].id, t0, time.monotonic()))
         return super().run_score(batch)
 
     def run_beam(self, batch: BeamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.began.append(batch.requests[0].id)
         t0 = time.monotonic()
         time.sleep(self.beam_s)
         self.spans.append((batch.requests[0].id, t0, time.monotonic()))
@@ -312,6 +315,40 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art):
         await asyncio.gather(*heavy)
         spans = {name: (a, b) for name, a, b in rt.spans}
         assert spans["b2"][0] >= spans["b1"][1] - 0.01  # one at a time
+        await s.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("heavy_ratio, light_window_s, light_gone, serial", [
+    (4.0, 5.0, False, True),  # a beam 12x a Score lately seen: heavy, under heavy_batch_s though it is
+    (0.0, 5.0, False, False),  # the ratio off: only heavy_batch_s counts, and the beams take both slots
+    (4.0, 0.05, True, False),  # no Score within the window: nothing to keep the last slot for
+])
+def test_requests_far_heavier_than_another_kind_leave_it_the_last_slot(art, heavy_ratio, light_window_s, light_gone,
+                                                                        serial):
+    rt = KindRuntime(beam_s=0.12, score_s=0.01)
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=1.0, heavy_ratio=heavy_ratio,
+                          light_window_s=light_window_s)
+        await s.submit(beam("warm-beam", new_tokens=1))
+        await s.submit(beam("warm-beam2", new_tokens=2))
+        await s.submit(score("warm-score"))
+        if light_gone:
+            await asyncio.sleep(0.1)
+        heavy = [asyncio.create_task(s.submit(beam("b1", new_tokens=1)))]
+        await until(lambda: "b1" in rt.began)
+        heavy.append(asyncio.create_task(s.submit(beam("b2", new_tokens=2))))
+        await asyncio.sleep(0.04)
+        assert ("b2" in rt.began) is not serial, rt.began
+        if serial:
+            t0 = time.monotonic()
+            await s.submit(score("light"))
+            assert time.monotonic() - t0 < 0.08, "the light request waited behind a heavy batch"
+        await asyncio.gather(*heavy)
+        spans = {name: (a, b) for name, a, b in rt.spans}
+        assert (spans["b2"][0] >= spans["b1"][1] - 0.01) is serial
         await s.close()
 
     asyncio.run(main())

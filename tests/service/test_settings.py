@@ -125,7 +125,8 @@ INTERNAL = [(AdmissionConfig, "admission_", name) for name in (
     "utilisation_window_s", "default_service_s", "online_burst", "normal_burst", "safety_margin",
     "response_margin_s", "max_retry_after_s", "min_retry_after_s", "unavailable_retry_s", "front_max_backlog_s")]
 INTERNAL += [(BatcherConfig, "batcher_", name) for name in (
-    "heavy_batch_s", "load_wait_share", "load_wait_max_s", "load_wait_outside_s", "validate_requests")]
+    "heavy_batch_s", "heavy_ratio", "light_window_s", "load_wait_share", "load_wait_max_s", "load_wait_outside_s",
+    "validate_requests")]
 INTERNAL += [(TracingConfig, "trace_", name) for name in ("max_kept_per_s", "chrome_max_events")]
 INTERNAL += [(ServerConfig, "", name) for name in ("max_receive_message_bytes", "max_send_message_bytes",
                                                     "receive_timeout_s", "handshake_timeout_s",

@@ -34,6 +34,7 @@ import grpc
 from ops.bench.bench_grpc import ROOT, Proc, wait_serving
 from ops.bench.overload_bench import Outcome, _requests, closed_loop, summarize
 from ops.bench.workloads import ID_HIGH, parse_workload
+from service.loadgen.server_view import scrape
 from service.serving.proto_gen import load as load_stubs
 
 
@@ -112,12 +113,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         asyncio.run(wait_serving(server.target, args.start_timeout_s))
         alone, beside, heavy_out = asyncio.run(alternate(server.target, light, heavy, high, args))
+        # the server's batches over the whole run (warm-up included), and those started heavy, by why
+        view = scrape(server.metrics_url) if server.metrics_url else {}
     finally:
         server.stop()
+    batches = {"all": sum(v for (name, _), v in view.items() if name == "slmrank_batches_total"),
+               **{labels.split('"')[1]: v for (name, labels), v in view.items() if name == "slmrank_heavy_batches_total"}}
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "model": model,
               "light": args.light, "heavy": args.heavy, "light_clients": args.light_clients,
               "heavy_clients": args.heavy_clients, "windows": args.windows, "window_s": args.window_s,
-              "device": args.device, "serve_args": args.serve_args, "server_root": args.server_root, **report(alone, beside, heavy_out, args)}
+              "device": args.device, "serve_args": args.serve_args, "server_root": args.server_root, "server_batches": batches,
+              **report(alone, beside, heavy_out, args)}
     (out / "light_heavy.json").write_text(json.dumps(result, indent=1))
     a, b, h = result["light_alone"], result["light_beside_heavy"], result["heavy"]
     print(f"{'':22s} {'sent':>6s} {'p50 ms':>8s} {'p99 ms':>8s}  codes")
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.light + ' beside ' + args.heavy:22s} {b['sent']:6d} {b['ok_p50_ms']:8.2f} {b['ok_p99_ms']:8.2f}  "
           f"{b['codes']}")
     print(f"{args.heavy + ' (heavy)':22s} {h['sent']:6d} {h['ok_p50_ms']:8.2f} {h['ok_p99_ms']:8.2f}  {h['codes']}")
+    print(f"server batches: {batches.get('all', 0):.0f}, heavy by time {batches.get('time', 0):.0f}, "
+          f"by ratio {batches.get('ratio', 0):.0f}")
     ratio = result["p99_ratio"]
     print(f"light p99 beside / alone: {ratio:.2f} (target <= 2)" if ratio is not None else "light p99: no answer")
     return result

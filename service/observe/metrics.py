@@ -315,6 +315,10 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                 "one), send (the answer was not taken in time).", "reason", stats.get("stalled", {}).items()),
         counter("slmrank_batches", "Batches run, by outcome.", "outcome",
                 [("ok", stats["batches"] - stats["batches_failed"]), ("failed", stats["batches_failed"])]),
+        counter("slmrank_heavy_batches", "Of slmrank_batches, those started heavy (they may not take the last free "
+                "lane), by why: time (predicted over 50 ms) or ratio (a request over 4x the lightest request of "
+                "another kind seen in the last second).", "why",
+                [(why, stats.get("heavy_batches", {}).get(why, 0)) for why in ("time", "ratio")]),
     ]
     sizes: dict[int, int] = stats["batch_sizes"]
     counts = [0] * (len(BATCH_SIZE_BUCKETS) + 1)

@@ -193,7 +193,9 @@ class _Plan:
     tickets: list[Ticket]
     is_full: bool  # something of its kind was left out, or the cap was reached: release now
     bucket: Any = None  # the bucket it runs in (None: it fits none, and fails alone)
-    is_heavy: bool = False  # it may not take the last free slot (BatcherConfig.heavy_batch_s, heavy_ratio)
+    # why it is heavy (it may not take the last free slot): "time" (predicted over heavy_batch_s) or
+    # "ratio" (a member over heavy_ratio x the lightest request of another kind lately); "": light
+    heavy: str = ""
 
     @property
     def oldest_s(self) -> float:
@@ -433,6 +435,7 @@ class Scheduler:
         self._slot_freed_s = -math.inf
         self._num_batches = 0
         self._num_failed_batches = 0
+        self._heavy_batches: Counter[str] = Counter()  # why ("time", "ratio") -> heavy batches started
         self._num_executed = 0
         self._num_answered_late = 0  # admitted, run, and answered after the deadline
         self._batch_sizes: Counter[int] = Counter()
@@ -564,6 +567,7 @@ class Scheduler:
             "batches_cancelled": self._num_cancelled_batches,
             "batches": self._num_batches,
             "batches_failed": self._num_failed_batches,
+            "heavy_batches": dict(self._heavy_batches),
             "requests_executed": self._num_executed,
             "answered_late": self._num_answered_late,
             "batch_sizes": dict(sorted(self._batch_sizes.items())),
@@ -679,7 +683,7 @@ class Scheduler:
         fill = _Fill(self.artifact.buckets.of_kind(head.kind))
         bucket = fill.fit_request(head.payload)
         if bucket is None:  # fits no bucket alone (not validated): it fails in _execute, alone
-            return _Plan([head], True, is_heavy=self._is_heavy(head, now, limits))
+            return _Plan([head], True)
         fill.add_request(head.payload)
         tickets, is_full = [head], False
         deadline = math.inf if head.deadline is None else head.deadline  # the batch's most urgent
@@ -722,9 +726,9 @@ class Scheduler:
             deadline = tighter
         # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
         is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
-        is_heavy = (self._bucket_s(fill.bucket, now) > self.config.heavy_batch_s
-                    or any(self._is_heavy(t, now, limits) for t in tickets))
-        return _Plan(tickets, is_full, fill.bucket, is_heavy)
+        heavy = ("time" if self._bucket_s(fill.bucket, now) > self.config.heavy_batch_s
+                 else "ratio" if any(self._is_heavy(t, now, limits) for t in tickets) else "")
+        return _Plan(tickets, is_full, fill.bucket, heavy)
 
     def _release_s(self, plan: _Plan, now: float) -> float:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
@@ -842,8 +846,10 @@ class Scheduler:
         self._inflight += 1
         self._num_batches += 1
         batch_id = self._num_batches
-        is_heavy = plan.is_heavy
+        is_heavy = bool(plan.heavy)
         self._heavy_inflight += is_heavy
+        if is_heavy:
+            self._heavy_batches[plan.heavy] += 1
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         constrained = any(getattr(t.payload, "catalog", "") for t in plan.tickets)
         self._constrained_inflight += constrained

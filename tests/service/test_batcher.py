@@ -300,15 +300,15 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art):
     rt = KindRuntime(beam_s=0.4, score_s=0.01)
 
     async def main() -> None:
-        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1)
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, heavy_ratio=0.0)
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: 0.4 s, heavy
         await s.submit(score("warm-score"))  # 10 ms, light
         # a heavy batch, then a second one (submitted while the first runs: its own batch), then a light request
         heavy = [asyncio.create_task(s.submit(beam("b1", new_tokens=1)))]
-        await until(lambda: len(rt.started) == 3)
+        await until(lambda: "b1" in rt.began)
         heavy.append(asyncio.create_task(s.submit(beam("b2", new_tokens=2))))
         await asyncio.sleep(0.05)
-        assert len(rt.started) == 3, "a second heavy batch took the last slot"
+        assert "b2" not in rt.began, "a second heavy batch took the last slot"
         t0 = time.monotonic()
         await s.submit(score("light"))
         assert time.monotonic() - t0 < 0.2, "the light request waited behind a heavy batch"
@@ -349,6 +349,8 @@ def test_requests_far_heavier_than_another_kind_leave_it_the_last_slot(art, heav
         await asyncio.gather(*heavy)
         spans = {name: (a, b) for name, a, b in rt.spans}
         assert (spans["b2"][0] >= spans["b1"][1] - 0.01) is serial
+        heavy_batches = s.stats()["heavy_batches"]  # b1 and b2 (the warm-up beams saw no Score yet)
+        assert heavy_batches == ({"ratio": 2} if serial else {}), heavy_batches
         await s.close()
 
     asyncio.run(main())

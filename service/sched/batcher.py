@@ -144,32 +144,28 @@ class ArrivalRates:
 
 
 class RecentSolos:
-    """Per kind, the buckets its requests ran in alone (their solo bucket), seen in the last window_s:
-    from them, the lightest request of each kind lately, at the model's current times."""
+    """Per kind, its lightest request lately: the solo bucket (the bucket a request runs in alone)
+    of the fewest FLOPs among its requests seen in the last window_s. O(1) per request: once that
+    bucket has not been seen for window_s, the kind's next request's bucket takes its place (so a
+    kind's lightest may be over-stated until a lighter request comes again, never under-stated)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._seen: dict[str, dict[str, tuple[Any, float]]] = {}  # kind -> bucket key -> (info, last seen)
+        self._min: dict[str, tuple[Any, float]] = {}  # kind -> (its lightest solo bucket's info, last seen)
 
     def add(self, kind: str, info: Any, now: float) -> None:
-        self._seen.setdefault(kind, {})[info.key] = (info, now)
+        cur = self._min.get(kind)
+        if cur is None or info.flops <= cur[0].flops or now - cur[1] > self.window_s:
+            self._min[kind] = (info, now)
 
     def __len__(self) -> int:  # kinds seen (some perhaps no longer within the window)
-        return len(self._seen)
+        return len(self._min)
 
     def lightest(self, bucket_s: Callable[[Any], float], now: float) -> dict[str, float]:
-        """kind -> the least bucket_s(info) of its solo buckets seen within the window (older ones
-        are forgotten)."""
-        out: dict[str, float] = {}
-        for kind in list(self._seen):
-            seen = self._seen[kind]
-            for key in [k for k, (_, at) in seen.items() if now - at > self.window_s]:
-                del seen[key]
-            if seen:
-                out[kind] = min(bucket_s(info) for info, _ in seen.values())
-            else:
-                del self._seen[kind]
-        return out
+        """kind -> bucket_s of its lightest request seen within the window (older kinds forgotten)."""
+        for kind in [k for k, (_, at) in self._min.items() if now - at > self.window_s]:
+            del self._min[kind]
+        return {kind: bucket_s(info) for kind, (info, _) in self._min.items()}
 
 
 class Residence:

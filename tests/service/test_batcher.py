@@ -356,6 +356,23 @@ def test_requests_far_heavier_than_another_kind_leave_it_the_last_slot(art, heav
     asyncio.run(main())
 
 
+def test_recent_solos_keep_each_kinds_lightest_request_within_the_window():
+    from service.sched.batcher import RecentSolos
+    from service.sched.cost import BucketInfo
+
+    small, big, mid = (BucketInfo(k, "score", f) for k, f in (("s", 1.0), ("b", 9.0), ("m", 4.0)))
+    times = {"s": 0.002, "b": 0.030, "m": 0.010, "beam": 0.050}
+    r = RecentSolos(window_s=1.0)
+    r.add("score", big, 0.0)
+    r.add("score", small, 0.1)  # lighter: takes its place
+    r.add("score", big, 0.2)  # heavier: does not
+    r.add("beam", BucketInfo("beam", "beam", 100.0), 0.3)
+    assert r.lightest(lambda i: times[i.key], 0.5) == {"score": 0.002, "beam": 0.050}
+    r.add("score", mid, 1.3)  # the lightest last seen 1.2 s ago: the next one takes its place
+    assert r.lightest(lambda i: times[i.key], 1.35) == {"score": 0.010}  # beam's last 1.05 s ago: gone
+    assert len(r) == 1
+
+
 def test_a_heavy_batch_pauses_between_nodes_while_a_light_one_runs():
     from service.sched.batcher import _LightFirst
 

@@ -316,8 +316,8 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
         counter("slmrank_batches", "Batches run, by outcome.", "outcome",
                 [("ok", stats["batches"] - stats["batches_failed"]), ("failed", stats["batches_failed"])]),
         counter("slmrank_heavy_batches", "Of slmrank_batches, those started heavy (they may not take the last free "
-                "lane), by why: time (predicted over 50 ms) or ratio (a request over 4x the lightest request of "
-                "another kind seen in the last second).", "why",
+                "lane), by why: time (predicted over 50 ms) or ratio (a request over heavy_ratio x the lightest "
+                "request of another kind seen in the last second; off by default).", "why",
                 [(why, stats.get("heavy_batches", {}).get(why, 0)) for why in ("time", "ratio")]),
     ]
     sizes: dict[int, int] = stats["batch_sizes"]

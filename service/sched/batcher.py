@@ -19,9 +19,10 @@ answered "draining" at once.
 A heavy batch may hold at most max_inflight - 1 of the in-flight slots: the last one goes to
 lighter work, so a small request is not stuck behind maximal ones (on a GPU, each slot is a lane:
 its own stream and graphs); its packing and unpacking (thousands of beam rows) run off the event
-loop, where light requests wait. Heavy: predicted to take longer than `heavy_batch_s`, or holding a
-request that alone takes more than `heavy_ratio` x the lightest request of another kind seen in the
-last `light_window_s` (batches of different kinds never share a bucket, so a light Score would wait
+loop, where light requests wait. Heavy: predicted to take longer than `heavy_batch_s`, or, with
+`heavy_ratio` > 0 (off by default: not yet measured on the mixed workloads), holding a request that
+alone takes more than heavy_ratio x the lightest request of another kind seen in the last
+`light_window_s` (batches of different kinds never share a bucket, so a light Score would wait
 behind two batches of far longer BeamSearches, each at most heavy_batch_s). Requests of one kind,
 or of kinds alike in cost, never count heavy by the ratio: their batches use every slot.
 
@@ -88,8 +89,10 @@ class BatcherConfig:
     # stays for lighter work; a synchronous runtime gets one worker thread per slot)
     heavy_batch_s: float = 0.05
     # a request whose time alone is more than this many times the lightest request of another kind
-    # seen in the last light_window_s makes its batch heavy too (0: only heavy_batch_s does)
-    heavy_ratio: float = 4.0
+    # seen in the last light_window_s makes its batch heavy too (0: only heavy_batch_s does). Off:
+    # at 4, W1's light callers beside W5's gained on an H100 (p50 -15%) but not on the H200, and its
+    # cost to the mixes' capacity (beams kept off the last lane beside Scores) is not measured yet
+    heavy_ratio: float = 0.0
     light_window_s: float = 1.0
     load_wait_share: float = 0.15  # when requests of a kind arrive at least one per time one takes alone, a batch not yet full waits up to this share of that time for more to join (0: never)
     load_wait_max_s: float = 0.004  # the most a batch waits for that reason (seconds)

@@ -16,7 +16,9 @@ does a light caller keep its latency while another sends the heaviest requests?
 
 Report (DIR/light_heavy.json, and a table last): the light requests' p50/p99 alone and beside the
 heavy ones, their ratio (the target: p99 beside <= 2 x alone), status codes of both, the heavy
-requests served.
+requests served; from the server's /metrics, its batches and those started heavy (by why), and
+each kind's mean stage times (queue, batch, execute, ...) over the alone windows and over the
+beside windows: where the light requests' added time goes.
 """
 
 from __future__ import annotations
@@ -34,13 +36,32 @@ import grpc
 from ops.bench.bench_grpc import ROOT, Proc, wait_serving
 from ops.bench.overload_bench import Outcome, _requests, closed_loop, summarize
 from ops.bench.workloads import ID_HIGH, parse_workload
-from service.loadgen.server_view import scrape
+from service.loadgen.server_view import add_deltas, scrape, stage_means_by_kind, window_delta
 from service.serving.proto_gen import load as load_stubs
 
 
-async def alternate(target: str, light: dict[str, Any], heavy: dict[str, Any], high: int,
-                    args: argparse.Namespace) -> tuple[list[Outcome], list[Outcome], list[Outcome]]:
-    """(light alone, light beside heavy, heavy) outcomes over the alternating windows."""
+class Windows:
+    """The server's /metrics growth over the windows of one condition (alone, beside), summed: the
+    per-kind stage means of the requests those windows finished (nothing without a metrics URL)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url, self.total, self._start = url, {}, None
+
+    async def begin(self) -> None:
+        self._start = await asyncio.to_thread(scrape, self.url) if self.url else None
+
+    async def end(self) -> None:
+        if self._start is not None:
+            add_deltas(self.total, window_delta(self._start, await asyncio.to_thread(scrape, self.url)))
+
+    def stage_means(self) -> dict[str, dict[str, float]]:
+        return stage_means_by_kind(self.total)
+
+
+async def alternate(target: str, light: dict[str, Any], heavy: dict[str, Any], high: int, args: argparse.Namespace,
+                    seen: dict[str, Windows]) -> tuple[list[Outcome], list[Outcome], list[Outcome]]:
+    """(light alone, light beside heavy, heavy) outcomes over the alternating windows; seen["alone"]
+    and seen["beside"] gather the server's view of each condition's windows."""
     stubs = load_stubs()
     light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
     # overload_bench's pools of the workloads' requests, every one NORMAL with the deadline
@@ -58,14 +79,18 @@ async def alternate(target: str, light: dict[str, Any], heavy: dict[str, Any], h
         beside: list[Outcome] = []
         heavy_out: list[Outcome] = []
         for k in range(args.windows):
+            await seen["alone"].begin()
             alone += await closed_loop(call_light, make_light, args.light_clients, args.window_s, metadata=light_md,
                                        first_index=100_000 * k)
+            await seen["alone"].end()
             heavy_task = asyncio.ensure_future(closed_loop(call_heavy, make_heavy, args.heavy_clients,
                                                            1.2 * args.window_s, metadata=heavy_md,
                                                            first_index=1_000 * k))
             await asyncio.sleep(0.2)  # the heavy requests are running
+            await seen["beside"].begin()
             beside += await closed_loop(call_light, make_light, args.light_clients, args.window_s,
                                         metadata=light_md, first_index=50_000 + 100_000 * k)
+            await seen["beside"].end()
             heavy_out += await heavy_task
             print(f"[light_heavy] window {k + 1}/{args.windows}: light {len(alone)} alone, {len(beside)} beside; "
                   f"heavy {len(heavy_out)}", file=sys.stderr, flush=True)
@@ -112,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s, Path(args.server_root))
     try:
         asyncio.run(wait_serving(server.target, args.start_timeout_s))
-        alone, beside, heavy_out = asyncio.run(alternate(server.target, light, heavy, high, args))
+        seen = {"alone": Windows(server.metrics_url), "beside": Windows(server.metrics_url)}
+        alone, beside, heavy_out = asyncio.run(alternate(server.target, light, heavy, high, args, seen))
         # the server's batches over the whole run (warm-up included), and those started heavy, by why
         view = scrape(server.metrics_url) if server.metrics_url else {}
     finally:
@@ -123,6 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "light": args.light, "heavy": args.heavy, "light_clients": args.light_clients,
               "heavy_clients": args.heavy_clients, "windows": args.windows, "window_s": args.window_s,
               "device": args.device, "serve_args": args.serve_args, "server_root": args.server_root, "server_batches": batches,
+              # what the requests finished in each condition's windows spent in each stage (the
+              # server's histograms, by kind): where the light requests' time went beside the heavy
+              "server_stage_ms": {cond: w.stage_means() for cond, w in seen.items()},
               **report(alone, beside, heavy_out, args)}
     (out / "light_heavy.json").write_text(json.dumps(result, indent=1))
     a, b, h = result["light_alone"], result["light_beside_heavy"], result["heavy"]
@@ -133,6 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.heavy + ' (heavy)':22s} {h['sent']:6d} {h['ok_p50_ms']:8.2f} {h['ok_p99_ms']:8.2f}  {h['codes']}")
     print(f"server batches: {batches.get('all', 0):.0f}, heavy by time {batches.get('time', 0):.0f}, "
           f"by ratio {batches.get('ratio', 0):.0f}")
+    stages = result["server_stage_ms"]
+    for kind in sorted(set(stages["alone"]) | set(stages["beside"])):
+        a_ms, b_ms = stages["alone"].get(kind, {}), stages["beside"].get(kind, {})
+        print(f"{kind} stage means, alone -> beside (ms): " + ", ".join(
+            f"{s} {a_ms.get(s, float('nan')):.2f} -> {b_ms.get(s, float('nan')):.2f}" for s in sorted(set(a_ms) | set(b_ms))))
     ratio = result["p99_ratio"]
     print(f"light p99 beside / alone: {ratio:.2f} (target <= 2)" if ratio is not None else "light p99: no answer")
     return result

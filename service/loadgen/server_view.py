@@ -31,6 +31,26 @@ def window_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, st
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+def add_deltas(total: dict[tuple[str, str], float], delta: dict[tuple[str, str], float]) -> None:
+    """Adds one window's growth (window_delta) into `total`: several windows of one condition as one."""
+    for key, value in delta.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+def stage_means_by_kind(delta: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    """Mean ms of each stage of the requests finished in a window, by request kind (the stage
+    histograms' kind label: Score, BeamSearch, ...), from the growth of their sums and counts."""
+    out: dict[str, dict[str, float]] = {}
+    for (series, labels), total in delta.items():
+        if series != "slmrank_request_stage_seconds_sum":
+            continue
+        kind, stage = re.search(r'kind="([^"]*)"', labels), re.search(r'stage="([^"]*)"', labels)
+        count = delta.get(("slmrank_request_stage_seconds_count", labels), 0.0)
+        if kind and stage and count:
+            out.setdefault(kind.group(1), {})[stage.group(1)] = round(total / count * 1e3, 3)
+    return out
+
+
 def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
                      requests: int, window_s: float) -> dict[str, Any]:
     """Mean ms of each stage of the requests finished in the window (the server's histograms), the

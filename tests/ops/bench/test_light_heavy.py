@@ -39,3 +39,8 @@ def test_a_short_run_against_a_cpu_server(tmp_path) -> None:
     assert r["light_alone"]["codes"].get("OK", 0) > 0 and r["light_beside_heavy"]["codes"].get("OK", 0) > 0
     assert r["heavy"]["sent"] > 0  # the heavy caller's requests reached the server (served or refused)
     assert (tmp_path / "light_heavy.json").exists()
+    # the server's view: its batches, and the stages of the light (Score) requests in both conditions
+    assert r["server_batches"]["all"] > 0
+    for cond in ("alone", "beside"):
+        assert r["server_stage_ms"][cond]["Score"]["execute"] > 0, r["server_stage_ms"]
+    assert "BeamSearch" not in r["server_stage_ms"]["alone"]  # no heavy request finished in those windows

@@ -1,5 +1,7 @@
 """Triton/CUDA kernels, each beside its plain-torch reference."""
 
+import os
+
 # Every kernel is compiled without floating-point contraction (JIT launches and kernels/aot.py).
 # Triton's default (enable_fp_fusion=True) lets LLVM fuse a multiply and an add into one FMA, which
 # drops the rounding in between: LLVM first narrows `(a * b).to(bf16).to(f32) + c` to bf16
@@ -9,3 +11,9 @@
 # which ptxas may not fuse either. In float32 the same fusion would break equality with torch's
 # element-wise ops.
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+def interpreted() -> bool:
+    """Whether kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1): the value of the
+    kernels' INTERPRETED constexpr at a JIT launch (every AOT variant is compiled with False)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -42,14 +42,13 @@ signed comparison orders by score, then by lower flat index.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from . import COMPILE_OPTIONS
+from . import COMPILE_OPTIONS, interpreted
 
 # a rank without a row (a request narrower than its bucket): below every candidate's key (its score
 # bits under -inf's) and decoded to parent 0, token 0; the merge never keeps one (a request's rank 0
@@ -436,7 +435,7 @@ def candidate_launches(logits: torch.Tensor, beam_scores: torch.Tensor, num_cand
         beam_select_kernel[(ranks,)](logits, allowed if allowed is not None else count, stats, count, buf, src, keys,
                                      vocab, logits.stride(0), (vocab + 31) // 32, num_candidates, num_parents, rows,
                                      NG=sz["NG"], KP=sz["KP"], CAP=sz["CAP"], HAS_MASK=allowed is not None,
-                                     INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                     INTERPRETED=interpreted(),
                                      num_warps=sz["select_warps"], **COMPILE_OPTIONS)
 
     return keys, launches + [("select", select)]
@@ -471,21 +470,21 @@ def row_pass_launches(logits: torch.Tensor, beam_scores: torch.Tensor, slot: tor
     words, ranks = (vocab + 31) // 32, beam_scores.shape[0]
     has_mask = allowed is not None
     stride = logits.stride(0)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     parts = NUM_PARTS
 
     def stats_pass() -> None:
         beam_stats_kernel[(rows, parts)](logits, beam_scores, slot, mask, pmax, psum, gpart, vocab, stride, words,
                                          ranks, NUM_PARTS=parts, NG=ng, HAS_MASK=has_mask,
-                                         INTERPRETED=interpreted, **COMPILE_OPTIONS)
+                                         INTERPRETED=interp, **COMPILE_OPTIONS)
 
     def threshold() -> None:
         beam_threshold_kernel[(rows,)](beam_scores, slot, pmax, psum, gpart, stats, count, num_candidates, ranks,
-                                       NUM_PARTS=parts, NG=ng, KP=kp, INTERPRETED=interpreted, **COMPILE_OPTIONS)
+                                       NUM_PARTS=parts, NG=ng, KP=kp, INTERPRETED=interp, **COMPILE_OPTIONS)
 
     def collect() -> None:
         beam_collect_kernel[(rows, parts)](logits, mask, stats, count, buf, vocab, stride, words, cap,
-                                           NUM_PARTS=parts, NG=ng, HAS_MASK=has_mask, INTERPRETED=interpreted,
+                                           NUM_PARTS=parts, NG=ng, HAS_MASK=has_mask, INTERPRETED=interp,
                                            **COMPILE_OPTIONS)
 
     return (stats, count, buf), [("stats", stats_pass), ("threshold", threshold), ("collect", collect)]
@@ -666,7 +665,7 @@ def beam_merge(keys: torch.Tensor, num_requests: int, num_beams: int) -> torch.T
         chunks = triton.cdiv(n, sz["CHUNK"])
         out = torch.empty(num_requests, chunks * num_beams, dtype=torch.int64, device=keys.device)
         beam_merge_kernel[(num_requests, chunks)](x, out, n, chunks * num_beams, num_beams, KP=sz["KP"],
-                                                  CHUNK=sz["CHUNK"], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                                  CHUNK=sz["CHUNK"], INTERPRETED=interpreted(),
                                                   num_warps=sz["num_warps"], **COMPILE_OPTIONS)
         if chunks == 1:
             return out

@@ -23,14 +23,13 @@ random inputs. Whether these beat cuBLAS at our shapes is measured by
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import COMPILE_OPTIONS
+from . import COMPILE_OPTIONS, interpreted
 
 
 @dataclass(frozen=True)
@@ -100,10 +99,6 @@ def gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, num_rows,
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check(a: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int]:
     if a.dim() != 2 or w.dim() != 2 or not a.is_contiguous() or not w.is_contiguous():
         raise ValueError(f"gemm: a [M, K] and w [N, K] must be contiguous 2-D, got {list(a.shape)}, {list(w.shape)}")
@@ -132,7 +127,7 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, c
     grid = (n // config.block_n, triton.cdiv(m, config.block_m), config.split_k)
     gemm_kernel[grid](a, w, bias if bias is not None else a, out, m, N=n, K=k, BLOCK_M=config.block_m,
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-                      HAS_BIAS=bias is not None, SILU=silu, INTERPRETED=_interpreted(),
+                      HAS_BIAS=bias is not None, SILU=silu, INTERPRETED=interpreted(),
                       num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     return out
 

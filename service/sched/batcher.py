@@ -192,9 +192,6 @@ class _Plan:
     tickets: list[Ticket]
     is_full: bool  # something of its kind was left out, or the cap was reached: release now
     bucket: Any = None  # the bucket it runs in (None: it fits none, and fails alone)
-    # why it is heavy (it may not take the last free slot): "time" (predicted over heavy_batch_s) or
-    # "ratio" (a member over heavy_ratio x the lightest request of another kind lately); "": light
-    heavy: str = ""
 
     @property
     def oldest_s(self) -> float:
@@ -725,9 +722,7 @@ class Scheduler:
             deadline = tighter
         # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
         is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
-        heavy = ("time" if self._bucket_s(fill.bucket, now) > self.config.heavy_batch_s
-                 else "ratio" if any(self._is_heavy(t, now, limits) for t in tickets) else "")
-        return _Plan(tickets, is_full, fill.bucket, heavy)
+        return _Plan(tickets, is_full, fill.bucket)
 
     def _release_s(self, plan: _Plan, now: float) -> float:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
@@ -830,6 +825,16 @@ class Scheduler:
         return {kind: min(cfg.heavy_batch_s, cfg.heavy_ratio * min(s for k, s in lightest.items() if k != kind))
                 for kind in lightest}
 
+    def _heavy_why(self, plan: _Plan, now: float) -> str:
+        """Why a batch about to start is heavy (it may not take the last free slot): "time"
+        (predicted over heavy_batch_s), "ratio" (a member over its kind's _heavy_limits); "": light."""
+        if plan.bucket is None:
+            return ""
+        if self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s:
+            return "time"
+        limits = self._heavy_limits(now)
+        return "ratio" if limits and any(self._is_heavy(t, now, limits) for t in plan.tickets) else ""
+
     def _is_heavy(self, ticket: Ticket, now: float, limits: dict[str, float]) -> bool:
         """Whether the request alone outlasts its kind's limit (_heavy_limits(now))."""
         return ticket.cost is not None and self._solo_s(ticket, now) > limits.get(ticket.kind, self.config.heavy_batch_s)
@@ -845,10 +850,11 @@ class Scheduler:
         self._inflight += 1
         self._num_batches += 1
         batch_id = self._num_batches
-        is_heavy = bool(plan.heavy)
+        why = self._heavy_why(plan, now)
+        is_heavy = bool(why)
         self._heavy_inflight += is_heavy
         if is_heavy:
-            self._heavy_batches[plan.heavy] += 1
+            self._heavy_batches[why] += 1
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         constrained = any(getattr(t.payload, "catalog", "") for t in plan.tickets)
         self._constrained_inflight += constrained

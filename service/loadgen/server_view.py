@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|slmrank_node_batches_total|'
@@ -37,17 +38,23 @@ def add_deltas(total: dict[tuple[str, str], float], delta: dict[tuple[str, str],
         total[key] = total.get(key, 0.0) + value
 
 
-def stage_means_by_kind(delta: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
-    """Mean ms of each stage of the requests finished in a window, by request kind (the stage
-    histograms' kind label: Score, BeamSearch, ...), from the growth of their sums and counts."""
-    out: dict[str, dict[str, float]] = {}
+def _stage_means(delta: dict[tuple[str, str], float]) -> Iterator[tuple[str, str, float]]:
+    """(kind, stage, mean ms) of each stage histogram series that grew in the window."""
     for (series, labels), total in delta.items():
         if series != "slmrank_request_stage_seconds_sum":
             continue
         kind, stage = re.search(r'kind="([^"]*)"', labels), re.search(r'stage="([^"]*)"', labels)
         count = delta.get(("slmrank_request_stage_seconds_count", labels), 0.0)
-        if kind and stage and count:
-            out.setdefault(kind.group(1), {})[stage.group(1)] = round(total / count * 1e3, 3)
+        if count and stage:
+            yield kind.group(1) if kind else "", stage.group(1), round(total / count * 1e3, 3)
+
+
+def stage_means_by_kind(delta: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    """Mean ms of each stage of the requests finished in a window, by request kind (the stage
+    histograms' kind label: Score, BeamSearch, ...), from the growth of their sums and counts."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, stage, ms in _stage_means(delta):
+        out.setdefault(kind, {})[stage] = ms
     return out
 
 
@@ -59,16 +66,11 @@ def server_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str
     the mean of the server's own request latency (its first byte parsed to its response serialized:
     what the client measures beyond it is gRPC's transport both ways and the client)."""
     d = window_delta(before, after)
-    stages: dict[str, float] = {}
+    stages = {stage: ms for _, stage, ms in _stage_means(d)}
     latency_s = latency_n = 0.0
     for (series, labels), total in d.items():
         if series == "slmrank_request_latency_seconds_sum":
             latency_s, latency_n = latency_s + total, latency_n + d.get(("slmrank_request_latency_seconds_count", labels), 0.0)
-        elif series.endswith("_sum"):
-            count = d.get((series[:-4] + "_count", labels), 0.0)
-            stage = re.search(r'stage="([^"]+)"', labels)
-            if count and stage:
-                stages[stage.group(1)] = round(total / count * 1e3, 3)
     batches = sum(v for (series, _), v in d.items() if series == "slmrank_node_batches_total")
     loop_s = d.get(("slmrank_event_loop_cpu_seconds_total", ""))
     return {"stage_mean_ms": stages, "latency_mean_ms": round(latency_s / latency_n * 1e3, 3) if latency_n else None,

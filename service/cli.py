@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import time
 from pathlib import Path
@@ -115,12 +116,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .serving.settings import SERVE_SETTINGS, resolve
 
     # every mistake that can be seen before binding is a ValueError here: one line from main(), exit 2
-    values = resolve(SERVE_SETTINGS, args)
+    defaulted: set[str] = set()
+    values = resolve(SERVE_SETTINGS, args, defaulted=defaulted)
+    unused_lanes = lanes_and_slots(values, defaulted)
     config = _server_config(values)
     placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
-    if values["lanes"] < 0:
-        raise ValueError(f"--lanes: must be >= 0 (0: the runtime's default), got {values['lanes']}")
     configure_logging("warning" if args.quiet else values["log_level"], values["log_format"])
+    if unused_lanes:
+        logging.getLogger("slmrank.server").warning("%s", unused_lanes)
     from .artifact.resolve import check_model
     check_model(values["model"])  # a bad --model fails here, before the port is bound and "listening" said
     host = values["host"]
@@ -153,11 +156,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, loader, announce, on_ready)
 
 
+def lanes_and_slots(values: dict, defaulted: set[str]) -> str:
+    """Ties the batcher's in-flight slots to the lanes: with --lanes N above the slots' default (2)
+    and --batcher-max-inflight not given, the slots become N (a lane no batch can be handed to would
+    only hold device memory). Returns a warning when slots were given below the lanes, else "".
+    ValueError: lanes < 0."""
+    lanes = values["lanes"]
+    if lanes < 0:
+        raise ValueError(f"--lanes: must be >= 0 (0: the runtime's default), got {lanes}")
+    if "batcher_max_inflight" in defaulted:
+        values["batcher_max_inflight"] = max(values["batcher_max_inflight"], lanes)
+        return ""
+    if lanes > values["batcher_max_inflight"]:
+        return (f"--lanes {lanes} with --batcher-max-inflight {values['batcher_max_inflight']}: at most "
+                f"{values['batcher_max_inflight']} batches are handed to the runtime at once, so "
+                f"{lanes - values['batcher_max_inflight']} lane(s) only hold device memory")
+    return ""
+
+
 def _server_config(values: dict):
     """ServerConfig from the resolved settings; the tracing settings are checked here too, so that
     a mistake is a usage error before the model loads (ValueError: exit 2)."""
     import importlib
-    import logging
 
     from .observe.tracing import OTLP_PACKAGES
     from .sched.admission import AdmissionConfig

@@ -151,7 +151,8 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
             "SERVING (all), or each at its first batch (lazy: faster start, slower first requests)", "model",
             ("all", "lazy")),
     Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
-            "memory pool (0: 2 on CUDA, 1 on the CPU)", "model"),
+            "memory pool (0: 2 on CUDA, 1 on the CPU); --batcher-max-inflight follows a larger count unless given",
+            "model"),
     field_setting(ServerConfig, "host", "", "server", "address of the gRPC API (127.0.0.1: a sidecar's loopback "
                   "only)"),
     field_setting(ServerConfig, "port", "", "server", "port of the gRPC API (0: any free port, printed)"),
@@ -303,8 +304,9 @@ def _check_environment(env: Mapping[str, str], settings: Iterable[Setting]) -> N
 
 
 def resolve(settings: Sequence[Setting], args: argparse.Namespace,
-            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """{name: value} for every setting: flag > SLMRANK_* environment > config file > default."""
+            environ: Mapping[str, str] | None = None, defaulted: set[str] | None = None) -> dict[str, Any]:
+    """{name: value} for every setting: flag > SLMRANK_* environment > config file > default. The
+    names of those that took their default (given by none of the three) are added to `defaulted`."""
     env: Mapping[str, str] = os.environ if environ is None else environ
     given = vars(args)
     _check_environment(env, settings)
@@ -322,6 +324,8 @@ def resolve(settings: Sequence[Setting], args: argparse.Namespace,
             raise SettingsError(f"{s.flag} is required (or {s.env}, or `{s.name} = ...` in the config file)")
         else:
             value = s.default
+            if defaulted is not None:
+                defaulted.add(s.name)
         values[s.name] = value
     return values
 

@@ -248,3 +248,41 @@ def test_client_and_trace_commands_do_not_import_torch() -> None:
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("argv, environ, slots, warns", [
+    ([], {}, BatcherConfig().max_inflight, False),  # the defaults: 2 lanes on CUDA, 2 slots
+    (["--lanes", "1"], {}, BatcherConfig().max_inflight, False),  # one running, one queued, as before
+    (["--lanes", "3"], {}, 3, False),  # a third lane gets a slot to be used
+    (["--lanes", "3", "--batcher-max-inflight", "4"], {}, 4, False),
+    (["--lanes", "3", "--batcher-max-inflight", "2"], {}, 2, True),  # given: kept, and said
+    (["--lanes", "3"], {"SLMRANK_BATCHER_MAX_INFLIGHT": "2"}, 2, True),  # given by the environment is given
+])
+def test_slots_follow_more_lanes_unless_given(argv, environ, slots, warns) -> None:
+    from service.cli import lanes_and_slots
+
+    defaulted: set[str] = set()
+    values = resolve(SERVE_SETTINGS, parse(["--model", "m", *argv]), environ, defaulted=defaulted)
+    warning = lanes_and_slots(values, defaulted)
+    assert values["batcher_max_inflight"] == slots
+    assert _server_config(values).batcher.max_inflight == slots
+    if warns:
+        assert "--lanes 3" in warning and f"--batcher-max-inflight {slots}" in warning and "1 lane(s)" in warning
+    else:
+        assert warning == ""
+
+
+def test_defaulted_names_exactly_the_settings_no_source_gave(tmp_path: Path) -> None:
+    config = write(tmp_path, 'model = "m"\nport = 6000\n')
+    defaulted: set[str] = set()
+    resolve(SERVE_SETTINGS, parse(["--config", config, "--lanes", "2"]), {"SLMRANK_GRACE_S": "3"}, defaulted=defaulted)
+    assert defaulted == {s.name for s in SERVE_SETTINGS} - {"model", "port", "lanes", "grace_s"}
+
+
+def test_negative_lanes_are_refused_naming_the_flag() -> None:
+    from service.cli import lanes_and_slots
+
+    defaulted: set[str] = set()
+    values = resolve(SERVE_SETTINGS, parse(["--model", "m", "--lanes", "-1"]), {}, defaulted=defaulted)
+    with pytest.raises(ValueError, match="--lanes: must be >= 0"):
+        lanes_and_slots(values, defaulted)

@@ -3,7 +3,7 @@ does a light caller keep its latency while another sends the heaviest requests?
 
   python -m ops.bench.light_heavy [--light W1] [--heavy W5] [--model SPEC] [--light-clients 4]
       [--heavy-clients 2] [--windows 8] [--window-s 3] [--device cuda] [--kernels triton]
-      [--serve-args "..."] [--server-root DIR] [--out DIR]
+      [--serve-args "..."] [--set SECTION.FIELD=VALUE ...] [--server-root DIR] [--out DIR]
 
 1. `slmrank serve` runs as a subprocess on 127.0.0.1 (ops/bench/bench_grpc.py's Proc), the model the
    light workload names unless --model is given; both workloads' shapes run on it.
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"])
     p.add_argument("--serve-args", default="", help="more `slmrank serve` flags, one string")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a scheduler constant that is no flag, changed for this server (ops/bench/serve_tuned.py)")
     p.add_argument("--server-root", default=str(ROOT),
                    help="the source tree the server runs from (default: this one): an A/B run measures another "
                         "version of the server with the same callers (ops/device/light_heavy AB_ROUNDS)")
@@ -131,8 +133,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     high = min(ID_HIGH, resolve_artifact(model, quiet=True).config.vocab_size)
+    # with --set, the server is serve_tuned's (`slmrank serve` with those constants changed)
+    command = ([sys.executable, "-m", "ops.bench.serve_tuned", *(a for s in args.set for a in ("--set", s)), "--"]
+               if args.set else [sys.executable, "-m", "service.cli", "serve"])
     server = Proc("slmrank", [
-        sys.executable, "-m", "service.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+        *command, "--model", model, "--host", "127.0.0.1", "--port", "0",
         "--metrics-port", "0", "--device", args.device, "--kernels", args.kernels, "--grace-s", "10",
         *args.serve_args.split()], out / "slmrank_server.log", args.start_timeout_s, Path(args.server_root))
     try:
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "model": model,
               "light": args.light, "heavy": args.heavy, "light_clients": args.light_clients,
               "heavy_clients": args.heavy_clients, "windows": args.windows, "window_s": args.window_s,
-              "device": args.device, "serve_args": args.serve_args, "server_root": args.server_root, "server_batches": batches,
+              "device": args.device, "serve_args": args.serve_args, "set": args.set, "server_root": args.server_root, "server_batches": batches,
               # what the requests finished in each condition's windows spent in each stage (the
               # server's histograms, by kind): where the light requests' time went beside the heavy
               "server_stage_ms": {cond: w.stage_means() for cond, w in seen.items()},

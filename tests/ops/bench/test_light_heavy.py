@@ -1,5 +1,6 @@
 """ops/bench/light_heavy.py: the report's p99 ratio and its verdict from known outcomes, and one short
-run against a CPU server (tiny model): both callers' requests reach it, each condition is measured."""
+run against a CPU server (tiny model, a scheduler constant changed by --set): both callers' requests
+reach it, each condition is measured."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ def test_no_light_answer_gives_no_ratio() -> None:
 def test_a_short_run_against_a_cpu_server(tmp_path) -> None:
     r = light_heavy.main(["--model", "embedded:tiny", "--light", "W1", "--heavy", "W2", "--device", "cpu",
                           "--windows", "1", "--window-s", "1", "--light-clients", "1", "--heavy-clients", "1",
-                          "--out", str(tmp_path)])
+                          "--set", "batcher.heavy_ratio=4", "--out", str(tmp_path)])
     assert r["light_alone"]["codes"].get("OK", 0) > 0 and r["light_beside_heavy"]["codes"].get("OK", 0) > 0
     assert r["heavy"]["sent"] > 0  # the heavy caller's requests reached the server (served or refused)
     assert (tmp_path / "light_heavy.json").exists()
+    # --set: the server was serve_tuned's, with that constant changed
+    assert "[serve_tuned] BatcherConfig.heavy_ratio = 4.0" in (tmp_path / "slmrank_server.log").read_text()
+    assert r["set"] == ["batcher.heavy_ratio=4"]
     # the server's view: its batches, and the stages of the light (Score) requests in both conditions
     assert r["server_batches"]["all"] > 0
     for cond in ("alone", "beside"):

@@ -356,6 +356,94 @@ def test_requests_far_heavier_than_another_kind_leave_it_the_last_slot(art, heav
     asyncio.run(main())
 
 
+class LanesRuntime(FakeRuntime):
+    """The C++ runtime's lanes on a GPU, by the clock: submit(batch, reserve) -> a future resolved
+    beam_s or score_s later; reserve lanes that hold the Score buckets only. Records (first id,
+    reserve, start, end) per batch."""
+
+    def __init__(self, beam_s: float, score_s: float, reserve_lanes: int = 1) -> None:
+        super().__init__()
+        self.beam_s, self.score_s = beam_s, score_s
+        self.num_lanes, self.reserve_lanes = 2, reserve_lanes
+        self.runs: list[list] = []
+
+    def in_reserve(self, key: str) -> bool:
+        return key.startswith("score")
+
+    def submit(self, batch, reserve: bool = False):
+        assert not reserve or (self.reserve_lanes and self.in_reserve(batch.bucket.key))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        is_score = isinstance(batch, ScoreBatch)
+        seconds = self.score_s if is_score else self.beam_s
+        record = [batch.requests[0].id, reserve, time.monotonic(), None]
+        self.runs.append(record)
+        submit_ns = time.monotonic_ns()
+
+        def done() -> None:
+            record[3] = time.monotonic()
+            out = [self.run_score(batch)] if is_score else list(self.run_beam(batch))
+            fut.set_result((out, BatchTimings.host(submit_ns, submit_ns, time.monotonic_ns(),
+                                                   (NodeTiming("fake", seconds * 1e3, -1.0),))))
+
+        loop.call_later(seconds, done)
+        return fut
+
+    def run_of(self, name: str) -> list:
+        return next(r for r in self.runs if r[0] == name)
+
+
+@pytest.mark.parametrize("reserve_lanes", [1, 0])
+def test_a_light_batch_takes_a_reserve_lane_beside_longer_ones_holding_the_slots(art, reserve_lanes):
+    rt = LanesRuntime(beam_s=0.4, score_s=0.02, reserve_lanes=reserve_lanes)
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=10.0)
+        await s.submit(beam("warm-beam"))  # measured: 0.4 s
+        await s.submit(score("warm-score"))  # 20 ms
+        heavy = []
+        for i in range(2):  # one batch in each slot
+            heavy.append(asyncio.create_task(s.submit(beam(f"b{i}"))))
+            await until(lambda: len(rt.runs) == 3 + i)
+        t0 = time.monotonic()
+        await s.submit(score("light"))
+        waited = time.monotonic() - t0
+        if reserve_lanes:
+            assert waited < 0.2, f"the light request waited {waited:.3f} s with a reserve lane free"
+            assert rt.run_of("light")[1] is True
+        else:
+            assert waited > 0.3, "no reserve lane: the light request waits for a slot"
+        if reserve_lanes:  # a third long batch never takes the reserve lane (not a bucket it holds, nor light)
+            heavy.append(asyncio.create_task(s.submit(beam("b2"))))
+            await asyncio.sleep(0.05)
+            assert all(r[0] != "b2" for r in rt.runs), "a long batch took the reserve lane"
+        await asyncio.gather(*heavy)
+        assert all(not r[1] for r in rt.runs if r[0] != "light")
+        assert s.stats()["reserve_batches"] == reserve_lanes
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_batches_alike_in_cost_never_take_the_reserve_lane(art):
+    rt = LanesRuntime(beam_s=0.1, score_s=0.1)
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=10.0)
+        await s.submit(score("warm-score"))  # 0.1 s
+        tasks = []
+        for i in range(2):  # one batch in each slot
+            tasks.append(asyncio.create_task(s.submit(score(f"s{i}"))))
+            await until(lambda: len(rt.runs) == 2 + i)
+        tasks.append(asyncio.create_task(s.submit(score("third"))))  # less than its time left in either
+        await asyncio.gather(*tasks)
+        assert not rt.run_of("third")[1] and rt.run_of("third")[2] >= min(rt.run_of("s0")[3], rt.run_of("s1")[3])
+        assert s.stats()["reserve_batches"] == 0, rt.runs
+        await s.close()
+
+    asyncio.run(main())
+
+
 def test_recent_solos_keep_each_kinds_lightest_request_within_the_window():
     from service.sched.batcher import RecentSolos
     from service.sched.cost import BucketInfo

@@ -24,9 +24,9 @@ def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_gr
     real_make_runtime = factory.make_runtime
     made: list[_RecordingRuntime] = []
 
-    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0):
+    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0, reserve_lanes=0):
         made.append(_RecordingRuntime(real_make_runtime(name, artifact, device, dtype, kernels, num_lanes,
-                                                        catalog_headroom)))
+                                                        catalog_headroom, reserve_lanes)))
         return made[-1]
 
     monkeypatch.setattr(factory, "make_runtime", make_runtime)

@@ -48,3 +48,13 @@ def test_auto_kernels_are_the_fused_ones_on_hopper_only(monkeypatch, device, cap
     assert resolve_kernels("aten", device) == "aten" and resolve_kernels("triton", device) == "triton"
     with pytest.raises(ValueError, match="kernels"):
         resolve_kernels("cuda-graphs", device)
+
+
+def test_reserve_lanes_are_the_cpp_runtimes_only(qwen2_tiny) -> None:
+    with pytest.raises(ValueError, match="--reserve-lanes: only the C\\+\\+ runtime"):
+        load_model(str(qwen2_tiny.artifact.path), "python", reserve_lanes=1)
+    model = load_model(str(qwen2_tiny.artifact.path), "cpp", reserve_lanes=1)
+    try:
+        assert (model.runtime.num_lanes, model.runtime.reserve_lanes) == (1, 1)
+    finally:
+        model.runtime.shutdown()

@@ -287,3 +287,6 @@ def test_negative_lanes_are_refused_naming_the_flag() -> None:
     values = resolve(SERVE_SETTINGS, parse(["--model", "m", "--lanes", "-1"]), {}, defaulted=defaulted)
     with pytest.raises(ValueError, match="--lanes: must be >= 0"):
         lanes_and_slots(values, defaulted)
+    values = resolve(SERVE_SETTINGS, parse(["--model", "m", "--reserve-lanes", "-1"]), {}, defaulted=defaulted)
+    with pytest.raises(ValueError, match="--reserve-lanes: must be >= 0"):
+        lanes_and_slots(values, defaulted)

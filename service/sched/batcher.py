@@ -251,9 +251,9 @@ class _SubmitExecutor:
         self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
         self.num_reserve = int(getattr(runtime, "reserve_lanes", 0))
 
-    def in_reserve(self, bucket: Any) -> bool:
-        """Whether a reserve lane runs batches of this bucket (the runtime's light buckets)."""
-        return self.num_reserve > 0 and self.runtime.in_reserve(bucket)
+    def in_reserve(self, key: str) -> bool:
+        """Whether a reserve lane runs batches of the bucket with this key (the runtime's light buckets)."""
+        return self.num_reserve > 0 and self.runtime.in_reserve(key)
 
     def make_control(self, is_heavy: bool) -> Any:
         return self.runtime.control(is_heavy) if hasattr(self.runtime, "control") else _Control(is_heavy)
@@ -364,8 +364,9 @@ class _ThreadExecutor:
         control.cancel()
         self._gate.wake()
 
-    async def run(self, batch: Batch, is_heavy: bool = False,
-                  control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
+    async def run(self, batch: Batch, is_heavy: bool = False, control: Any = None,
+                  reserve: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
+        """reserve: never (num_reserve 0)."""
         submit_ns = time.monotonic_ns()
         pool = self._heavy_pool if is_heavy else self._pool
         control = control if control is not None else self.make_control(is_heavy)
@@ -937,8 +938,7 @@ class Scheduler:
                 raise BatchCancelled("cancelled before it started")
             self._record_batch(batch)
             start_s = self.clock()
-            outputs, timings = await (self._executor.run(batch, is_heavy, control, reserve=True) if reserve
-                                      else self._executor.run(batch, is_heavy, control))
+            outputs, timings = await self._executor.run(batch, is_heavy, control, reserve)
             end_s = self.clock()
             results = (await asyncio.to_thread(self._unpack, batch, outputs) if is_heavy
                        else self._unpack(batch, outputs))

@@ -167,7 +167,7 @@ def test_concurrent_submits_match_blocking_runs(qwen2_small, helpers, monkeypatc
         rt.shutdown()
 
 
-def test_reserve_lanes_run_only_reserve_batches_and_answer_as_any_lane(qwen2_small, helpers) -> None:
+def test_reserve_and_ordinary_batches_queued_together_answer_as_a_blocking_run(qwen2_small, helpers) -> None:
     """Batches submitted with reserve=True and without, queued together, all answer as a blocking
     run does, and shutdown drains both kinds (each lane's worker takes only its own kind: a kind
     nobody took would hang here). Without a reserve lane a reserve batch is refused."""

@@ -193,15 +193,14 @@ using ExecutorPtr = std::unique_ptr<slmrank::Executor, ExecutorDeleter>;
 
 ExecutorPtr executor_from_artifact(const std::string& path, const std::string& device,
                                    const std::optional<std::string>& dtype, bool use_graphs, bool verify,
-                                   int num_lanes, std::tuple<int64_t, int64_t, int64_t> catalog_capacity,
-                                   int reserve_lanes) {
+                                   int num_lanes, std::tuple<int64_t, int64_t, int64_t> catalog_capacity) {
   py::gil_scoped_release nogil;
   const auto [nodes, edges, window] = catalog_capacity;
   slmrank::LoadedArtifact a = slmrank::load_artifact(path, at::Device(device), dtype_arg(dtype), verify,
                                                      slmrank::ForestCapacity{nodes, edges, window});
   a.weights.merge(a.catalogs);  // the beam_allowed node's constants, beside the weights (catalog.* names)
   return ExecutorPtr(new slmrank::Executor(a.cfg, std::move(a.weights), a.rope_cos, a.rope_sin, a.score_dag,
-                                           a.beam_dag, use_graphs, num_lanes, reserve_lanes));
+                                           a.beam_dag, use_graphs, num_lanes));
 }
 
 }  // namespace
@@ -234,12 +233,10 @@ PYBIND11_MODULE(_core, m) {
       .def_static("from_artifact", &executor_from_artifact, py::arg("path"), py::arg("device") = "cpu",
                   py::arg("dtype") = py::none(), py::arg("use_graphs") = true, py::arg("verify") = true,
                   py::arg("num_lanes") = 0, py::arg("catalog_capacity") = std::make_tuple(0, 0, 0),
-                  py::arg("reserve_lanes") = 0,
                   "Loads the artifact directory in C++ (manifest, weights, RoPE tables; GIL released).\n"
                   "dtype: float32 | bfloat16 | float16 (default: the weights'); verify: check the weights' sha256;\n"
                   "catalog_capacity: (trie nodes, edges, children at a node) the catalogs' forest holds room for\n"
-                  "(0: exactly the artifact's; service/artifact/catalog.py::ForestCapacity);\n"
-                  "reserve_lanes: lanes beyond num_lanes that run only batches submitted with reserve=True.")
+                  "(0: exactly the artifact's; service/artifact/catalog.py::ForestCapacity).")
       .def("update_weights", &slmrank::Executor::update_weights, py::arg("values"),
            py::call_guard<py::gil_scoped_release>(),
            "Overwrites weights in place ({name: host tensor of the weight's shape and dtype}); on a GPU it\n"
@@ -248,19 +245,16 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "prepare",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             int64_t num_requests, int64_t beam_width, int64_t new_tokens, bool reserve) {
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
             slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
             py::gil_scoped_release nogil;
-            return ex.prepare(batch, reserve);
+            return ex.prepare(batch);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
-          py::arg("new_tokens") = 1, py::arg("reserve") = false,
-          "Capture this bucket's CUDA graph now in every lane (with reserve: the reserve lanes too);\n"
-          "returns the capture time in ms (0 if none).")
+          py::arg("new_tokens") = 1, "Capture this bucket's CUDA graph now; returns the capture time in ms (0 if none).")
       .def_property_readonly("uses_graphs", &slmrank::Executor::uses_graphs)
       .def_property_readonly("num_graphs", &slmrank::Executor::num_graphs)
       .def_property_readonly("num_lanes", &slmrank::Executor::num_lanes)
-      .def_property_readonly("num_reserve_lanes", &slmrank::Executor::num_reserve_lanes)
       .def("use_triton_kernels", &slmrank::Executor::use_triton_kernels, py::arg("dir"),
            py::call_guard<py::gil_scoped_release>(),
            "Decoder layers use the AOT Triton kernels of dir (kernels/aot.py): CUDA only, before the first batch.")
@@ -306,10 +300,9 @@ PYBIND11_MODULE(_core, m) {
           "submit",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
              py::function callback, int64_t num_requests, int64_t beam_width, int64_t new_tokens,
-             std::shared_ptr<slmrank::RunControl> control, bool reserve) {
+             std::shared_ptr<slmrank::RunControl> control) {
             slmrank::BatchSpec batch =
                 batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens, {}, std::move(control));
-            batch.reserve = reserve;
             PyCallback cb(std::move(callback));
             // no GIL release: a queue push under a mutex the worker holds only to pop (it never takes
             // the GIL while holding it). Releasing would make the event loop wait up to the interpreter's
@@ -318,11 +311,9 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("kind"), py::arg("inputs"), py::arg("callback"), py::arg("num_requests") = 0,
           py::arg("beam_width") = 0, py::arg("new_tokens") = 1, py::arg("control") = nullptr,
-          py::arg("reserve") = false,
-          "Queue one batch for the worker threads; callback((outputs, timings tuple), None) or\n"
+          "Queue one batch for the worker thread; callback((outputs, timings tuple), None) or\n"
           "callback(None, error) "
-          "runs on that thread (use loop.call_soon_threadsafe to reach an asyncio loop).\n"
-          "reserve: run it on a reserve lane (from_artifact's reserve_lanes; ValueError without one).")
+          "runs on that thread (use loop.call_soon_threadsafe to reach an asyncio loop).")
       .def("shutdown", &slmrank::Executor::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Stop taking batches; finish every queued one; join the worker.")
       .def("pending", &slmrank::Executor::pending)

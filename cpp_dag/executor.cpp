@@ -7,7 +7,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -69,7 +68,7 @@ double ms_between(int64_t a, int64_t b) { return static_cast<double>(b - a) / 1e
 
 Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
                    const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
-                   int num_lanes, int reserve_lanes)
+                   int num_lanes)
     : device_(weights.count("embed") ? weights.at("embed").device() : at::Device(at::kCPU)),
       score_dag_(build_dag(score_dag, false)),
       beam_dag_(build_dag(beam_dag, true)),
@@ -89,12 +88,9 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
   }
   for (int64_t i = 0; i < cfg.num_layers; ++i) ctx_.layers.push_back(layer_weights(ctx_, i));
   if (num_lanes <= 0) num_lanes = device_.is_cuda() ? 2 : 1;
-  if (reserve_lanes < 0) throw std::invalid_argument("reserve_lanes must be >= 0, got " + std::to_string(reserve_lanes));
-  reserve_lanes_ = reserve_lanes;
-  for (int i = 0; i < num_lanes + reserve_lanes; ++i) {
+  for (int i = 0; i < num_lanes; ++i) {
     auto lane = std::make_unique<Lane>();
     lane->index = i;
-    lane->reserve = i >= num_lanes;
     // one pool per lane: a lane's graphs never run concurrently, two lanes' do
     if (use_graphs_) lane->graph_pool = new_graph_pool();
     lanes_.push_back(std::move(lane));
@@ -215,11 +211,10 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }
 
-double Executor::prepare(const BatchSpec& example, bool reserve) {
+double Executor::prepare(const BatchSpec& example) {
   if (!use_graphs_) return 0;
   double total = 0;
   for (auto& lane : lanes_) {
-    if (lane->reserve && !reserve) continue;
     std::lock_guard<std::mutex> lock(lane->busy);
     double ms = 0;
     graph_for(*lane, example, &ms);
@@ -314,20 +309,12 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
 }
 
 void Executor::submit(BatchSpec batch, Callback callback) {
-  if (batch.reserve && reserve_lanes_ == 0) {
-    throw std::invalid_argument("submit: a reserve batch, but the executor has no reserve lane");
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) throw std::runtime_error("executor is shut down: no new batches");
     queue_.push_back({std::move(batch), std::move(callback), now_ns()});
   }
-  // workers of both kinds wait on cv_: wake them all, the one this job is for takes it
-  if (reserve_lanes_ > 0) {
-    cv_.notify_all();
-  } else {
-    cv_.notify_one();
-  }
+  cv_.notify_one();
 }
 
 void Executor::update_weights(const WeightMap& values) {
@@ -360,19 +347,14 @@ size_t Executor::pending() const {
 
 void Executor::worker_loop(Lane& lane) {
   at::set_num_threads(num_threads_);  // same intra-op threads as the caller: same reduction order
-  // the first queued job of this lane's kind (reserve or not)
-  auto next_job = [this, &lane] {
-    return std::find_if(queue_.begin(), queue_.end(), [&lane](const Job& j) { return j.batch.reserve == lane.reserve; });
-  };
   for (;;) {
     Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || next_job() != queue_.end(); });
-      auto it = next_job();
-      if (it == queue_.end()) return;  // stopping and drained of this lane's kind
-      job = std::move(*it);
-      queue_.erase(it);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      job = std::move(queue_.front());
+      queue_.pop_front();
     }
     RunOutput out;
     std::string error;

@@ -74,8 +74,6 @@ struct BatchSpec {
   int64_t num_requests = 0, beam_width = 0, new_tokens = 1;  // beam only
   std::vector<std::string> trace_buffers;  // copy these to the host after every node (forces eager)
   std::shared_ptr<RunControl> control;  // may be null: never cancelled, light
-  // submit() only: run on a reserve lane, which takes nothing else (Executor's reserve_lanes)
-  bool reserve = false;
 };
 
 class Executor {
@@ -85,13 +83,10 @@ class Executor {
   // On a CUDA device with use_graphs, each bucket runs as one captured CUDA graph (captured on
   // first use, or ahead of time by prepare()); otherwise node by node ("eager").
   // num_lanes: batches that may be in flight at once, each lane with its own worker thread,
-  // stream, graphs and memory pool (0 = 2 on a GPU, 1 on the CPU). reserve_lanes: lanes more,
-  // each taking only batches submitted with BatchSpec::reserve, and capturing only the graphs
-  // prepare() is asked to put there: room for light work beside heavy batches that hold the
-  // other lanes, at the memory of the light buckets' graphs alone.
+  // stream, graphs and memory pool (0 = 2 on a GPU, 1 on the CPU).
   Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
            const std::vector<NodeSpec>& score_dag, const std::vector<NodeSpec>& beam_dag, bool use_graphs,
-           int num_lanes = 0, int reserve_lanes = 0);
+           int num_lanes = 0);
   ~Executor();
   // Runs the decoder layers with the AOT-compiled Triton kernels of `dir` (kernels/aot.py) instead
   // of the ATen ops they replace. CUDA only; before the first batch (no graph captured yet).
@@ -104,21 +99,18 @@ class Executor {
   // (no graphs, no streams: nothing of a lane's to guard) concurrent calls run at once, each on
   // its caller's thread and that thread's intra-op threads (their CPU priority is the caller's).
   RunOutput run(const BatchSpec& batch);
-  // Asynchronous: queued to the worker threads; callback(output, "") or callback(nullptr, error).
-  // A batch with `reserve` runs on a reserve lane, any other on a lane that is not. Throws
-  // std::runtime_error after shutdown(), std::invalid_argument for `reserve` without reserve lanes.
+  // Asynchronous: queued to the worker thread; callback(output, "") or callback(nullptr, error).
+  // Throws std::runtime_error after shutdown().
   void submit(BatchSpec batch, Callback callback);
   // Stops taking work, finishes (or fails) every queued batch, joins the worker. Idempotent.
   void shutdown();
   size_t pending() const;
   // Captures the graph of this batch's bucket in every lane now (start-up), so no request pays
-  // for it; in the reserve lanes too when `reserve` (a bucket a reserve lane never runs costs it
-  // no memory). Returns the captures' wall time in ms; 0 when graphs are off or already captured.
-  double prepare(const BatchSpec& example, bool reserve = false);
+  // for it. Returns the captures' wall time in ms; 0 when graphs are off or already captured.
+  double prepare(const BatchSpec& example);
   bool uses_graphs() const { return use_graphs_; }
   size_t num_graphs() const;
-  int num_lanes() const { return static_cast<int>(lanes_.size()) - reserve_lanes_; }  // reserve lanes not counted
-  int num_reserve_lanes() const { return reserve_lanes_; }
+  int num_lanes() const { return static_cast<int>(lanes_.size()); }
 
   const ModelConfig& config() const { return ctx_.cfg; }
   // Overwrites weights in place, each value of its weight's shape and dtype (std::invalid_argument
@@ -139,7 +131,6 @@ class Executor {
   // One batch at a time per lane: its own worker, stream, graphs and pool.
   struct Lane {
     int index = 0;
-    bool reserve = false;  // takes only reserve batches
     std::mutex busy;  // held for a whole run
     std::pair<uint64_t, uint64_t> graph_pool{0, 0};
     std::unordered_map<std::string, std::unique_ptr<CapturedGraph>> graphs;
@@ -167,8 +158,7 @@ class Executor {
   std::vector<std::unique_ptr<Node>> score_dag_, beam_dag_;
   int num_threads_;
   bool use_graphs_;
-  std::vector<std::unique_ptr<Lane>> lanes_;  // num_lanes() lanes, then the reserve lanes
-  int reserve_lanes_ = 0;
+  std::vector<std::unique_ptr<Lane>> lanes_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

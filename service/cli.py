@@ -150,7 +150,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def loader():
         return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
                           kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all",
-                          num_lanes=values["lanes"], reserve_lanes=values["reserve_lanes"],
+                          num_lanes=values["lanes"],
                           catalog_headroom=config.catalog_headroom if config.catalog_dir else 1.0)
 
     return serve(config, loader, announce, on_ready)
@@ -164,8 +164,6 @@ def lanes_and_slots(values: dict, defaulted: set[str]) -> str:
     lanes = values["lanes"]
     if lanes < 0:
         raise ValueError(f"--lanes: must be >= 0 (0: the runtime's default), got {lanes}")
-    if values.get("reserve_lanes", 0) < 0:
-        raise ValueError(f"--reserve-lanes: must be >= 0, got {values['reserve_lanes']}")
     if "batcher_max_inflight" in defaulted:
         values["batcher_max_inflight"] = max(values["batcher_max_inflight"], lanes)
         return ""

@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         server.stop()
     batches = {"all": sum(v for (name, _), v in view.items() if name == "slmrank_batches_total"),
-               **{labels.split('"')[1]: v for (name, labels), v in view.items() if name == "slmrank_heavy_batches_total"},
-               "reserve": view.get(("slmrank_reserve_batches_total", ""), 0.0)}
+               **{labels.split('"')[1]: v for (name, labels), v in view.items() if name == "slmrank_heavy_batches_total"}}
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "model": model,
               "light": args.light, "heavy": args.heavy, "light_clients": args.light_clients,
               "heavy_clients": args.heavy_clients, "windows": args.windows, "window_s": args.window_s,

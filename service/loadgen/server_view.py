@@ -12,7 +12,7 @@ SAMPLE = re.compile(r'^(slmrank_request_(?:stage|latency)_seconds_(?:sum|count)|
                     r'slmrank_event_loop_cpu_seconds_total|slmrank_requests_total|slmrank_dropped_total|slmrank_dropped_in_flight_total|'
                     r'slmrank_answered_late_total|slmrank_refused_total|slmrank_admission_calibration|'
                     r'slmrank_admission_parallelism|slmrank_admission_lane_error|slmrank_front_ingress_delay_seconds|'
-                    r'slmrank_queue_depth|slmrank_batches_total|slmrank_heavy_batches_total|slmrank_reserve_batches_total)'
+                    r'slmrank_queue_depth|slmrank_batches_total|slmrank_heavy_batches_total)'
                     r'(?:\{([^}]*)\})? (\S+)$')
 
 

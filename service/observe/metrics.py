@@ -319,9 +319,6 @@ def scheduler_families(stats: dict[str, Any]) -> list[Metric]:
                 "lane), by why: time (predicted over 50 ms) or ratio (a request over heavy_ratio x the lightest "
                 "request of another kind seen in the last second; off by default).", "why",
                 [(why, stats.get("heavy_batches", {}).get(why, 0)) for why in ("time", "ratio")]),
-        CounterMetricFamily("slmrank_reserve_batches", "Of slmrank_batches, those run on a reserve lane (serve "
-                            "--reserve-lanes): light batches started while every slot was held by longer ones.",
-                            value=stats.get("reserve_batches", 0)),
     ]
     sizes: dict[int, int] = stats["batch_sizes"]
     counts = [0] * (len(BATCH_SIZE_BUCKETS) + 1)

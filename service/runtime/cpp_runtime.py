@@ -9,7 +9,7 @@ run), plus asynchronous submission, whose future resolves to (outputs, BatchTimi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,13 +38,9 @@ class CppRuntime:
     name = "cpp"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten", catalog_headroom: float = 1.0,
-                 reserve_lanes: int = 0) -> None:
+                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten", catalog_headroom: float = 1.0) -> None:
         """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/runtime/fused.py).
-        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need.
-        reserve_lanes: lanes beyond num_lanes for light batches only (submit(reserve=True)), each with
-        the graphs of the light buckets alone (in_reserve: footprint at most RESERVE_SHARE of the
-        largest bucket's, so their memory pool is that share of a lane's)."""
+        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need."""
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -55,8 +51,6 @@ class CppRuntime:
             torch.cuda.init()  # else torch.cuda.memory_* report 0 for memory the executor allocates
         # verify=False: load_artifact already checked every hash once, at start-up.
         check_choice(kernels)
-        if reserve_lanes < 0:
-            raise ValueError(f"reserve_lanes: must be >= 0, got {reserve_lanes}")
         if kernels == "triton" and self.device.type != "cuda":
             raise ValueError("kernels='triton': the C++ runtime launches the Triton kernels on CUDA only")
         self.kernels = kernels
@@ -65,9 +59,7 @@ class CppRuntime:
         cap = self.catalog_capacity
         self._executor = core.Executor.from_artifact(str(artifact.path), str(self.device), dtype_name, use_graphs,
                                                      verify=False, num_lanes=num_lanes,
-                                                     catalog_capacity=(cap.nodes, cap.edges, cap.window),
-                                                     reserve_lanes=reserve_lanes)
-        self._reserve = reserve_buckets(self.capture_buckets(), self.cfg, self._columns) if reserve_lanes else frozenset()
+                                                     catalog_capacity=(cap.nodes, cap.edges, cap.window))
         if kernels == "triton":
             self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
         self.last_timings: BatchTimings | None = None
@@ -85,18 +77,8 @@ class CppRuntime:
 
     @property
     def num_lanes(self) -> int:
-        """Batches the executor runs at once (each lane: its own worker thread, stream, graphs), reserve
-        lanes not counted."""
+        """Batches the executor runs at once (each lane: its own worker thread, stream, graphs)."""
         return self._executor.num_lanes
-
-    @property
-    def reserve_lanes(self) -> int:
-        """Lanes for light batches only, beyond num_lanes (submit(reserve=True))."""
-        return self._executor.num_reserve_lanes
-
-    def in_reserve(self, key: str) -> bool:
-        """Whether the reserve lanes run batches of the bucket with this key (their graphs are captured)."""
-        return key in self._reserve
 
     @staticmethod
     def _beam_dims(batch: BeamBatch) -> dict[str, int]:
@@ -136,11 +118,10 @@ class CppRuntime:
             trace = self._executor.trace("beam", batch.inputs, buffers, **self._beam_dims(batch))
         return [(node, dict(bufs)) for node, bufs in trace]
 
-    def submit(self, batch: ScoreBatch | BeamBatch, control: Any = None,
-               reserve: bool = False) -> "asyncio.Future[tuple[list[torch.Tensor], BatchTimings]]":
-        """Queues the batch on the executor's workers; the future resolves on the running loop to
-        (outputs, BatchTimings). control: a RunControl (control()), to cancel it. reserve: on a
-        reserve lane (ValueError without one; a bucket not in_reserve is captured there at its first batch)."""
+    def submit(self, batch: ScoreBatch | BeamBatch,
+               control: Any = None) -> "asyncio.Future[tuple[list[torch.Tensor], BatchTimings]]":
+        """Queues the batch on the executor's worker; the future resolves on the running loop to
+        (outputs, BatchTimings). control: a RunControl (control()), to cancel it."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -154,9 +135,9 @@ class CppRuntime:
             loop.call_soon_threadsafe(_resolve, fut, result, error)
 
         if isinstance(batch, ScoreBatch):
-            self._executor.submit("score", batch.inputs, done, control=control, reserve=reserve)
+            self._executor.submit("score", batch.inputs, done, control=control)
         else:
-            self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch), control=control, reserve=reserve)
+            self._executor.submit("beam", batch.inputs, done, **self._beam_dims(batch), control=control)
         return fut
 
     @property
@@ -168,14 +149,12 @@ class CppRuntime:
         and with catalogs each catalog's code-normalised ones (CodesBucket: a graph of their own)."""
         kinds = self.artifact.buckets.kinds
         every = [b for kind in sorted(kinds) for b in kinds[kind]]
-        return sorted(every, key=lambda b: _footprint(b, self.cfg, self._columns(b)), reverse=True)
+        catalogs = {c.name: c for c in self.artifact.catalogs}
 
-    def _columns(self, bucket: ScoreBucket | BeamBucket) -> int | None:
-        """A codes bucket's logits columns (its catalog's code tokens, padded); None: the vocabulary."""
-        if not isinstance(bucket, CodesBucket):
-            return None
-        catalog = next(c for c in self.artifact.catalogs if c.name == bucket.catalog)
-        return len(code_columns(catalog, bucket.beam_width))
+        def columns(b: ScoreBucket | BeamBucket) -> int | None:  # a codes bucket's logits: its code columns
+            return len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
+
+        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b)), reverse=True)
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
         """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
@@ -186,20 +165,18 @@ class CppRuntime:
         """
         if not self.uses_graphs:
             return []
-        todo = self.capture_buckets() if buckets is None else sorted(
-            buckets, key=lambda b: _footprint(b, self.cfg, self._columns(b)), reverse=True)
+        todo = self.capture_buckets() if buckets is None else sorted(buckets, key=lambda b: _footprint(b, self.cfg),
+                                                                      reverse=True)
         label_columns = self.artifact.label_columns
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
             for bucket in todo:
-                reserve = bucket.key in self._reserve
                 if isinstance(bucket, ScoreBucket):
-                    ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs, reserve=reserve)
+                    ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs)
                 else:
                     inputs = pack_beam([], bucket, self.artifact.catalogs).inputs
                     ms = self._executor.prepare("beam", inputs, num_requests=bucket.max_requests,
-                                                beam_width=bucket.beam_width, new_tokens=bucket.new_tokens,
-                                                reserve=reserve)
+                                                beam_width=bucket.beam_width, new_tokens=bucket.new_tokens)
                 reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
                 used = _device_used(self.device)
                 log.append({"bucket": bucket.key, "capture_ms": ms, "reserved_bytes": reserved, "device_used_bytes": used})
@@ -220,22 +197,6 @@ def _device_used(device: torch.device) -> int:
         return 0
     free, total = torch.cuda.mem_get_info(device)
     return total - free
-
-
-# a reserve lane holds the graphs of the buckets whose footprint is at most this share of the largest
-# bucket's: its memory pool, which the largest of them sizes, is about this share of a whole lane's
-# (qwen3-0.6b's default table: 242 of 535 buckets, Score up to ~3,500 tokens, BeamSearch up to 192 rows)
-RESERVE_SHARE = 1 / 8
-
-
-def reserve_buckets(buckets: Sequence[ScoreBucket | BeamBucket], cfg: ModelConfig,
-                    columns: Callable[[ScoreBucket | BeamBucket], int | None] = lambda b: None) -> frozenset[str]:
-    """The keys of the light buckets a reserve lane runs: footprint <= RESERVE_SHARE x the largest's."""
-    sizes = {b.key: _footprint(b, cfg, columns(b)) for b in buckets}
-    if not sizes:
-        return frozenset()
-    limit = RESERVE_SHARE * max(sizes.values())
-    return frozenset(key for key, size in sizes.items() if size <= limit)
 
 
 def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig, columns: int | None = None) -> int:

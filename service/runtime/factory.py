@@ -9,19 +9,16 @@ from .python_runtime import PythonRuntime
 
 
 def make_runtime(name: str, artifact: Artifact, device: str, dtype: str | None, kernels: str = "auto",
-                 num_lanes: int = 0, catalog_headroom: float = 1.0, reserve_lanes: int = 0):
+                 num_lanes: int = 0, catalog_headroom: float = 1.0):
     """kernels: aten | triton | auto (triton on CUDA). num_lanes: the C++ runtime's batches in flight
     (0: its default, 2 on CUDA, 1 on the CPU). catalog_headroom: room for replaced catalogs
-    (x what the artifact's need; Scheduler.replace_catalog). reserve_lanes: the C++ runtime's lanes for
-    light batches beside heavy ones (CppRuntime; the Python runtime has none: ValueError)."""
+    (x what the artifact's need; Scheduler.replace_catalog)."""
     torch_dtype = DTYPES[dtype] if dtype else None
     kernels = resolve_kernels(kernels, device)
     if name == "python":
-        if reserve_lanes:
-            raise ValueError("--reserve-lanes: only the C++ runtime (--runtime cpp) has lanes")
         return PythonRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels,
                              catalog_headroom=catalog_headroom)
     if name == "cpp":
         return CppRuntime(artifact, device=device, dtype=torch_dtype, kernels=kernels, num_lanes=num_lanes,
-                          catalog_headroom=catalog_headroom, reserve_lanes=reserve_lanes)
+                          catalog_headroom=catalog_headroom)
     raise ValueError(f"--runtime: {name!r} is not one of python, cpp")

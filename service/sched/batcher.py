@@ -26,13 +26,6 @@ alone takes more than heavy_ratio x the lightest request of another kind seen in
 behind two batches of far longer BeamSearches, each at most heavy_batch_s). Requests of one kind,
 or of kinds alike in cost, never count heavy by the ratio: their batches use every slot.
 
-Reserve lanes (the C++ runtime on a GPU, `serve --reserve-lanes`): lanes beyond the slots, each
-holding only the graphs of the runtime's light buckets. While every slot is taken, a batch may go
-to a free reserve lane when its bucket is one of those and its predicted time, times
-`reserve_ratio`, is no more than what remains of the in-flight batch nearest its end: a light
-request beside heavy batches does not wait one out, and batches alike in cost never use the
-reserve (three of them at once only share the GPU three ways).
-
 The C++ runtime runs a batch through `runtime.submit` (its lanes, no GIL); any other runtime runs
 on `max_inflight` worker threads. Batch times (packing + the executor's start → done, not its
 queue + unpacking) feed the admission's ServiceTimeModel, per bucket.
@@ -107,14 +100,10 @@ class BatcherConfig:
     # (Little's law: arrival rate x (time in the server + this, a caller's time outside it between
     # an answer and its next request: gRPC both ways, ~2 ms measured on the H200)), less those in flight
     load_wait_outside_s: float = 0.002
-    # with reserve lanes, every slot taken: a batch goes to one when its predicted time x this is at
-    # most what remains of the in-flight batch nearest its end (1: a light batch waits for a slot at
-    # most about its own time)
-    reserve_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_wait_s", "heavy_batch_s", "heavy_ratio", "light_window_s", "load_wait_share", "load_wait_max_s",
-                     "load_wait_outside_s", "reserve_ratio"):
+                     "load_wait_outside_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"batcher.{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_inflight", "max_batch_requests"):
@@ -249,11 +238,6 @@ class _SubmitExecutor:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.num_lanes = max(int(getattr(runtime, "num_lanes", 1)), 1)
-        self.num_reserve = int(getattr(runtime, "reserve_lanes", 0))
-
-    def in_reserve(self, key: str) -> bool:
-        """Whether a reserve lane runs batches of the bucket with this key (the runtime's light buckets)."""
-        return self.num_reserve > 0 and self.runtime.in_reserve(key)
 
     def make_control(self, is_heavy: bool) -> Any:
         return self.runtime.control(is_heavy) if hasattr(self.runtime, "control") else _Control(is_heavy)
@@ -261,13 +245,11 @@ class _SubmitExecutor:
     def cancel(self, control: Any) -> None:
         control.cancel()
 
-    async def run(self, batch: Batch, is_heavy: bool = False, control: Any = None,
-                  reserve: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
+    async def run(self, batch: Batch, is_heavy: bool = False,
+                  control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
         if control is not None and control.cancelled:
             raise BatchCancelled("cancelled before it was handed over")
         kw = {} if control is None or isinstance(control, _Control) else {"control": control}
-        if reserve:
-            kw["reserve"] = True
         outputs, timings = await self.runtime.submit(batch, **kw)
         return list(outputs), timings
 
@@ -343,8 +325,6 @@ class _ThreadExecutor:
     control (every request of the batch cancelled or expired) stops the batch at its next node
     boundary: BatchCancelled (the C++ executor's RunCancelled)."""
 
-    num_reserve = 0  # its threads are its slots
-
     def __init__(self, runtime: Any, num_lanes: int = 1) -> None:
         self.runtime = runtime
         self.num_lanes = num_lanes
@@ -364,9 +344,8 @@ class _ThreadExecutor:
         control.cancel()
         self._gate.wake()
 
-    async def run(self, batch: Batch, is_heavy: bool = False, control: Any = None,
-                  reserve: bool = False) -> tuple[list[torch.Tensor], BatchTimings]:
-        """reserve: never (num_reserve 0)."""
+    async def run(self, batch: Batch, is_heavy: bool = False,
+                  control: Any = None) -> tuple[list[torch.Tensor], BatchTimings]:
         submit_ns = time.monotonic_ns()
         pool = self._heavy_pool if is_heavy else self._pool
         control = control if control is not None else self.make_control(is_heavy)
@@ -433,7 +412,7 @@ class Scheduler:
         self._executor: _SubmitExecutor | _ThreadExecutor = (
             _SubmitExecutor(runtime) if hasattr(runtime, "submit") and not (on_cpu and hasattr(runtime, "run_batch"))
             else _ThreadExecutor(runtime, self.config.max_inflight))
-        self.model = admission.service_model(self._executor.num_lanes + self._executor.num_reserve)
+        self.model = admission.service_model(self._executor.num_lanes)
         self.admission = AdmissionController(admission, self.model, clock, on_drop=self._on_drop)
         self.costs = CostTable(artifact, self.config.max_batch_requests)
         # (request, own_s, share_s, idle_s)
@@ -443,11 +422,8 @@ class Scheduler:
         self._progress = asyncio.Event()  # a batch finished or a ticket left the queue (for drain)
         self._loop_task: asyncio.Task | None = None
         self._batch_tasks: set[asyncio.Task] = set()
-        self._inflight = 0  # batches handed to the executor, on reserve lanes too
+        self._inflight = 0
         self._heavy_inflight = 0
-        self._reserve_inflight = 0
-        self._reserve_batches = 0
-        self._slot_ends: dict[int, float] = {}  # batch id -> its predicted end, for the batches in slots
         # when the executor last had a free slot again after all were taken: a batch's load wait
         # counts from when it could first have gone, not from its members' arrival (behind a busy
         # executor it would otherwise be spent before the batch could go, and the callers of the
@@ -588,7 +564,6 @@ class Scheduler:
             "batches": self._num_batches,
             "batches_failed": self._num_failed_batches,
             "heavy_batches": dict(self._heavy_batches),
-            "reserve_batches": self._reserve_batches,
             "requests_executed": self._num_executed,
             "answered_late": self._num_answered_late,
             "batch_sizes": dict(sorted(self._batch_sizes.items())),
@@ -659,14 +634,11 @@ class Scheduler:
         try:
             while True:
                 self._wake.clear()
+                if self._inflight >= self.config.max_inflight:
+                    await self._wake.wait()
+                    continue
                 now = self.clock()
-                reserve_s = None  # every slot taken: the longest a batch on a reserve lane may take
-                if self._inflight - self._reserve_inflight >= self.config.max_inflight:
-                    reserve_s = self._reserve_s(now)
-                    if reserve_s is None:
-                        await self._wake.wait()
-                        continue
-                plan = self._plan(now, reserve_s)
+                plan = self._plan(now)
                 if plan is None:
                     await self._wake.wait()
                     continue
@@ -676,7 +648,7 @@ class Scheduler:
                         self.admission.remove(ticket, "drained")
                     continue
                 if plan.is_full or now >= release_s or self.admission.is_draining:
-                    self._launch(plan, now, reserve=reserve_s is not None)
+                    self._launch(plan, now)
                     continue
                 await self._sleep(release_s - now)
         finally:  # stopped (close) or broken: nobody would ever take what is queued
@@ -690,27 +662,18 @@ class Scheduler:
         finally:
             handle.cancel()
 
-    def _plan(self, now: float, reserve_s: float | None = None) -> _Plan | None:
-        """The next batch for a free slot, or (reserve_s given) for a reserve lane: of requests that
-        alone take at most reserve_s, in a bucket the reserve lanes hold, predicted at most reserve_s."""
+    def _plan(self, now: float) -> _Plan | None:
         head = self.admission.head(now)
         if head is None:
             return None
         can_go_heavy = self._heavy_inflight < max(self.config.max_inflight - 1, 1)
         limits = self._heavy_limits(now)
-
-        def barred(t: Ticket) -> bool:  # may neither lead nor join this batch
-            if self._held_for_catalogs(t):
-                return True
-            if reserve_s is not None:
-                return (t.cost is None or self._solo_s(t, now) > reserve_s
-                        or not self._executor.in_reserve(t.cost.solo.key))
-            return not can_go_heavy and self._is_heavy(t, now, limits)
-
-        if barred(head):
+        if (not can_go_heavy and self._is_heavy(head, now, limits)) or self._held_for_catalogs(head):
             # the last free slot is kept for lighter work: the first queued request light on its own
-            # (and, while a catalog is replaced, not constrained; for a reserve lane, light enough)
-            head = next((t for t in self.admission.waiting() if not barred(t)), None)
+            # (and, while a catalog is replaced, not constrained)
+            head = next((t for t in self.admission.waiting()
+                         if (can_go_heavy or not self._is_heavy(t, now, limits)) and not self._held_for_catalogs(t)),
+                        None)
             if head is None:
                 return None
         fill = _Fill(self.artifact.buckets.of_kind(head.kind))
@@ -732,7 +695,7 @@ class Scheduler:
                 break
             if misses >= MAX_MISSES:  # planning stays O(batch), not O(queue), under overload
                 break
-            if barred(t):
+            if self._held_for_catalogs(t) or (not can_go_heavy and self._is_heavy(t, now, limits)):
                 misses += 1
                 continue
             bucket = fill.fit_request(t.payload)
@@ -749,7 +712,6 @@ class Scheduler:
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
                         or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
-                        or (reserve_s is not None and (batch_s > reserve_s or not self._executor.in_reserve(bucket.key)))
                         or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)
                         or self._outgrows_memory(bucket)):
                     is_full = True
@@ -761,15 +723,6 @@ class Scheduler:
         # full also when the last one to join was the last one waiting: nothing to wait max_wait_s for
         is_full = is_full or len(tickets) >= self.config.max_batch_requests or fill.count >= fill.most
         return _Plan(tickets, is_full, fill.bucket)
-
-    def _reserve_s(self, now: float) -> float | None:
-        """With every slot taken and a reserve lane free: the longest a batch may be predicted to take
-        to go there (what remains of the slots' batch nearest its end, / reserve_ratio). None: no
-        reserve lane free, or that batch is (by its prediction) about to end."""
-        if self._reserve_inflight >= self._executor.num_reserve or not self._slot_ends:
-            return None
-        room = (min(self._slot_ends.values()) - now) / max(self.config.reserve_ratio, 1e-9)
-        return room if room > 0 else None
 
     def _release_s(self, plan: _Plan, now: float) -> float:
         """When a batch not yet full goes, at the latest, for lack of more requests: once its oldest
@@ -892,19 +845,13 @@ class Scheduler:
         except ValueError:  # fits no bucket (not validated): priced by default, it fails alone
             return None
 
-    def _launch(self, plan: _Plan, now: float, reserve: bool = False) -> None:
-        """reserve: on a reserve lane (_plan with reserve_s), else in a slot."""
+    def _launch(self, plan: _Plan, now: float) -> None:
         self.admission.take(plan.tickets)
         self._inflight += 1
         self._num_batches += 1
         batch_id = self._num_batches
-        why = "" if reserve else self._heavy_why(plan, now)
+        why = self._heavy_why(plan, now)
         is_heavy = bool(why)
-        if reserve:
-            self._reserve_inflight += 1
-            self._reserve_batches += 1
-        else:  # a batch of no bucket fails at once: nothing to wait for
-            self._slot_ends[batch_id] = now + (self._bucket_s(plan.bucket, now) if plan.bucket is not None else 0.0)
         self._heavy_inflight += is_heavy
         if is_heavy:
             self._heavy_batches[why] += 1
@@ -917,13 +864,12 @@ class Scheduler:
         for t in plan.tickets:
             self._flights[id(t)] = flight
         task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket,
-                                                                    flight, constrained, reserve))
+                                                                    flight, constrained))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool,
-                       bucket: Any = None, flight: _Flight | None = None, constrained: bool = False,
-                       reserve: bool = False) -> None:
+                       bucket: Any = None, flight: _Flight | None = None, constrained: bool = False) -> None:
         control = None if flight is None else flight.control
         reqs = [t.payload for t in tickets]
         levels = dict(Counter(int(t.priority) for t in tickets))
@@ -938,7 +884,7 @@ class Scheduler:
                 raise BatchCancelled("cancelled before it started")
             self._record_batch(batch)
             start_s = self.clock()
-            outputs, timings = await self._executor.run(batch, is_heavy, control, reserve)
+            outputs, timings = await self._executor.run(batch, is_heavy, control)
             end_s = self.clock()
             results = (await asyncio.to_thread(self._unpack, batch, outputs) if is_heavy
                        else self._unpack(batch, outputs))
@@ -975,12 +921,8 @@ class Scheduler:
             self._heavy_inflight -= is_heavy
             self._constrained_inflight -= constrained
             self._inflight_by_kind[tickets[0].kind] -= len(tickets)
-            if reserve:
-                self._reserve_inflight -= 1
-            else:
-                self._slot_ends.pop(batch_id, None)
-                if self._inflight - self._reserve_inflight == self.config.max_inflight:
-                    self._slot_freed_s = self.clock()
+            if self._inflight == self.config.max_inflight:
+                self._slot_freed_s = self.clock()
             self._inflight -= 1
             self._wake.set()
             self._progress.set()

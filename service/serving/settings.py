@@ -153,9 +153,6 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
             "memory pool (0: 2 on CUDA, 1 on the CPU); --batcher-max-inflight follows a larger count unless given",
             "model"),
-    Setting("reserve_lanes", _int, 0, "C++ runtime: lanes beyond --lanes that take a light batch while every "
-            "other lane is taken by longer ones (batcher.reserve_ratio), each with the graphs of the light buckets "
-            "only (about 1/8 of a lane's memory)", "model"),
     field_setting(ServerConfig, "host", "", "server", "address of the gRPC API (127.0.0.1: a sidecar's loopback "
                   "only)"),
     field_setting(ServerConfig, "port", "", "server", "port of the gRPC API (0: any free port, printed)"),

@@ -167,47 +167,6 @@ def test_concurrent_submits_match_blocking_runs(qwen2_small, helpers, monkeypatc
         rt.shutdown()
 
 
-def test_reserve_and_ordinary_batches_queued_together_answer_as_a_blocking_run(qwen2_small, helpers) -> None:
-    """Batches submitted with reserve=True and without, queued together, all answer as a blocking
-    run does, and shutdown drains both kinds (each lane's worker takes only its own kind: a kind
-    nobody took would hang here). Without a reserve lane a reserve batch is refused."""
-    art = qwen2_small.artifact
-    batches = _mixed_batches(art, helpers, 6, seed=17)
-    want = [_run(qwen2_small.cpp, b) for b in batches]
-
-    async def refused():
-        with pytest.raises(ValueError, match="no reserve lane"):
-            qwen2_small.cpp.submit(batches[0], reserve=True)
-
-    asyncio.run(refused())
-    rt = CppRuntime(art, num_lanes=1, reserve_lanes=1)
-    assert (rt.num_lanes, rt.reserve_lanes) == (1, 1)
-    every = {b.key for b in rt.capture_buckets()}
-    assert rt._reserve and rt._reserve < every, "the reserve lane holds the light buckets only"
-
-    async def main():
-        futs = [rt.submit(b, reserve=i % 2 == 0) for i, b in enumerate(batches)]
-        rt.shutdown()  # both kinds' workers drain their own batches
-        return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=120)
-
-    results = asyncio.run(main())
-    for res, w in zip(results, want):
-        assert not isinstance(res, BaseException), f"a batch failed: {res!r}"
-        assert _same(list(res[0]), w, helpers)
-
-
-def test_reserve_buckets_are_those_within_a_share_of_the_largest_footprint(qwen2_small) -> None:
-    art = qwen2_small.artifact
-    rt = qwen2_small.cpp
-    buckets = rt.capture_buckets()  # largest footprint first
-    sizes = [cpp_runtime_mod._footprint(b, art.config) for b in buckets]
-    keys = cpp_runtime_mod.reserve_buckets(buckets, art.config)
-    limit = cpp_runtime_mod.RESERVE_SHARE * sizes[0]
-    assert keys == {b.key for b, size in zip(buckets, sizes) if size <= limit}
-    assert buckets[0].key not in keys and buckets[-1].key in keys
-    assert cpp_runtime_mod.reserve_buckets([], art.config) == frozenset()
-
-
 # ---- errors ------------------------------------------------------------------------------------------
 
 

@@ -211,36 +211,6 @@ def test_submit_in_graph_mode(tiny_artifact, runtimes) -> None:
         assert timings.graph is True
 
 
-def test_a_reserve_lane_captures_the_light_buckets_only_and_replays_them_exactly(tiny_artifact, runtimes) -> None:
-    """A reserve lane (CppRuntime reserve_lanes) captures only the buckets in_reserve; its replays,
-    submitted with reserve=True, give the bytes the ordinary lanes give."""
-    from service.runtime.cpp_runtime import CppRuntime
-
-    rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1, reserve_lanes=1)
-    try:
-        batches = [_score_batch(tiny_artifact, 3), _beam_batch(tiny_artifact, (2,), 3, 4),
-                   _beam_batch(tiny_artifact, (7, 1), 2, 6)]
-        light = [b for b in batches if rt.in_reserve(b.bucket.key)]
-        assert light, [b.bucket.key for b in batches]
-        heavy_bucket = rt.capture_buckets()[0]  # the largest footprint: never in the reserve
-        assert not rt.in_reserve(heavy_bucket.key)
-        buckets = [heavy_bucket] + [b.bucket for b in light]
-        rt.capture(buckets, quiet=True)
-        assert rt._executor.num_graphs == len(buckets) + len(light), "the reserve lane holds the light ones only"
-        want = [[runtimes["graphs"].run_score(b)] if isinstance(b, ScoreBatch) else list(runtimes["graphs"].run_beam(b))
-                for b in light]
-
-        async def main():
-            return await asyncio.wait_for(asyncio.gather(*[rt.submit(b, reserve=True) for b in light]), timeout=120)
-
-        for (outputs, timings), w in zip(asyncio.run(main()), want):
-            assert all(_same_bytes(a, b) for a, b in zip(outputs, w))
-            assert timings.graph is True
-        assert rt._executor.num_graphs == len(buckets) + len(light), "no capture at replay: they were all there"
-    finally:
-        rt.shutdown()
-
-
 def _python_trace(run, batch, names):
     out = []
 

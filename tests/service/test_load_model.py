@@ -24,9 +24,9 @@ def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_gr
     real_make_runtime = factory.make_runtime
     made: list[_RecordingRuntime] = []
 
-    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0, reserve_lanes=0):
+    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0):
         made.append(_RecordingRuntime(real_make_runtime(name, artifact, device, dtype, kernels, num_lanes,
-                                                        catalog_headroom, reserve_lanes)))
+                                                        catalog_headroom)))
         return made[-1]
 
     monkeypatch.setattr(factory, "make_runtime", make_runtime)
@@ -48,13 +48,3 @@ def test_auto_kernels_are_the_fused_ones_on_hopper_only(monkeypatch, device, cap
     assert resolve_kernels("aten", device) == "aten" and resolve_kernels("triton", device) == "triton"
     with pytest.raises(ValueError, match="kernels"):
         resolve_kernels("cuda-graphs", device)
-
-
-def test_reserve_lanes_are_the_cpp_runtimes_only(qwen2_tiny) -> None:
-    with pytest.raises(ValueError, match="--reserve-lanes: only the C\\+\\+ runtime"):
-        load_model(str(qwen2_tiny.artifact.path), "python", reserve_lanes=1)
-    model = load_model(str(qwen2_tiny.artifact.path), "cpp", reserve_lanes=1)
-    try:
-        assert (model.runtime.num_lanes, model.runtime.reserve_lanes) == (1, 1)
-    finally:
-        model.runtime.shutdown()

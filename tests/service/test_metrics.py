@@ -235,8 +235,7 @@ def test_scheduler_families_count_refusals() -> None:
              "admitted_by_priority": {"ONLINE": 10, "NORMAL": 0, "BACKGROUND": 7},
              "refused": {"queue_full": 4, "deadline": 2, "draining": 0}, "expired": 1, "cancelled": 5, "drained": 0,
              "expired_in_flight": 0, "cancelled_in_flight": 2, "answered_late": 3, "batches": 5, "batches_failed": 1, "batch_sizes": {1: 2, 3: 2, 64: 1},
-             "heavy_batches": {"ratio": 2}, "reserve_batches": 3,
-             "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
+             "heavy_batches": {"ratio": 2}, "buckets": {"score.t64.s64": {"batches": 5, "occupancy_mean": 0.25}}}
     text = render(scheduler_families(stats))
     fam = parse(text)
     assert value_of(fam, "slmrank_queue_depth", {"lane": "BACKGROUND"}) == 7
@@ -249,7 +248,6 @@ def test_scheduler_families_count_refusals() -> None:
     assert value_of(fam, "slmrank_batches_total", {"outcome": "failed"}) == 1
     assert value_of(fam, "slmrank_heavy_batches_total", {"why": "ratio"}) == 2
     assert value_of(fam, "slmrank_heavy_batches_total", {"why": "time"}) == 0
-    assert value_of(fam, "slmrank_reserve_batches_total") == 3
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "2"}) == 2
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "4"}) == 4
     assert value_of(fam, "slmrank_batch_size_bucket", {"le": "32"}) == 4

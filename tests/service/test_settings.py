@@ -23,10 +23,9 @@ from service.serving.server import ServerConfig
 from service.serving.settings import RUN_SETTINGS, SERVE_SETTINGS, SettingsError, add_arguments, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_PUBLIC = 39  # 35 until send_timeout_s (issue 32, point 3), the one bound on a client a flag sets;
+MAX_PUBLIC = 38  # 35 until send_timeout_s (issue 32, point 3), the one bound on a client a flag sets;
 # 38 with catalog_dir and catalog_headroom (issue 28: replacing a catalog while serving needs a place
-# to read files from, and the room it may grow into is the operator's call); 39 with reserve_lanes
-# (issue 32, point 5: device memory for light callers' latency beside heavy ones is the operator's call)
+# to read files from, and the room it may grow into is the operator's call)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -134,7 +133,7 @@ INTERNAL += [(ServerConfig, "", name) for name in ("max_receive_message_bytes", 
                                                     "max_streams_per_connection", "max_connections")]
 
 
-def test_there_are_at_most_39_public_settings() -> None:
+def test_there_are_at_most_38_public_settings() -> None:
     assert len(SERVE_SETTINGS) <= MAX_PUBLIC, [s.name for s in SERVE_SETTINGS]
 
 
@@ -286,7 +285,4 @@ def test_negative_lanes_are_refused_naming_the_flag() -> None:
     defaulted: set[str] = set()
     values = resolve(SERVE_SETTINGS, parse(["--model", "m", "--lanes", "-1"]), {}, defaulted=defaulted)
     with pytest.raises(ValueError, match="--lanes: must be >= 0"):
-        lanes_and_slots(values, defaulted)
-    values = resolve(SERVE_SETTINGS, parse(["--model", "m", "--reserve-lanes", "-1"]), {}, defaulted=defaulted)
-    with pytest.raises(ValueError, match="--reserve-lanes: must be >= 0"):
         lanes_and_slots(values, defaulted)

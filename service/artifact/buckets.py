@@ -324,24 +324,40 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# The narrower of the two widest-request tiers of a row tier above it: a row keeps as many candidates
+# The narrowest of the widest-request tiers of a row tier above it: a row keeps as many candidates
 # as the bucket's widest request allows (the fused selection sorts and merges that many keys a row),
 # so a batch of beams up to this wide (W2's 100, most of beam-mix) does not pay for the limit's 400.
 NARROW_BEAM_WIDTH = 128
 
 
+def beam_width_tiers(max_width: int) -> list[int]:
+    """The widest-request tiers of the packed beam buckets: NARROW_BEAM_WIDTH, its octaves below
+    max_width, and max_width. Each caps a bucket's requests at about 2 x rows / width, so a batch
+    whose widest request sits between two tiers runs in the upper one's rows: with only 128 and 400,
+    three beam-mix requests (20-200 wide, 333 rows on average) whose widest passed 128 took a bucket
+    of 512 rows and 400 wide; with 256 between, one of 384 rows (expected padding of beam-mix's
+    packed batches: 60% -> 28% at 3 a batch, 91% -> 33% at 4; `slmrank build --traffic` reports it)."""
+    out, w = {min(NARROW_BEAM_WIDTH, max_width), max_width}, NARROW_BEAM_WIDTH * 2
+    while w < max_width:
+        out.add(w)
+        w *= 2
+    return sorted(out)
+
+
 def beam_buckets(limits: ServingLimits, max_rows: int = 1600, max_requests: int = 8) -> list[BeamBucket]:
     """Per new_tokens, one bucket per (rows tier, widest tier, prompt tier). Rows: beam_row_tiers (at
-    most requests x width); the widest request min(rows, max_beam_width), and also
-    min(rows, NARROW_BEAM_WIDTH) (pick_order tries the narrower first); requests rows / 4 in the
-    narrow tier, 2 x rows / width in the wide one (2 to max_requests: the bookkeeping is requests x
-    width ranks, the fused selection merges requests x width x width keys). Prompt tokens in octaves from max(128, rows) up to max(max_prompt_tokens,
+    most requests x width); the widest request min(rows, NARROW_BEAM_WIDTH), every tier of
+    beam_width_tiers below rows (pick_order tries the narrower first), and min(rows, max_beam_width)
+    at the half-octave row tiers and max_beam_width; requests rows / 4 in the narrow tier, 2 x rows /
+    width in the wider ones (2 to max_requests: the bookkeeping is requests x width ranks, the fused
+    selection merges requests x width x width keys). Prompt tokens in octaves from max(128, rows) up to max(max_prompt_tokens,
     4 x rows), at most requests x max_prompt_tokens: a prompt token costs a prefill about what a beam
     row costs a decode step, and prompts run ~1-4 x the beam width (beam-mix: 2.3 on average), so a
     batch of far longer prompts than beams runs in a bucket of more rows rather than in more buckets."""
     out = set()
+    middle = beam_width_tiers(limits.max_beam_width)[1:-1]  # between the narrow tier and the limit
     for tier in beam_row_tiers(limits.max_beam_width, max_rows):
-        widths = {min(tier, NARROW_BEAM_WIDTH, limits.max_beam_width)}
+        widths = {min(tier, NARROW_BEAM_WIDTH, limits.max_beam_width)} | {w for w in middle if w < tier}
         if is_half_octave(tier) or tier == limits.max_beam_width:
             widths.add(min(tier, limits.max_beam_width))
         for width in widths:

@@ -146,7 +146,8 @@ def test_beam_alone_equals_in_batch_and_in_a_bigger_bucket(m):
         _assert_same_beams(got, want, exact=True)
 
     # the largest bucket's rows and width for this T (400 beams per request), the batch's prompt tokens
-    big = max((b for b in art.buckets.beam if b.new_tokens == 3), key=lambda b: (b.max_rows, b.max_prompt_tokens))
+    big = max((b for b in art.buckets.beam if b.new_tokens == 3),
+              key=lambda b: (b.max_rows, b.max_prompt_tokens, b.beam_width))
     assert big.beam_width == art.limits.max_beam_width
     batch = pack_beam(reqs, BeamBucket(3, bucket.max_requests, bucket.max_prompt_tokens, big.beam_width,
                                        big.max_rows))

@@ -60,6 +60,7 @@ from ..runtime.batch import dims, kind as request_kind
 from ..runtime.requests import BeamRequest, RequestError, ScoreRequest, validate_beam, validate_score
 from ..sched.cost import bucket_flops
 from . import traffic
+from .packing import Batches, Request, pack, padding_of
 
 ACT_BYTES = 2  # bfloat16: what serves on a GPU
 # of the batches' totals: candidate tiers of the main dimension (tokens, prompt tokens) and of the others
@@ -196,64 +197,6 @@ def tiers_of(kind: str, cfg: ModelConfig, limits: ServingLimits) -> ScoreTiers |
 
 def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) -> int:
     return tiers_of(kind_of(bucket), cfg, limits).activation_bytes(bucket)  # type: ignore[arg-type]
-
-
-# ---- replay --------------------------------------------------------------------------------------
-
-Request = tuple[tuple[int, ...], int, int]  # dims, real rows, requests of its kind in flight as it arrived
-
-
-@dataclass
-class Batch:
-    """The batches of one totals: the bucket Fill runs them in, how many, their real rows."""
-
-    bucket: Bucket
-    count: int = 0
-    real_rows: int = 0
-
-
-Batches = dict[tuple, Batch]  # by the batch's totals (Fill.totals)
-
-
-def pack(buckets: Sequence[Bucket], requests: Sequence[Request], alone: bool = False) -> Batches:
-    """requests in arrival order, into batches of consecutive requests: as many as some bucket
-    holds (Fill) and fewer than were in flight as the batch's first arrived (alone: one)."""
-    out: Batches = {}
-    ordered = tuple(sorted(buckets, key=pick_order))
-    fill, real, cap = Fill(ordered), 0, 1
-
-    def close() -> None:
-        batch = out.setdefault(fill.totals, Batch(fill.bucket))  # type: ignore[arg-type]
-        batch.count += 1
-        batch.real_rows += real
-
-    for d, rows, in_flight in requests:
-        if fill.count and (fill.count >= cap or fill.fit(*d) is None):
-            close()
-            fill, real = Fill(ordered), 0
-        if not fill.count:
-            cap = 1 if alone else in_flight
-        fill.add(*d)
-        real += rows
-    if fill.count:
-        close()
-    return out
-
-
-def padding_of(batches: Batches) -> dict[str, Any]:
-    """Per bucket its batches, their real rows and the bucket's rows; and the totals."""
-    per: dict[Bucket, list[int]] = {}
-    for batch in batches.values():
-        slot = per.setdefault(batch.bucket, [0, 0, 0])
-        slot[0] += batch.count
-        slot[1] += batch.real_rows
-        slot[2] += batch.count * batch.bucket.work
-    real = sum(v[1] for v in per.values())
-    rows = sum(v[2] for v in per.values())
-    return {"batches": sum(v[0] for v in per.values()), "real_rows": real, "rows": rows,
-            "padding": round((rows - real) / real, 4) if real else None,
-            "buckets": [{"key": b.key, "batches": v[0], "real_rows": v[1], "rows": v[2]}
-                        for b, v in sorted(per.items(), key=lambda bv: pick_order(bv[0]))]}
 
 
 @dataclass

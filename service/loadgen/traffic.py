@@ -295,39 +295,60 @@ def logged_requests(kind: str, col: KindLog) -> list[Any]:
 def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     """The padding `table` adds to these requests, each alone in its smallest bucket (the packer's
     choice: service.runtime.batch.pick_bucket of the one request, built from the logged shape with
-    dummy token ids; cached by shape).
+    dummy token ids; cached by shape), and packed as the server would batch them.
 
     Score: token rows (the bucket's rows against the request's tokens) and LM-head rows (the
     bucket's max_samples against its samples). BeamSearch: beam rows over its steps (the bucket's
     rows x its new_tokens against beam width x new tokens) and prompt tokens (the bucket's
-    max_prompt_tokens against the prompt's). `not_held`: requests no bucket holds alone."""
-    from ..runtime.batch import pick_bucket
+    max_prompt_tokens against the prompt's). `not_held`: requests no bucket holds alone.
 
-    cache: dict[int, tuple[int, int, int, int] | None] = {}
+    `packed`: the requests in arrival order, as many a batch as some bucket holds and as were in
+    flight of this kind as its first arrived (packing.pack, what `slmrank build --traffic`
+    minimises): the batches' padded work (Score: token rows; BeamSearch: beam rows x steps, a batch
+    running its longest request's steps) against the requests' own. Alone a request pads only to
+    its bucket's tiers; in a batch it also pads to the bucket the whole batch needs."""
+    from ..runtime.batch import dims, pick_bucket
+    from .packing import pack, padding_of
+
+    cache: dict[int, tuple[int, int, int, int, tuple[int, ...]] | None] = {}
     padded = real = padded_aux = real_aux = not_held = 0
-    for req in logged_requests(kind, col):
+    reqs = logged_requests(kind, col)
+    held: list[tuple[tuple[int, ...], int] | None] = []  # per request: (dims, real rows), None if held by no bucket
+    for req in reqs:
         hit = cache.get(id(req), False)
         if hit is False:
             b: Any = pick_bucket(table, [req])
             if b is None:
                 hit = None
             elif kind == "score":
-                hit = (b.rows, req.num_tokens, b.max_samples, req.num_samples)
+                hit = (b.rows, req.num_tokens, b.max_samples, req.num_samples, dims(req))
             else:
                 hit = (b.rows * b.new_tokens, req.beam_width * req.new_tokens, b.max_prompt_tokens,
-                       len(req.prompt_ids))
+                       len(req.prompt_ids), dims(req))
             cache[id(req)] = hit
         if hit is None:
             not_held += 1
+            held.append(None)
         else:
             padded += hit[0]
             real += hit[1]
             padded_aux += hit[2]
             real_aux += hit[3]
+            held.append((hit[4], hit[1]))
     names = ("token_rows", "head_rows") if kind == "score" else ("beam_rows", "prompt_tokens")
     out: dict[str, Any] = {"requests": col.num_valid - not_held, "not_held": not_held, "shapes": len(cache)}
     for name, p, r in zip(names, (padded, padded_aux), (real, real_aux)):
         out[name] = {"padded": p, "real": r, "ratio": round(p / r, 4) if r else None}
+    # packed: in arrival order (the log is written as requests end), with the requests in flight
+    arrival = np.asarray(col.valid_arrival_s, dtype=np.float64)
+    order = np.argsort(arrival, kind="stable")
+    flight = requests_in_flight(arrival[order], np.asarray(col.valid_latency_ms, dtype=np.float64)[order])
+    packable = [(*h, n) for h, n in zip((held[i] for i in order.tolist()), flight.tolist()) if h is not None]
+    p = padding_of(pack(table.of_kind(kind), packable)) if packable else None
+    out["packed"] = None if p is None else {
+        "padded": p["rows"], "real": p["real_rows"],
+        "ratio": round(p["rows"] / p["real_rows"], 4) if p["real_rows"] else None,
+        "batches": p["batches"], "in_flight_p50": int(np.percentile(flight, 50, method="inverted_cdf"))}
     return out
 
 
@@ -462,12 +483,20 @@ def format_report(report: dict[str, Any]) -> str:
             for name, p in k["padding"].items():
                 cells = []
                 for key in p:
-                    if isinstance(p[key], dict):
+                    if isinstance(p[key], dict) and key != "packed":
                         ratio = "-" if p[key]["ratio"] is None else f"{p[key]['ratio']:.3f}x"
                         cells.append(f"{key.replace('_', ' ')} {_big(p[key]['padded'])} / {_big(p[key]['real'])} "
                                      f"= {ratio}")
                 held = f"; {p['not_held']} held by no bucket" if p["not_held"] else ""
                 lines.append(f"    {name}: " + ", ".join(cells) + f" ({p['shapes']} shapes{held})")
+            what = "token rows" if kind == "score" else "beam rows x steps"
+            lines.append(f"  padding, packed in arrival order as many a batch as were in flight ({what}: padded / real):")
+            for name, p in k["padding"].items():
+                q = p.get("packed")
+                if q is not None:
+                    ratio = "-" if q["ratio"] is None else f"{q['ratio']:.3f}x"
+                    lines.append(f"    {name}: {_big(q['padded'])} / {_big(q['real'])} = {ratio} in {q['batches']:,} "
+                                 f"batches (in flight p50 {q['in_flight_p50']})")
     if not report["tables"]:
         lines += ["", "padding: no bucket table (the log has no 'model loaded' record with the limits): "
                       "name one with --bucket-table ARTIFACT_DIR_OR_MODEL"]

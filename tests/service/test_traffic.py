@@ -177,6 +177,70 @@ def test_padding_equals_the_packed_buffers_of_each_request_alone(small, tmp_path
         assert list(again["kinds"][kind]["padding"].values()) == list(report["kinds"][kind]["padding"].values())
 
 
+def test_packed_padding_equals_a_replay_of_the_log_by_brute_force(small, tmp_path: Path) -> None:
+    """Brute force: the requests of a kind in arrival order; a batch takes the next one while it has
+    fewer than were in flight as its first arrived (counted over every pair) and some bucket, the
+    first in the table's order that holds the whole batch (found by a search of every bucket), holds
+    it; each batch's packed buffers (pack_score / pack_beam): token rows, or beam rows x the bucket's
+    steps, against the requests' tokens, or widths x new tokens."""
+    from service.artifact.buckets import ANY_STEPS
+    from service.runtime.batch import pack_beam, pack_score
+    from service.runtime.requests import BeamRequest, ScoreRequest
+
+    records, report = small
+    table = default_bucket_table(LIMITS)
+    rng = random.Random(11)
+    for kind in ("score", "beam"):
+        rs = sorted((r for r in records if r["kind"] == kind and "tokens" in r), key=lambda r: r["arrival_s"])
+        flight = [sum(o["arrival_s"] <= r["arrival_s"] < o["arrival_s"] + o["latency_ms"] / 1e3 for o in rs)
+                  for r in rs]
+        buckets = table.of_kind(kind)
+
+        def first_holder(batch: list[dict]):
+            if kind == "score":
+                totals = (len(batch), sum(r["tokens"] for r in batch), sum(r["samples"] for r in batch))
+            else:
+                totals = (len(batch), sum(r["prompt_tokens"] for r in batch), max(r["beam_width"] for r in batch),
+                          sum(r["beam_width"] for r in batch), max(r["new_tokens"] for r in batch), ANY_STEPS)
+            return next((b for b in buckets if b.holds(*totals)), None)
+
+        batches, batch, cap = [], [], 1
+        for r, n in zip(rs, flight):
+            if batch and (len(batch) >= cap or first_holder(batch + [r]) is None):
+                batches.append(batch)
+                batch = []
+            if not batch:
+                cap = n
+            batch.append(r)
+        batches.append(batch)
+        padded = real = 0
+        for batch in batches:
+            bucket = first_holder(batch)
+            if kind == "score":
+                reqs = [ScoreRequest(tuple(tuple(rng.randrange(1000) for _ in range(k)) for k in r["sample_tokens"]),
+                                     (1, 2), tuple(rng.randrange(1000) for _ in range(r["prefix_tokens"])))
+                        for r in batch]
+                padded += pack_score(reqs, bucket, 2).inputs["seg"].numel()
+                real += sum(r["tokens"] for r in batch)
+            else:
+                reqs = [BeamRequest(tuple(rng.randrange(1000) for _ in range(r["prompt_tokens"])), r["beam_width"],
+                                    r["new_tokens"]) for r in batch]
+                padded += pack_beam(reqs, bucket).inputs["beam_pos"].numel() * bucket.new_tokens
+                real += sum(r["beam_width"] * r["new_tokens"] for r in batch)
+        (got,) = report["kinds"][kind]["padding"].values()
+        packed = got["packed"]
+        assert (packed["padded"], packed["real"], packed["batches"]) == (padded, real, len(batches)), kind
+        assert packed["in_flight_p50"] == nearest_rank(flight, 50)
+        assert len(batches) < len(rs), f"{kind}: no two requests shared a batch: the check checks little"
+    # a server writes a request's record as it ends: the same requests in that order replay the same
+    ended = sorted(records, key=lambda r: r["arrival_s"] + r["latency_ms"] / 1e3)
+    assert ended != records
+    again = traffic.run(str(write_log(tmp_path / "ended.jsonl", ended)))
+    for kind in ("score", "beam"):
+        assert [p["packed"] for p in again["kinds"][kind]["padding"].values()] == \
+            [p["packed"] for p in report["kinds"][kind]["padding"].values()], kind
+
+
 def test_the_command_prints_the_report_and_writes_json_and_png(tmp_path: Path, capsys) -> None:
     path = write_log(tmp_path / "log.jsonl", synthetic_records(200, seed=9, rate=20.0))
     rc = cli_main(["traffic", str(path), "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "a.png")])

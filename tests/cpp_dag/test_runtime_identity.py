@@ -74,6 +74,11 @@ def _lm_lines() -> tuple[list[Any], dict[int, str]]:
         {"id": "b400-t1", "kind": "beam", "prompt_ids": ids(10), "beam_width": 400, "new_tokens": 1},
         {"id": "s-bad-label", "kind": "score", "samples": [ids(2)], "label_ids": [-1]},
         "[1, 2]",  # valid JSON, not an object
+        # a batched pair between 128 and 256 wide, apart from the 400-wide one (a Score between):
+        # the default table's 256-wide tier
+        {"id": "s-apart", "kind": "score", "samples": [ids(3)], "label_ids": ids(2)},
+        {"id": "bm-0", "kind": "beam", "prompt_ids": ids(7), "beam_width": 140, "new_tokens": 2},
+        {"id": "bm-1", "kind": "beam", "prompt_ids": ids(12), "beam_width": 170, "new_tokens": 3},
     ]
     errors = {3: "kind", 7: "line 8", 10: "prompt_ids[1]", 14: "beam_width", 22: "label_ids[0]", 23: "line 24"}
     return lines, errors
@@ -190,6 +195,7 @@ def test_cli_outputs_byte_identical(model_name: str, how: str, request: pytest.F
         assert {r.new_tokens for b in beam_batches for r in b} == {1, 2, 3, 4, 5}
         assert any(len({r.new_tokens for r in b}) > 1 for b in beam_batches), "no batch of different new_tokens"
         assert any(r.beam_width > 64 for b in beam_batches if len(b) > 1 for r in b)
+        assert any(pick_beam_bucket(model.artifact.buckets, b).beam_width == 256 for b in beam_batches if len(b) > 1)
 
     cache = tmp_path / "cache"  # one cache: the second run loads the artifact the first one built
     slmrank = _slmrank_subprocess if how == "subprocess" else _slmrank_in_process

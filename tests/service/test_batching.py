@@ -185,6 +185,21 @@ def test_narrow_beam_is_masked_in_a_wider_bucket(m):
     assert all(s == float("-inf") for s in scores[0, 3:].tolist())
 
 
+def test_beams_between_128_and_256_wide_share_a_256_wide_bucket_of_their_own_rows(m):
+    """Three requests 150-240 wide (the default table's middle width tier): their batch runs in a
+    256-wide bucket of no more rows than the tier above their widths' sum, not in a 400-wide one of
+    more, and each request's answer equals its answer alone byte for byte."""
+    art, rt = m.artifact, m.runtime
+    rng = random.Random(256)
+    v = art.config.vocab_size
+    reqs = [BeamRequest(_ids(rng, n, v), b, 3, id=f"m{i}") for i, (b, n) in enumerate([(150, 9), (200, 20), (240, 30)])]
+    bucket = pick_beam_bucket(art.buckets, reqs)
+    assert bucket.beam_width == 256 and sum(r.beam_width for r in reqs) <= bucket.max_rows <= 640, bucket
+    alone = [execute(art, rt, [r])[0] for r in reqs]
+    for got, want in zip(execute(art, rt, reqs), alone):
+        _assert_same_beams(got, want, exact=True)
+
+
 # ---- plan_batches -----------------------------------------------------------------------------
 
 def _request_strategy(vocab: int, lim):

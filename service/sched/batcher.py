@@ -120,7 +120,7 @@ class _Fill(Fill):
 
     def __init__(self, buckets: tuple[Any, ...]) -> None:
         super().__init__(buckets)
-        self.most = max((b.max_requests for b in buckets), default=0)  # no bucket holds more requests
+        self.most = self.reach[0][0] if buckets else 0  # no bucket holds more requests (reach: requests first)
 
     def fit_request(self, req: Request) -> Any:
         """The bucket the batch would run in with req added; None if no bucket holds it."""

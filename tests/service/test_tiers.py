@@ -6,6 +6,7 @@ and ModelInfo reports it; a bad log is one line and exit 2."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -115,6 +116,27 @@ def test_reported_padding_equals_a_brute_force_count(chosen) -> None:
             assert (got[name]["batches"], got[name]["rows"]) == (brute_default["batches"], brute_default["rows"])
         # what it minimises it does no worse on than the default
         assert packed["padding"] <= got["default_packed"]["padding"], kind
+
+
+def test_the_traffic_report_packs_the_log_as_the_build_does(chosen, tmp_path: Path) -> None:
+    """`slmrank traffic`'s padding packed as the server batches: the same replay, recounted by the
+    plain loop above, for the log's own table and the default; replayed in arrival order whichever
+    order the log's lines come in (a server writes a request's record as it ends)."""
+    records, table, _ = chosen
+    ended = sorted(records, key=lambda r: r["arrival_s"] + r["latency_ms"] / 1e3)
+    assert ended != records
+    for art_table, source in ((table, "built"), (default_bucket_table(LIMITS), "default")):
+        buckets = (*art_table.score, *art_table.beam)
+        for name, recs in (("arrival", records), ("ended", ended)):
+            log = traffic.parse_lines([json.dumps(r) for r in recs], f"{source}-{name}")
+            report = traffic.analyze(log, [(source, art_table)])
+            # (arrivals are logged to the millisecond: requests of one arrival keep the log's order)
+            for kind, rs in kinds_of(recs).items():
+                brute = brute_padding(rs, [b for b in buckets if (kind == "score") == isinstance(b, ScoreBucket)])
+                packed = report["kinds"][kind]["padding"][source]["packed"]
+                assert (packed["batches"], packed["real"], packed["padded"]) == \
+                    (brute["batches"], brute["real_rows"], brute["rows"]), (source, name, kind)
+                assert brute["batches"] < len(rs), "no batch of two: the replay checks no packing"
 
 
 def test_the_table_serves_every_request_of_the_limits_within_the_budgets(chosen) -> None:

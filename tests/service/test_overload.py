@@ -109,6 +109,47 @@ def test_after_a_burst_of_maximal_requests_a_small_request_is_served(small_model
         srv.stop()
 
 
+# (before the goodput test: run after its 64-client loops in the same process, this test's light
+# client slowed down alone and stalled for 0.1-0.8 s beside the heavy one in 3 of 4 clean-clone runs on
+# the development host, 2026-12-07; not explained, see docs/history/benchmarks.md "sixteenth session")
+def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small_model):
+    """A light client (one small Score at a time) against a heavy one (4 maximal BeamSearch in
+    flight), by x-client-id: its p99 stays within 2x of its p99 alone. Windows alternate, 1 s each,
+    ten of each (~1,000 light requests a side: a p99 that a few noise spikes of this shared 2-core
+    machine cannot make; with six, its p99 alone moved from 6 to 14 ms between runs)."""
+    windows = 10
+    srv = _serve(small_model, heavy_batch_s=0.02)
+    light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
+
+    async def run(stub: Any) -> tuple[list[ob.Outcome], list[ob.Outcome], list[ob.Outcome]]:
+        light = lambda i: (small(i), NORMAL, None)  # noqa: E731
+        await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md)  # warm up
+        await ob.closed_loop(stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.0,
+                             metadata=heavy_md)
+        alone, loaded, heavy = [], [], []
+        for k in range(windows):
+            alone += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=1000 * k)
+            heavy_task = asyncio.ensure_future(ob.closed_loop(
+                stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.2, metadata=heavy_md,
+                first_index=100 * k))
+            await asyncio.sleep(0.1)  # the heavy batch is running
+            loaded += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=500 + 1000 * k)
+            heavy += await heavy_task
+        return alone, loaded, heavy
+
+    try:
+        alone, loaded, heavy = asyncio.run(_with_stub(srv.target, run))
+    finally:
+        srv.stop()
+    a, b, h = ob.summarize(alone, windows), ob.summarize(loaded, windows), ob.summarize(heavy, 1.2 * windows)
+    report = (f"light alone p50 {a['ok_p50_ms']:.1f} p99 {a['ok_p99_ms']:.1f} ms ({a['sent']}); beside maximal "
+              f"requests p50 {b['ok_p50_ms']:.1f} p99 {b['ok_p99_ms']:.1f} ms ({b['sent']}); heavy served "
+              f"{h['codes'].get('OK', 0)}")
+    print("\n" + report)
+    assert set(a["codes"]) == set(b["codes"]) == {"OK"} and h["codes"].get("OK", 0) >= 4, report
+    assert b["ok_p99_ms"] <= 2 * a["ok_p99_ms"], report
+
+
 # ---- goodput with deadlines ------------------------------------------------------------------------
 
 _CLIENTS = """
@@ -210,44 +251,6 @@ def test_deadlines_keep_goodput_and_admitted_work_is_never_late(small_model, cli
 
 
 # ---- fairness ----------------------------------------------------------------------------------------
-
-def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small_model):
-    """A light client (one small Score at a time) against a heavy one (4 maximal BeamSearch in
-    flight), by x-client-id: its p99 stays within 2x of its p99 alone. Windows alternate, 1 s each,
-    ten of each (~1,000 light requests a side: a p99 that a few noise spikes of this shared 2-core
-    machine cannot make; with six, its p99 alone moved from 6 to 14 ms between runs)."""
-    windows = 10
-    srv = _serve(small_model, heavy_batch_s=0.02)
-    light_md, heavy_md = [("x-client-id", "light")], [("x-client-id", "heavy")]
-
-    async def run(stub: Any) -> tuple[list[ob.Outcome], list[ob.Outcome], list[ob.Outcome]]:
-        light = lambda i: (small(i), NORMAL, None)  # noqa: E731
-        await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md)  # warm up
-        await ob.closed_loop(stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.0,
-                             metadata=heavy_md)
-        alone, loaded, heavy = [], [], []
-        for k in range(windows):
-            alone += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=1000 * k)
-            heavy_task = asyncio.ensure_future(ob.closed_loop(
-                stub.BeamSearch, lambda i: (maximal_beam(small_model, i), NORMAL, None), 4, 1.2, metadata=heavy_md,
-                first_index=100 * k))
-            await asyncio.sleep(0.1)  # the heavy batch is running
-            loaded += await ob.closed_loop(stub.Score, light, 1, 1.0, metadata=light_md, first_index=500 + 1000 * k)
-            heavy += await heavy_task
-        return alone, loaded, heavy
-
-    try:
-        alone, loaded, heavy = asyncio.run(_with_stub(srv.target, run))
-    finally:
-        srv.stop()
-    a, b, h = ob.summarize(alone, windows), ob.summarize(loaded, windows), ob.summarize(heavy, 1.2 * windows)
-    report = (f"light alone p50 {a['ok_p50_ms']:.1f} p99 {a['ok_p99_ms']:.1f} ms ({a['sent']}); beside maximal "
-              f"requests p50 {b['ok_p50_ms']:.1f} p99 {b['ok_p99_ms']:.1f} ms ({b['sent']}); heavy served "
-              f"{h['codes'].get('OK', 0)}")
-    print("\n" + report)
-    assert set(a["codes"]) == set(b["codes"]) == {"OK"} and h["codes"].get("OK", 0) >= 4, report
-    assert b["ok_p99_ms"] <= 2 * a["ok_p99_ms"], report
-
 
 # ---- the metrics endpoint and big texts ----------------------------------------------------------------
 

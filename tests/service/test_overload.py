@@ -109,6 +109,8 @@ def test_after_a_burst_of_maximal_requests_a_small_request_is_served(small_model
         srv.stop()
 
 
+# ---- fairness ----------------------------------------------------------------------------------------
+
 # (before the goodput test: run after its 64-client loops in the same process, this test's light
 # client slowed down alone and stalled for 0.1-0.8 s beside the heavy one in 3 of 4 clean-clone runs on
 # the development host, 2026-12-07; not explained, see docs/history/benchmarks.md "sixteenth session")
@@ -249,8 +251,6 @@ def test_deadlines_keep_goodput_and_admitted_work_is_never_late(small_model, cli
     assert server_late <= 0.1 * admitted and summary["tight"]["late"] <= 0.1 * admitted, report
     assert summary["tight"]["refused"] > 0, "the tight deadline turned nothing away: it tests nothing"
 
-
-# ---- fairness ----------------------------------------------------------------------------------------
 
 # ---- the metrics endpoint and big texts ----------------------------------------------------------------
 

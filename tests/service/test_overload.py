@@ -111,9 +111,9 @@ def test_after_a_burst_of_maximal_requests_a_small_request_is_served(small_model
 
 # ---- fairness ----------------------------------------------------------------------------------------
 
-# (before the goodput test: run after its 64-client loops in the same process, this test's light
-# client slowed down alone and stalled for 0.1-0.8 s beside the heavy one in 3 of 4 clean-clone runs on
-# the development host, 2026-12-07; not explained, see docs/history/benchmarks.md "sixteenth session")
+# (on the development host, 2026-12-07, this test failed in 4 of 19 runs after the burst test above in
+# one process, its light client stalling for 0.1-1.1 s beside the heavy one, and in 0 of 7 alone; not
+# the GIL, not the collector: not explained, see docs/history/benchmarks.md "seventeenth session")
 def test_a_light_client_keeps_its_p99_while_another_sends_maximal_requests(small_model):
     """A light client (one small Score at a time) against a heavy one (4 maximal BeamSearch in
     flight), by x-client-id: its p99 stays within 2x of its p99 alone. Windows alternate, 1 s each,

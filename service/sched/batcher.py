@@ -19,7 +19,10 @@ answered "draining" at once.
 A heavy batch may hold at most max_inflight - 1 of the in-flight slots: the last one goes to
 lighter work, so a small request is not stuck behind maximal ones (on a GPU, each slot is a lane:
 its own stream and graphs); its packing and unpacking (thousands of beam rows) run off the event
-loop, where light requests wait. Heavy: predicted to take longer than `heavy_batch_s`, or, with
+loop, where light requests wait. Heavy: predicted to take longer than `heavy_batch_s` and, while
+heavy batches run, than 1/HEAVY_GAP of the lightest of them (work far lighter than what holds the
+other slots is what the last one is kept for, whatever its own time: on a slow CPU host a small
+Score measured over heavy_batch_s and waited behind maximal BeamSearches for 0.1-1 s), or, with
 `heavy_ratio` > 0 (off by default: not yet measured on the mixed workloads), holding a request that
 alone takes more than heavy_ratio x the lightest request of another kind seen in the last
 `light_window_s` (batches of different kinds never share a bucket, so a light Score would wait
@@ -74,6 +77,12 @@ class CatalogReplaceError(ValueError):
 # the larger bucket would be slower per request or late) looked at before it is closed: one further
 # back may still join, but the search is bounded (the queue is not)
 MAX_MISSES = 32
+
+# while heavy batches run, a batch or request counts heavy only above 1/HEAVY_GAP of the lightest of
+# them, whatever heavy_batch_s says: the last slot is kept for work far lighter than what holds the
+# others (a small Score that a slow CPU host measured at 25 ms, beside 0.7 s of maximal BeamSearches,
+# is that work; a second maximal BeamSearch is not)
+HEAVY_GAP = 4.0
 
 Request = ScoreRequest | BeamRequest
 Batch = ScoreBatch | BeamBatch
@@ -423,7 +432,7 @@ class Scheduler:
         self._loop_task: asyncio.Task | None = None
         self._batch_tasks: set[asyncio.Task] = set()
         self._inflight = 0
-        self._heavy_inflight = 0
+        self._heavy_s: list[float] = []  # the predicted time of each heavy batch in flight, at its start
         # when the executor last had a free slot again after all were taken: a batch's load wait
         # counts from when it could first have gone, not from its members' arrival (behind a busy
         # executor it would otherwise be spent before the batch could go, and the callers of the
@@ -666,7 +675,7 @@ class Scheduler:
         head = self.admission.head(now)
         if head is None:
             return None
-        can_go_heavy = self._heavy_inflight < max(self.config.max_inflight - 1, 1)
+        can_go_heavy = len(self._heavy_s) < max(self.config.max_inflight - 1, 1)
         limits = self._heavy_limits(now)
         if (not can_go_heavy and self._is_heavy(head, now, limits)) or self._held_for_catalogs(head):
             # the last free slot is kept for lighter work: the first queued request light on its own
@@ -711,7 +720,7 @@ class Scheduler:
                 holds = min(bucket.max_requests, self.config.max_batch_requests, fill.count + len(pool) - i)
                 batch_s = self._bucket_s(bucket, now)
                 if (batch_s / holds > self._bucket_s(fill.bucket, now) / fill.count * GROWTH_TOLERANCE
-                        or (not can_go_heavy and batch_s > self.config.heavy_batch_s)
+                        or (not can_go_heavy and batch_s > self._heavy_bar())
                         or now + self._finish_s(batch_s) > tighter or self._may_outlast_cap(bucket, now)
                         or self._outgrows_memory(bucket)):
                     is_full = True
@@ -813,31 +822,39 @@ class Scheduler:
         deadline, a queued request can no longer be answered in time."""
         return 0.0 if ticket.cost is None else self.model.bucket_min_s(ticket.cost.solo, self.clock())
 
+    def _heavy_bar(self) -> float:
+        """The time above which a batch counts heavy now: heavy_batch_s, or while heavy batches run,
+        1/HEAVY_GAP of the lightest of them if that is more."""
+        return max(self.config.heavy_batch_s, min(self._heavy_s, default=0.0) / HEAVY_GAP)
+
     def _heavy_limits(self, now: float) -> dict[str, float]:
         """Per kind seen lately, the time alone above which its request counts heavy: heavy_ratio x
         the lightest request of another kind seen in the last light_window_s, when that is less than
-        heavy_batch_s (a kind not here: heavy_batch_s). Empty while only one kind is seen."""
+        heavy_batch_s, and never under 1/HEAVY_GAP of the lightest heavy batch in flight (a kind
+        not here: _heavy_bar). Empty while only one kind is seen."""
         cfg = self.config
         lightest = self._recent.lightest(lambda info: self.model.bucket_s(info, now), now) \
             if cfg.heavy_ratio > 0 and len(self._recent) > 1 else {}
         if len(lightest) < 2:
             return {}
-        return {kind: min(cfg.heavy_batch_s, cfg.heavy_ratio * min(s for k, s in lightest.items() if k != kind))
+        floor = min(self._heavy_s, default=0.0) / HEAVY_GAP
+        return {kind: max(floor, min(cfg.heavy_batch_s, cfg.heavy_ratio * min(s for k, s in lightest.items()
+                                                                                  if k != kind)))
                 for kind in lightest}
 
     def _heavy_why(self, plan: _Plan, now: float) -> str:
         """Why a batch about to start is heavy (it may not take the last free slot): "time"
-        (predicted over heavy_batch_s), "ratio" (a member over its kind's _heavy_limits); "": light."""
+        (predicted over _heavy_bar), "ratio" (a member over its kind's _heavy_limits); "": light."""
         if plan.bucket is None:
             return ""
-        if self._bucket_s(plan.bucket, now) > self.config.heavy_batch_s:
+        if self._bucket_s(plan.bucket, now) > self._heavy_bar():
             return "time"
         limits = self._heavy_limits(now)
         return "ratio" if limits and any(self._is_heavy(t, now, limits) for t in plan.tickets) else ""
 
     def _is_heavy(self, ticket: Ticket, now: float, limits: dict[str, float]) -> bool:
         """Whether the request alone outlasts its kind's limit (_heavy_limits(now))."""
-        return ticket.cost is not None and self._solo_s(ticket, now) > limits.get(ticket.kind, self.config.heavy_batch_s)
+        return ticket.cost is not None and self._solo_s(ticket, now) > limits.get(ticket.kind, self._heavy_bar())
 
     def _cost(self, request: Request) -> RequestCost | None:
         try:
@@ -852,8 +869,9 @@ class Scheduler:
         batch_id = self._num_batches
         why = self._heavy_why(plan, now)
         is_heavy = bool(why)
-        self._heavy_inflight += is_heavy
+        heavy_s = self._bucket_s(plan.bucket, now) if is_heavy else 0.0  # (a heavy plan has a bucket)
         if is_heavy:
+            self._heavy_s.append(heavy_s)
             self._heavy_batches[why] += 1
         self._inflight_by_kind[plan.tickets[0].kind] += len(plan.tickets)
         constrained = any(getattr(t.payload, "catalog", "") for t in plan.tickets)
@@ -864,12 +882,13 @@ class Scheduler:
         for t in plan.tickets:
             self._flights[id(t)] = flight
         task = asyncio.get_running_loop().create_task(self._execute(plan.tickets, now, batch_id, is_heavy, plan.bucket,
-                                                                    flight, constrained))
+                                                                    flight, constrained, heavy_s))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _execute(self, tickets: list[Ticket], dequeued_s: float, batch_id: int, is_heavy: bool,
-                       bucket: Any = None, flight: _Flight | None = None, constrained: bool = False) -> None:
+                       bucket: Any = None, flight: _Flight | None = None, constrained: bool = False,
+                       heavy_s: float = 0.0) -> None:
         control = None if flight is None else flight.control
         reqs = [t.payload for t in tickets]
         levels = dict(Counter(int(t.priority) for t in tickets))
@@ -918,7 +937,8 @@ class Scheduler:
         finally:
             for t in tickets:
                 self._flights.pop(id(t), None)
-            self._heavy_inflight -= is_heavy
+            if is_heavy:
+                self._heavy_s.remove(heavy_s)
             self._constrained_inflight -= constrained
             self._inflight_by_kind[tickets[0].kind] -= len(tickets)
             if self._inflight == self.config.max_inflight:

@@ -320,6 +320,41 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art):
     asyncio.run(main())
 
 
+def test_work_far_lighter_than_the_heavy_batch_in_flight_takes_the_last_slot(art):
+    """A Score measured over heavy_batch_s (a slow CPU host's small Score: 0.12 s against 0.1) is
+    heavy on its own, but beside a BeamSearch more than HEAVY_GAP times as long it is the light work
+    the last slot is kept for: it runs at once (it waited for the whole BeamSearch before, 0.1-1 s
+    stalls of a light client on the CPU); a second BeamSearch still waits."""
+    from service.sched.batcher import HEAVY_GAP
+
+    rt = KindRuntime(beam_s=0.8, score_s=0.12)
+    assert rt.score_s < rt.beam_s / HEAVY_GAP
+
+    async def main() -> None:
+        s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, heavy_ratio=0.0)
+        await s.submit(beam("warm-beam", new_tokens=1))
+        await s.submit(beam("warm-beam2", new_tokens=2))
+        await s.submit(score("warm-score"))
+        heavy_before = sum(s.stats()["heavy_batches"].values())
+        heavy = [asyncio.create_task(s.submit(beam("b1", new_tokens=1)))]
+        await until(lambda: "b1" in rt.began)
+        heavy.append(asyncio.create_task(s.submit(beam("b2", new_tokens=2))))
+        await asyncio.sleep(0.05)
+        assert "b2" not in rt.began, "a second heavy batch took the last slot"
+        t0 = time.monotonic()
+        await s.submit(score("light"))
+        waited = time.monotonic() - t0
+        assert waited < 0.4, f"the Score waited {waited:.2f} s behind the BeamSearch"
+        await asyncio.gather(*heavy)
+        spans = {name: (a, b) for name, a, b in rt.spans}
+        assert spans["b2"][0] >= spans["b1"][1] - 0.01  # the BeamSearches one at a time
+        assert spans["light"][1] < spans["b1"][1]  # beside the first
+        assert sum(s.stats()["heavy_batches"].values()) == heavy_before + 2  # b1 and b2, not the Score
+        await s.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("heavy_ratio, light_window_s, light_gone, serial", [
     (4.0, 5.0, False, True),  # a beam 12x a Score lately seen: heavy, under heavy_batch_s though it is
     (0.0, 5.0, False, False),  # the ratio off: only heavy_batch_s counts, and the beams take both slots

@@ -300,8 +300,9 @@ class KindRuntime(FakeRuntime):
     (0.4, 0.01, 0.2),  # a Score under heavy_batch_s
     # over heavy_batch_s (a slow CPU host's small Score), heavy on its own; beside a BeamSearch over
     # HEAVY_GAP times as long it is the light work the last slot is kept for (before: it waited for the
-    # whole BeamSearch, 1.67 s here; 0.1-1.1 s stalls of the light client of test_overload's fairness test)
-    (0.8, 0.12, 0.4),
+    # whole BeamSearch, 1.67 s here at 0.8 s; 0.1-1.1 s stalls of the light client of test_overload's
+    # fairness test)
+    (1.2, 0.12, 0.5),
 ])
 def test_heavy_batches_leave_the_last_slot_to_light_work(art, beam_s, score_s, light_within_s):
     from service.sched.batcher import HEAVY_GAP
@@ -311,6 +312,10 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art, beam_s, score_s, l
 
     async def main() -> None:
         s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, heavy_ratio=0.0)
+        # the rule, not the host: a batch that a busy CI host starved is kept at its time x its CPU share
+        # (ServiceTimeModel), and a BeamSearch kept at half its time made the Score heavy beside it again
+        # (waited 0.88 s in a clean-clone run of the whole suite, 2026-12-07)
+        s.model.host = None
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: heavy
         await s.submit(beam("warm-beam2", new_tokens=2))
         await s.submit(score("warm-score"))

@@ -313,8 +313,8 @@ def test_heavy_batches_leave_the_last_slot_to_light_work(art, beam_s, score_s, l
     async def main() -> None:
         s = await started(art, rt, max_wait_s=0.0, max_inflight=2, heavy_batch_s=0.1, heavy_ratio=0.0)
         # the rule, not the host: a batch that a busy CI host starved is kept at its time x its CPU share
-        # (ServiceTimeModel), and a BeamSearch kept at half its time made the Score heavy beside it again
-        # (waited 0.88 s in a clean-clone run of the whole suite, 2026-12-07)
+        # (ServiceTimeModel): a BeamSearch kept at half its time would make the Score heavy beside it
+        # again (the likely cause of a 0.88 s wait in a clean-clone run of the whole suite, 2026-12-07)
         s.model.host = None
         await s.submit(beam("warm-beam", new_tokens=1))  # measured: heavy
         await s.submit(beam("warm-beam2", new_tokens=2))

@@ -822,10 +822,13 @@ class Scheduler:
         deadline, a queued request can no longer be answered in time."""
         return 0.0 if ticket.cost is None else self.model.bucket_min_s(ticket.cost.solo, self.clock())
 
+    def _heavy_floor(self) -> float:
+        """1/HEAVY_GAP of the lightest heavy batch in flight (0.0: none): nothing under it counts heavy."""
+        return min(self._heavy_s, default=0.0) / HEAVY_GAP
+
     def _heavy_bar(self) -> float:
-        """The time above which a batch counts heavy now: heavy_batch_s, or while heavy batches run,
-        1/HEAVY_GAP of the lightest of them if that is more."""
-        return max(self.config.heavy_batch_s, min(self._heavy_s, default=0.0) / HEAVY_GAP)
+        """The time above which a batch counts heavy now: heavy_batch_s, or _heavy_floor if more."""
+        return max(self.config.heavy_batch_s, self._heavy_floor())
 
     def _heavy_limits(self, now: float) -> dict[str, float]:
         """Per kind seen lately, the time alone above which its request counts heavy: heavy_ratio x
@@ -837,7 +840,7 @@ class Scheduler:
             if cfg.heavy_ratio > 0 and len(self._recent) > 1 else {}
         if len(lightest) < 2:
             return {}
-        floor = min(self._heavy_s, default=0.0) / HEAVY_GAP
+        floor = self._heavy_floor()
         return {kind: max(floor, min(cfg.heavy_batch_s, cfg.heavy_ratio * min(s for k, s in lightest.items()
                                                                                   if k != kind)))
                 for kind in lightest}

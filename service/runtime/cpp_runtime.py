@@ -154,7 +154,7 @@ class CppRuntime:
         def columns(b: ScoreBucket | BeamBucket) -> int | None:  # a codes bucket's logits: its code columns
             return len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
 
-        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b)), reverse=True)
+        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b), self.kernels == "aten"), reverse=True)
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
         """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
@@ -165,8 +165,8 @@ class CppRuntime:
         """
         if not self.uses_graphs:
             return []
-        todo = self.capture_buckets() if buckets is None else sorted(buckets, key=lambda b: _footprint(b, self.cfg),
-                                                                      reverse=True)
+        todo = self.capture_buckets() if buckets is None else sorted(
+            buckets, key=lambda b: _footprint(b, self.cfg, aten=self.kernels == "aten"), reverse=True)
         label_columns = self.artifact.label_columns
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
@@ -199,14 +199,19 @@ def _device_used(device: torch.device) -> int:
     return total - free
 
 
-def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig, columns: int | None = None) -> int:
+def _footprint(bucket: ScoreBucket | BeamBucket, cfg: ModelConfig, columns: int | None = None,
+               aten: bool = False) -> int:
     """Rough device elements a bucket's intermediates take: capturing the largest first lets every
     later capture reuse the lane pool's blocks. Beam buckets are dominated by their logits rows
-    (columns: a codes bucket's, its catalog's padded code tokens; else the vocabulary)."""
+    (columns: a codes bucket's, its catalog's padded code tokens; else the vocabulary). aten: the
+    ATen beam step (kernels "aten") also gathers every rank's candidates, [R x B, columns], which
+    is more than the rows when the widest request's tier is wide: at 1,536 rows, 8 requests x 400
+    ranks took 1.8 GiB more than 8 x 256 (H100, 2026-12-07), so the 400-wide bucket goes first."""
     per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size
     if isinstance(bucket, ScoreBucket):
         return bucket.max_tokens * per_token + bucket.max_samples * cfg.vocab_size
-    return 2 * bucket.max_rows * (columns or cfg.vocab_size) + bucket.max_prompt_tokens * per_token
+    ranks = bucket.max_requests * bucket.beam_width if aten else 0
+    return (2 * bucket.max_rows + ranks) * (columns or cfg.vocab_size) + bucket.max_prompt_tokens * per_token
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: str | None) -> None:

@@ -99,3 +99,38 @@ def test_the_fixed_beam_shapes_run_in_no_more_rows_than_before(tables, prompt, w
         if a is None or b is None:
             continue
         assert a == b if width != 256 else a.work <= b.work and a.beam_width <= b.beam_width, (n, a, b)
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
+def test_the_aten_capture_order_takes_the_most_ranks_first(model) -> None:
+    """CppRuntime.capture sorts buckets by _footprint, largest first, so that later captures reuse the
+    lane pool's blocks. The ATen beam step gathers every rank's candidates, [R x B, V]: at 1,536 rows
+    the 400-wide bucket (8 x 400 ranks) needs more than the 256-wide one (8 x 256), and was captured
+    after it, so the pool grew by 1.8 GiB (tests/cpp_dag/test_gpu_runtime.py, H100, 2026-12-07). With
+    the ATen path the first beam bucket has the most logits rows (2N + R x B) of all; the fused path's
+    order is by rows alone, as before."""
+    from service.model.checkpoint import embedded_spec
+    from service.runtime.cpp_runtime import _footprint
+
+    cfg = embedded_spec(model).config
+    beams = [b for b in default_bucket_table(LIMITS).beam if b.new_tokens == 5]
+
+    def logits_rows(b: BeamBucket) -> int:
+        return 2 * b.max_rows + b.max_requests * b.beam_width
+
+    aten = sorted(beams, key=lambda b: _footprint(b, cfg, aten=True), reverse=True)
+    assert logits_rows(aten[0]) == max(map(logits_rows, beams))
+    assert (aten[0].max_rows, aten[0].beam_width) == (max(b.max_rows for b in beams), LIMITS.max_beam_width)
+    # at the most rows, each prompt tier's limit-wide bucket before its 256-wide twin
+    top = [b for b in aten if b.max_rows == aten[0].max_rows]
+    for b in top:
+        if b.beam_width == 256:
+            twin = next(t for t in top if t.beam_width == LIMITS.max_beam_width
+                        and t.max_prompt_tokens == b.max_prompt_tokens)
+            assert aten.index(twin) < aten.index(b), (twin.key, b.key)
+    # without the ATen candidates the footprint is the rows' and the prompt's, whatever the width
+    fused = sorted(beams, key=lambda b: _footprint(b, cfg), reverse=True)
+    assert fused[0].max_rows == aten[0].max_rows
+    assert _footprint(aten[0], cfg) == _footprint(
+        next(b for b in beams if b.max_rows == aten[0].max_rows and b.max_prompt_tokens == aten[0].max_prompt_tokens
+             and b.beam_width != aten[0].beam_width), cfg)

@@ -20,10 +20,13 @@ import argparse
 import hashlib
 import itertools
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,26 +99,63 @@ def _params(spec: KernelSpec) -> list[dict[str, str]]:
     return params
 
 
-def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90) -> dict[str, Any]:
+# the specs of the compile in progress, for the worker processes (forked: a spec's @triton.jit
+# function does not pickle, so a worker takes its spec by index from the memory it inherited)
+_SPECS: list[KernelSpec] = []
+
+
+def _compile_entry(index: int, arch: int) -> tuple[bytes, dict[str, Any]]:
+    """One variant's cubin and manifest entry (less the file name and hash, which the caller adds)."""
+    spec = _SPECS[index]
+    t0 = time.perf_counter()
+    compiled = _compile(spec, arch)
+    md = compiled.metadata
+    if md.num_ctas != 1 or md.launch_cooperative_grid or md.launch_pdl:
+        raise ValueError(f"{spec.variant}: needs cuLaunchKernelEx (num_ctas={md.num_ctas}, "
+                         f"cooperative={md.launch_cooperative_grid}, pdl={md.launch_pdl})")
+    cubin = compiled.asm["cubin"]
+    return cubin, {
+        "function": md.name, "num_warps": md.num_warps, "shared_bytes": md.shared,
+        "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size,
+        "params": _params(spec), "constexprs": {k: v for k, v in spec.constexprs.items()},
+        "grid": spec.grid, **spec.extra, **resource_usage(cubin),
+        "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+
+
+def default_jobs() -> int:
+    """Worker processes for compile_kernels: SLMRANK_AOT_JOBS, else the CPUs this process may use
+    (each compile is one CPU's work: Triton's passes, then ptxas)."""
+    env = os.environ.get("SLMRANK_AOT_JOBS", "")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"SLMRANK_AOT_JOBS: a positive whole number of worker processes, got {env!r}")
+        return int(env)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def compile_kernels(specs: list[KernelSpec], out_dir: str | Path, arch: int = 90, jobs: int | None = None) -> dict[str, Any]:
+    """Compiles every spec (in `jobs` forked worker processes, default_jobs(); 1: in this one) and
+    writes the cubins and the manifest, its entries in the order of `specs` whatever finished first."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs: at least 1 worker process, got {jobs}")
+    jobs = max(1, min(default_jobs() if jobs is None else jobs, len(specs)))
+    _SPECS[:] = specs
+    try:
+        if jobs == 1:
+            results = [_compile_entry(i, arch) for i in range(len(specs))]
+        else:
+            # fork before this process compiles anything (no compiler threads yet to inherit)
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+                results = list(pool.map(_compile_entry, range(len(specs)), itertools.repeat(arch)))
+    finally:
+        _SPECS.clear()
     entries = []
-    for spec in specs:
-        t0 = time.perf_counter()
-        compiled = _compile(spec, arch)
-        md = compiled.metadata
-        if md.num_ctas != 1 or md.launch_cooperative_grid or md.launch_pdl:
-            raise ValueError(f"{spec.variant}: needs cuLaunchKernelEx (num_ctas={md.num_ctas}, "
-                             f"cooperative={md.launch_cooperative_grid}, pdl={md.launch_pdl})")
-        cubin = compiled.asm["cubin"]
+    for spec, (cubin, entry) in zip(specs, results):
         (out / f"{spec.variant}.cubin").write_bytes(cubin)
-        entries.append({
-            "variant": spec.variant, "cubin": f"{spec.variant}.cubin", "sha256": hashlib.sha256(cubin).hexdigest(),
-            "function": md.name, "num_warps": md.num_warps, "shared_bytes": md.shared,
-            "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size,
-            "params": _params(spec), "constexprs": {k: v for k, v in spec.constexprs.items()},
-            "grid": spec.grid, **spec.extra, **resource_usage(cubin),
-            "compile_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        entries.append({"variant": spec.variant, "cubin": f"{spec.variant}.cubin",
+                        "sha256": hashlib.sha256(cubin).hexdigest(), **entry})
     manifest = {"triton_version": triton.__version__, "target": f"sm_{arch}a" if arch >= 90 else f"sm_{arch}",
                 "kernels": entries}
     (out / "kernels.json").write_text(json.dumps(manifest, indent=1))
@@ -334,10 +374,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default: SLMRANK_AOT_JOBS, else the CPUs this process may use)")
     args = p.parse_args()
     shape = json.loads(args.shape)
     specs = model_kernel_specs(**shape, dtype=args.dtype)
-    manifest = compile_kernels(specs, args.out, args.arch)
+    manifest = compile_kernels(specs, args.out, args.arch, args.jobs)
     for k in manifest["kernels"]:
         print(f"{k['variant']:36s} {k['function']:28s} warps {k['num_warps']} shared {k['shared_bytes']:6d} B "
               f"registers {k.get('registers', '?'):>3} spills {k.get('local_bytes', '?'):>4} B "

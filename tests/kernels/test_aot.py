@@ -103,3 +103,42 @@ def test_a_constexpr_missing_from_the_signature_is_refused(tmp_path: Path) -> No
     spec = KernelSpec("bad", silu_mul_kernel, signature, {"INTER": 64, "BLOCK": 64, "ROWS": 1, "NOPE": 1})
     with pytest.raises(ValueError, match=r"constexprs \['NOPE'\] are not constexpr"):
         compile_kernels([spec], tmp_path)
+
+
+_PARALLEL = """
+import json, sys
+from kernels.aot import beam_topk_specs, compile_kernels, trie_specs
+specs = trie_specs() + [s for s in beam_topk_specs("bf16", max_sort=4) if s.variant.startswith("beam_merge")]
+out = {}
+for jobs in (1, 3):
+    m = compile_kernels(specs, f"{sys.argv[1]}/j{jobs}", jobs=jobs)
+    out[jobs] = [{k: v for k, v in e.items() if k != "compile_ms"} for e in m["kernels"]]
+print(json.dumps({"order": [s.variant for s in specs], "one": out[1], "three": out[3]}))
+"""
+
+
+def test_worker_processes_compile_the_same_cubins_in_the_specs_order(tmp_path: Path) -> None:
+    """compile_kernels in 3 forked workers (jobs=3) writes the manifest one process writes, entry for
+    entry (cubin hashes included), in the order of the specs, whichever worker finished first."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", _PARALLEL, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got["order"]) >= 4
+    assert [e["variant"] for e in got["three"]] == got["order"]
+    assert got["three"] == got["one"]
+    for e in got["three"]:
+        assert (tmp_path / "j3" / e["cubin"]).read_bytes() == (tmp_path / "j1" / e["cubin"]).read_bytes()
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_job_count_is_refused_by_name(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.aot import default_jobs
+
+    monkeypatch.setenv("SLMRANK_AOT_JOBS", value)
+    with pytest.raises(ValueError, match="SLMRANK_AOT_JOBS"):
+        default_jobs()
+    monkeypatch.setenv("SLMRANK_AOT_JOBS", "3")
+    assert default_jobs() == 3

@@ -154,7 +154,11 @@ class CppRuntime:
         def columns(b: ScoreBucket | BeamBucket) -> int | None:  # a codes bucket's logits: its code columns
             return len(code_columns(catalogs[b.catalog], b.beam_width)) if isinstance(b, CodesBucket) else None
 
-        return sorted(every, key=lambda b: _footprint(b, self.cfg, columns(b), self.kernels == "aten"), reverse=True)
+        return sorted(every, key=lambda b: self._footprint(b, columns(b)), reverse=True)
+
+    def _footprint(self, bucket: ScoreBucket | BeamBucket, columns: int | None = None) -> int:
+        """_footprint for this runtime's model and kernels: the order capture takes buckets in."""
+        return _footprint(bucket, self.cfg, columns, aten=self.kernels == "aten")
 
     def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
         """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
@@ -165,8 +169,7 @@ class CppRuntime:
         """
         if not self.uses_graphs:
             return []
-        todo = self.capture_buckets() if buckets is None else sorted(
-            buckets, key=lambda b: _footprint(b, self.cfg, aten=self.kernels == "aten"), reverse=True)
+        todo = self.capture_buckets() if buckets is None else sorted(buckets, key=self._footprint, reverse=True)
         label_columns = self.artifact.label_columns
         log = []
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:

@@ -1,25 +1,26 @@
 """Replaying a log's requests into batches: in arrival order, as many a batch as some bucket holds
 (buckets.Fill) and as were in flight as its first arrived, each batch in its bucket. What
-`slmrank build --traffic` minimises (tiers.py) and what `slmrank traffic` reports of a table
-(traffic.py): the padded work of those batches against the requests' own."""
+`slmrank build --traffic` minimises (tiers.py: in logical FLOPs of the linear layers and the LM
+head) and what `slmrank traffic` reports of a table (traffic.py: in rows): the padded work of those
+batches against the requests' own, in the unit of the caller's `work` and requests' real work."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..artifact.buckets import Bucket, Fill, pick_order
 
-Request = tuple[tuple[int, ...], int, int]  # dims, real rows, requests of its kind in flight as it arrived
+Request = tuple[tuple[int, ...], int, int]  # dims, real work, requests of its kind in flight as it arrived
 
 
 @dataclass
 class Batch:
-    """The batches of one totals: the bucket Fill runs them in, how many, their real rows."""
+    """The batches of one totals: the bucket Fill runs them in, how many, their real work."""
 
     bucket: Bucket
     count: int = 0
-    real_rows: int = 0
+    real: int = 0
 
 
 Batches = dict[tuple, Batch]  # by the batch's totals (Fill.totals)
@@ -35,7 +36,7 @@ def pack(buckets: Sequence[Bucket], requests: Sequence[Request], alone: bool = F
     def close() -> None:
         batch = out.setdefault(fill.totals, Batch(fill.bucket))  # type: ignore[arg-type]
         batch.count += 1
-        batch.real_rows += real
+        batch.real += real
 
     for d, rows, in_flight in requests:
         if fill.count and (fill.count >= cap or fill.fit(*d) is None):
@@ -50,17 +51,23 @@ def pack(buckets: Sequence[Bucket], requests: Sequence[Request], alone: bool = F
     return out
 
 
-def padding_of(batches: Batches) -> dict[str, Any]:
-    """Per bucket its batches, their real rows and the bucket's rows; and the totals."""
+def rows_of(bucket: Bucket) -> int:
+    """A bucket's padded rows: Score token rows; BeamSearch beam rows times decode steps."""
+    return bucket.work
+
+
+def padding_of(batches: Batches, work: Callable[[Bucket], int] = rows_of) -> dict[str, Any]:
+    """Per bucket its batches, their real work and the bucket's (work: a bucket's, in the unit of
+    the requests' real work); and the totals."""
     per: dict[Bucket, list[int]] = {}
     for batch in batches.values():
         slot = per.setdefault(batch.bucket, [0, 0, 0])
         slot[0] += batch.count
-        slot[1] += batch.real_rows
-        slot[2] += batch.count * batch.bucket.work
+        slot[1] += batch.real
+        slot[2] += batch.count * work(batch.bucket)
     real = sum(v[1] for v in per.values())
-    rows = sum(v[2] for v in per.values())
-    return {"batches": sum(v[0] for v in per.values()), "real_rows": real, "rows": rows,
-            "padding": round((rows - real) / real, 4) if real else None,
-            "buckets": [{"key": b.key, "batches": v[0], "real_rows": v[1], "rows": v[2]}
+    padded = sum(v[2] for v in per.values())
+    return {"batches": sum(v[0] for v in per.values()), "real": real, "padded": padded,
+            "padding": round((padded - real) / real, 4) if real else None,
+            "buckets": [{"key": b.key, "batches": v[0], "real": v[1], "padded": v[2]}
                         for b, v in sorted(per.items(), key=lambda bv: pick_order(bv[0]))]}

@@ -10,13 +10,23 @@ BeamSearch batch's requests may differ in new_tokens), is what the chooser minim
   the log's arrivals and latencies, traffic.requests_in_flight), else it goes and the next one
   starts: lone requests in a lull, full batches in a burst. Each batch runs in its bucket (Fill's:
   the first in pick_order that holds it), and
-      padding = sum over batches of work(bucket) - sum over requests of their real rows,
-  reported as a share of the real rows. work: a bucket's padded work (Score: token rows;
-  BeamSearch: beam rows times decode steps); a request's real rows: its tokens, its beam width
-  times its new tokens. The padding of each request alone (c = 1) is reported beside it, as is the
-  default table's; neither is minimised. Across kinds a row is weighed by its kind's logical FLOPs
-  (sched.cost.bucket_flops of the kind's largest bucket over its work), so the kinds share one
-  graph budget in one unit.
+      padding = sum over batches of work(bucket) - sum over requests of their real work,
+  reported as a share of the real work. Work is logical FLOPs of the linear layers and the LM head
+  (attention is left out: a padding row reads no key), with t the FLOPs of one token row through
+  the layers' linear maps and h those of one LM-head row; a forward pass of m rows costs at least
+  the FLOPs of FLOOR_ROWS rows (below that it is bound by reading the weights: ~128 rows of
+  bfloat16 on an H100 or H200, whose FLOPs per byte of memory bandwidth are ~200-300):
+      Score bucket of T tokens, S samples:  max(T, F)*t + S*h;  a request: its tokens*t + its samples*h
+      BeamSearch bucket of R requests, P prompt tokens, max_rows M, n new tokens:
+          max(P, F)*t + R*h + max(M, F)*(n - 1)*(t + h)   (prefill, its last rows' head, n - 1 steps)
+      a request of p prompt tokens, width B, n new tokens: p*t + h + B*(n - 1)*(t + h)
+  So a bucket's prompt tier costs what its prefill costs (beam rows alone, what pick_order ranks
+  by, left every batch of a table chosen on them in the widest prompt tier: measured on an H100,
+  2026-12-07, 7-10% below the default table), and tiers finer than the floor buy nothing. A
+  bucket is added only while it saves at least MIN_GAIN of the log's real work (how many graphs to
+  capture: the last few hundred of a budget of ~700 saved ~1% together, and each costs start-up
+  time and graph memory). The padding of each request alone (c = 1) is reported beside it, as is
+  the default table's; neither is minimised. Both kinds are in FLOPs: one graph budget, one unit.
 
 Budgets: buckets (a CUDA graph each per lane, captured at start-up) <= max_graphs, by default the
 default table's count (start-up no slower than the default's); every bucket's activation memory
@@ -55,10 +65,10 @@ from ..artifact.buckets import (ANY_STEPS, BeamBucket, Bucket, BucketTable, Fill
                                 kind_of, pick_order)
 from ..artifact.buckets import activation_bytes as bucket_activation_bytes
 from ..model.config import ModelConfig, ServingLimits
+from ..model.flops import head_flops, linear_flops_per_token
 from ..model.progress import Progress
 from ..runtime.batch import dims, kind as request_kind
 from ..runtime.requests import BeamRequest, RequestError, ScoreRequest, validate_beam, validate_score
-from ..sched.cost import bucket_flops
 from . import traffic
 from .packing import Batches, Request, pack, padding_of
 
@@ -66,6 +76,8 @@ ACT_BYTES = 2  # bfloat16: what serves on a GPU
 # of the batches' totals: candidate tiers of the main dimension (tokens, prompt tokens) and of the others
 TIER_QUANTILES = tuple(range(1, 101))
 SIDE_QUANTILES = (50, 90, 99, 100)
+FLOOR_ROWS = 128  # a forward pass of fewer rows costs as much as one of these (module docstring)
+MIN_GAIN = 2e-4  # a bucket is added only while it saves this share of the log's real work
 
 
 @dataclass(frozen=True)
@@ -104,8 +116,13 @@ class ScoreTiers:
         n = self.limits.max_samples
         return ScoreRequest(((0,) * (self.limits.max_score_tokens - n + 1),) + ((0,),) * (n - 1))
 
-    def real_rows(self, d: tuple[int, ...]) -> int:
-        return d[0]  # tokens
+    def work(self, b: ScoreBucket) -> int:
+        """FLOPs of a batch in b: its token rows through the linear maps, its LM-head rows."""
+        return max(b.max_tokens, FLOOR_ROWS) * linear_flops_per_token(self.cfg) + b.max_samples * head_flops(self.cfg)
+
+    def real_work(self, d: tuple[int, ...]) -> int:
+        """d: (tokens, samples)."""
+        return d[0] * linear_flops_per_token(self.cfg) + d[1] * head_flops(self.cfg)
 
     def exact(self, fits: Sequence[Bucket]) -> list[Bucket]:
         return []
@@ -136,8 +153,7 @@ class ScoreTiers:
 class BeamTiers:
     """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width, max_rows); a
     batch's totals (requests, prompt tokens, widest, packed rows, longest new tokens, steps: see
-    BeamBucket.grow). A request's real rows are its width times its new tokens (a bucket's work:
-    its rows times its steps)."""
+    BeamBucket.grow). Work: the module docstring's FLOPs (prefill, its heads, the decode steps)."""
 
     cfg: ModelConfig
     limits: ServingLimits
@@ -148,8 +164,15 @@ class BeamTiers:
     def largest_request(self, kind: str) -> BeamRequest:
         return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, self.limits.max_new_tokens)
 
-    def real_rows(self, d: tuple[int, ...]) -> int:
-        return d[1] * d[2]  # beam width x new tokens
+    def work(self, b: BeamBucket) -> int:
+        t, h = linear_flops_per_token(self.cfg), head_flops(self.cfg)
+        return (max(b.max_prompt_tokens, FLOOR_ROWS) * t + b.max_requests * h
+                + max(b.max_rows, FLOOR_ROWS) * (b.new_tokens - 1) * (t + h))
+
+    def real_work(self, d: tuple[int, ...]) -> int:
+        """d: (prompt tokens, beam width, new tokens, steps)."""
+        t, h = linear_flops_per_token(self.cfg), head_flops(self.cfg)
+        return d[0] * t + h + d[1] * (d[2] - 1) * (t + h)
 
     @staticmethod
     def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
@@ -221,7 +244,7 @@ def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
             continue
         reqs = traffic.logged_requests(name, col)
         validate = validate_score if name == "score" else validate_beam
-        shapes: dict[int, tuple[str, tuple[int, int], int] | str] = {}  # id -> (kind, dims, real rows), or why not
+        shapes: dict[int, tuple[str, tuple[int, int], int] | str] = {}  # id -> (kind, dims, real work), or why not
         bad: dict[str, int] = {}
         for req in reqs:
             shape = shapes.get(id(req))
@@ -229,7 +252,7 @@ def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
                 try:
                     validate(req, cfg, limits, True)  # type: ignore[arg-type]
                     k, d = request_kind(req), dims(req)
-                    shape = shapes[id(req)] = (k, d, tiers_of(k, cfg, limits).real_rows(d))
+                    shape = shapes[id(req)] = (k, d, tiers_of(k, cfg, limits).real_work(d))
                 except RequestError as e:
                     shape = shapes[id(req)] = str(e)
             if isinstance(shape, str):
@@ -253,17 +276,16 @@ def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
 
 @dataclass
 class _Search:
-    """One kind's candidates (frame first chosen) against its batches, in pick_order; the rows
-    each candidate would save, kept up to date as buckets are taken."""
+    """One kind's candidates (frame first chosen) against its batches, in pick_order; the work
+    (FLOPs) each candidate would save, kept up to date as buckets are taken."""
 
     buckets: list[Bucket]
     holds: np.ndarray  # [K, D]: bucket k holds batch totals d
-    rows: np.ndarray  # [K]
+    work: np.ndarray  # [K] FLOPs of a batch in bucket k (float64: a log's sums pass int64's range)
     counts: np.ndarray  # [D] batches of these totals
-    weight: float  # FLOPs a row
     chosen: np.ndarray = field(init=False)
     runs_in: np.ndarray = field(init=False)  # [D] the bucket each batch runs in (its first chosen holder)
-    saved: np.ndarray = field(init=False)  # [K] rows each bucket would save if taken
+    saved: np.ndarray = field(init=False)  # [K] FLOPs each bucket would save if taken (< 0: it would cost)
 
     def start(self, frame: Sequence[Bucket]) -> None:
         keys = {b.key for b in frame}
@@ -273,14 +295,15 @@ class _Search:
         self.saved = self._saved(np.arange(self.counts.size))
 
     def _saved(self, cols: np.ndarray) -> np.ndarray:
-        """[K]: rows each bucket would save on the batches cols, as they run now."""
+        """[K]: FLOPs each bucket would save on the batches cols, as they run now (a bucket earlier
+        in pick order may cost more: a narrower beam tier of a wider prompt tier)."""
         now = self.runs_in[cols]
         earlier = self.holds[:, cols] & (np.arange(len(self.buckets))[:, None] < now[None, :])
-        return np.where(earlier, (self.rows[now][None, :] - self.rows[:, None]) * self.counts[cols][None, :], 0).sum(1)
+        return np.where(earlier, (self.work[now][None, :] - self.work[:, None]) * self.counts[cols][None, :], 0).sum(1)
 
     def gains(self) -> np.ndarray:
         """FLOPs of padding each bucket would save if taken (0 for those taken)."""
-        return np.where(self.chosen, 0, self.saved).astype(np.float64) * self.weight
+        return np.where(self.chosen, 0.0, self.saved)
 
     def take(self, k: int) -> None:
         moved = np.flatnonzero(self.holds[k] & (k < self.runs_in))
@@ -290,13 +313,13 @@ class _Search:
         self.chosen[k] = True
 
 
-def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, weight: float) -> _Search:
+def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, tiers: ScoreTiers | BeamTiers) -> _Search:
     keys = {b.key for b in frame}
     buckets = sorted([*frame, *(b for b in candidates if b.key not in keys)], key=pick_order)
     totals = list(batches)
     holds = np.array([[b.holds(*t) for t in totals] for b in buckets], dtype=bool)
-    s = _Search(buckets, holds, np.array([b.work for b in buckets], dtype=np.int64),
-                np.array([batches[t].count for t in totals], dtype=np.int64), weight)
+    s = _Search(buckets, holds, np.array([tiers.work(b) for b in buckets], dtype=np.float64),  # type: ignore[arg-type]
+                np.array([batches[t].count for t in totals], dtype=np.float64))
     s.start(frame)
     return s
 
@@ -366,7 +389,8 @@ def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
             searches[k] = _search_of(kt, frames[k], default.of_kind(k), cfg, limits, budget)
             bar.advance(len(kt.requests), f"{k}: {len(searches[k].holds[0])} batch shapes, "
                                           f"{len(searches[k].buckets)} candidates")
-        _greedy(searches, budget.max_graphs - num_frame)
+        real = sum(r[1] for kt in kinds.values() for r in kt.requests)
+        _greedy(searches, budget.max_graphs - num_frame, MIN_GAIN * real)
         buckets = [b for k, frame in frames.items()
                    for b in ([b for b, c in zip(searches[k].buckets, searches[k].chosen) if c] if k in searches
                              else frame)]
@@ -375,7 +399,7 @@ def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
         table.fits_one(limits)
         report: dict[str, Any] = {}
         for k, kt in kinds.items():
-            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k))
+            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k), tiers_of(k, cfg, limits))
             bar.advance(len(kt.requests), k)
     origin = {"source": "traffic log", "log": Path(log.path).name, "log_sha256": log.sha256,
               "log_requests": total, "model": log.model,
@@ -395,29 +419,32 @@ def _search_of(kt: KindTraffic, frame: list[Bucket], default: Sequence[Bucket], 
 
     batches = pack(frame, kt.requests)
     cands = tiers.candidates(np.array(list(batches), dtype=np.int64), frame, [b for b in default if fits(b)])
-    top = max(frame, key=lambda b: b.work)
-    return _search(frame, {b for b in cands if fits(b)}, batches, bucket_flops(cfg, top) / top.work)  # type: ignore
+    return _search(frame, {b for b in cands if fits(b)}, batches, tiers)
 
 
-def _greedy(searches: dict[str, _Search], left: int) -> None:
-    """Adds, one at a time, the candidate of any kind that saves the most, while one saves any."""
+def _greedy(searches: dict[str, _Search], left: int, least: float) -> None:
+    """Adds, one at a time, the candidate of any kind that saves the most, while one saves more
+    than least (FLOPs) and the budget lasts."""
     gains = {k: s.gains() for k, s in searches.items()}
     while left > 0 and gains:
         k = max(gains, key=lambda name: gains[name].max(initial=0.0))
-        if gains[k].max(initial=0.0) <= 0:
+        if gains[k].max(initial=0.0) <= max(least, 0.0):
             return
         searches[k].take(int(gains[k].argmax()))
         gains[k] = searches[k].gains()
         left -= 1
 
 
-def _kind_report(kt: KindTraffic, chosen: Sequence[Bucket], default: Sequence[Bucket]) -> dict[str, Any]:
-    """The kind's padding: packed (per bucket) and alone, in the chosen table and the default."""
-    return {"requests": len(kt.requests), "concurrency": kt.concurrency,
-            "packed": padding_of(pack(chosen, kt.requests)),
-            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True))),
-            "default_packed": _summary(padding_of(pack(default, kt.requests))),
-            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True)))}
+def _kind_report(kt: KindTraffic, chosen: Sequence[Bucket], default: Sequence[Bucket],
+                 tiers: ScoreTiers | BeamTiers) -> dict[str, Any]:
+    """The kind's padding in FLOPs (the unit is recorded): packed (per bucket) and alone, in the
+    chosen table and the default."""
+    work = tiers.work  # type: ignore[assignment]
+    return {"requests": len(kt.requests), "concurrency": kt.concurrency, "unit": "flops",
+            "packed": padding_of(pack(chosen, kt.requests), work),  # type: ignore[arg-type]
+            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True), work)),  # type: ignore[arg-type]
+            "default_packed": _summary(padding_of(pack(default, kt.requests), work)),  # type: ignore[arg-type]
+            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True), work))}  # type: ignore
 
 
 def _pct(v: float | None) -> str:
@@ -435,12 +462,12 @@ def format_choice(origin: dict[str, Any]) -> str:
         p = k["packed"]
         lines += ["", f"{kind}: {k['requests']:,} requests in arrival order, packed at most as many a batch as "
                       f"were in flight (p50 {k['concurrency']}): {p['batches']:,} batches",
-                  f"  {'bucket':<28}{'batches':>10}{'real rows':>14}{'bucket rows':>14}{'padding':>9}"]
+                  f"  {'bucket':<34}{'batches':>10}{'real TFLOP':>14}{'bucket TFLOP':>14}{'padding':>9}"]
         for row in p["buckets"]:
-            pad = (row["rows"] - row["real_rows"]) / row["real_rows"] if row["real_rows"] else None
-            lines.append(f"  {row['key']:<28}{row['batches']:>10,}{row['real_rows']:>14,}{row['rows']:>14,}"
-                         f"{_pct(pad):>9}")
-        lines.append(f"  expected padding: packed {_pct(p['padding'])} (default table {_pct(k['default_packed']['padding'])}),"
+            pad = (row["padded"] - row["real"]) / row["real"] if row["real"] else None
+            lines.append(f"  {row['key']:<34}{row['batches']:>10,}{row['real'] / 1e12:>14,.1f}"
+                         f"{row['padded'] / 1e12:>14,.1f}{_pct(pad):>9}")
+        lines.append(f"  expected padding (FLOPs): packed {_pct(p['padding'])} (default table {_pct(k['default_packed']['padding'])}),"
                      f" each request alone {_pct(k['alone']['padding'])} (default {_pct(k['default_alone']['padding'])})")
     return "\n".join(lines)
 

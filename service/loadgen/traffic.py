@@ -346,8 +346,8 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     packable = [(*h, n) for h, n in zip((held[i] for i in order.tolist()), flight.tolist()) if h is not None]
     p = padding_of(pack(table.of_kind(kind), packable)) if packable else None
     out["packed"] = None if p is None else {
-        "padded": p["rows"], "real": p["real_rows"],
-        "ratio": round(p["rows"] / p["real_rows"], 4) if p["real_rows"] else None,
+        "padded": p["padded"], "real": p["real"],
+        "ratio": round(p["padded"] / p["real"], 4) if p["real"] else None,
         "batches": p["batches"], "in_flight_p50": int(np.percentile(flight, 50, method="inverted_cdf"))}
     return out
 

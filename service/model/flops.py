@@ -44,3 +44,13 @@ def beam_flops(c: ModelConfig, prompt_len: int, beam_width: int, new_tokens: int
     for t in range(1, new_tokens):  # decode step t: one token per beam, seeing the prompt and t suffix keys
         total += beam_width * (_linear_per_token(c) + _attention(c, prompt_len + t) + head)
     return total
+
+
+def linear_flops_per_token(c: ModelConfig) -> int:
+    """One token row through every layer's linear maps (q, k, v, o, gate, up, down)."""
+    return _linear_per_token(c)
+
+
+def head_flops(c: ModelConfig) -> int:
+    """One LM-head row (a classification head's: its labels)."""
+    return _head(c, 1)

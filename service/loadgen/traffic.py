@@ -303,8 +303,8 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     max_prompt_tokens against the prompt's). `not_held`: requests no bucket holds alone.
 
     `packed`: the requests in arrival order, as many a batch as some bucket holds and as were in
-    flight of this kind as its first arrived (packing.pack, what `slmrank build --traffic`
-    minimises): the batches' padded work (Score: token rows; BeamSearch: beam rows x steps, a batch
+    flight of this kind as its first arrived (packing.pack, the replay `slmrank build --traffic`
+    minimises over, there in FLOPs): the batches' padded work (Score: token rows; BeamSearch: beam rows x steps, a batch
     running its longest request's steps) against the requests' own. Alone a request pads only to
     its bucket's tiers; in a batch it also pads to the bucket the whole batch needs."""
     from ..runtime.batch import dims, pick_bucket

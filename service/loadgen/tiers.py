@@ -57,7 +57,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -216,6 +216,13 @@ class BeamTiers:
 
 def tiers_of(kind: str, cfg: ModelConfig, limits: ServingLimits) -> ScoreTiers | BeamTiers:
     return ScoreTiers(cfg, limits) if kind == "score" else BeamTiers(cfg, limits)
+
+
+def work_of(kind: str, cfg: ModelConfig) -> tuple[Callable[[Any], int], Callable[[tuple[int, ...]], int]]:
+    """(a bucket's work, a request's real work from its dims) in FLOPs: the module docstring's
+    measure, for `slmrank traffic` to report in the unit this module minimises."""
+    tiers = tiers_of(kind, cfg, None)  # type: ignore[arg-type]  # work needs no limits
+    return tiers.work, tiers.real_work  # type: ignore[return-value]
 
 
 def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) -> int:

@@ -292,7 +292,7 @@ def logged_requests(kind: str, col: KindLog) -> list[Any]:
     return out
 
 
-def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
+def table_padding(table: Any, kind: str, col: KindLog, cfg: Any = None) -> dict[str, Any]:
     """The padding `table` adds to these requests, each alone in its smallest bucket (the packer's
     choice: service.runtime.batch.pick_bucket of the one request, built from the logged shape with
     dummy token ids; cached by shape), and packed as the server would batch them.
@@ -306,7 +306,10 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     flight of this kind as its first arrived (packing.pack, the replay `slmrank build --traffic`
     minimises over, there in FLOPs): the batches' padded work (Score: token rows; BeamSearch: beam rows x steps, a batch
     running its longest request's steps) against the requests' own. Alone a request pads only to
-    its bucket's tiers; in a batch it also pads to the bucket the whole batch needs."""
+    its bucket's tiers; in a batch it also pads to the bucket the whole batch needs. With the
+    model's config (cfg), `packed.flops`: the same batches' padded FLOPs against the requests' own,
+    the measure `slmrank build --traffic` minimises (tiers.work_of: the prefill's prompt tier
+    counted, a forward pass of at least tiers.FLOOR_ROWS rows)."""
     from ..runtime.batch import dims, pick_bucket
     from .packing import pack, padding_of
 
@@ -344,11 +347,25 @@ def table_padding(table: Any, kind: str, col: KindLog) -> dict[str, Any]:
     order = np.argsort(arrival, kind="stable")
     flight = requests_in_flight(arrival[order], np.asarray(col.valid_latency_ms, dtype=np.float64)[order])
     packable = [(*h, n) for h, n in zip((held[i] for i in order.tolist()), flight.tolist()) if h is not None]
-    p = padding_of(pack(table.of_kind(kind), packable)) if packable else None
+    batches = pack(table.of_kind(kind), packable) if packable else None
+    p = padding_of(batches) if batches is not None else None
     out["packed"] = None if p is None else {
         "padded": p["padded"], "real": p["real"],
         "ratio": round(p["padded"] / p["real"], 4) if p["real"] else None,
         "batches": p["batches"], "in_flight_p50": int(np.percentile(flight, 50, method="inverted_cdf"))}
+    if batches is not None and cfg is not None:
+        from .tiers import work_of
+
+        work, real_work = work_of(kind, cfg)
+        real_of: dict[tuple[int, ...], int] = {}  # by shape: a log's shapes are few
+        real_flops = 0
+        for d, _, _ in packable:
+            if d not in real_of:
+                real_of[d] = real_work(d)
+            real_flops += real_of[d]
+        padded_flops = sum(b.count * work(b.bucket) for b in batches.values())
+        out["packed"]["flops"] = {"padded": padded_flops, "real": real_flops,
+                                  "ratio": round(padded_flops / real_flops, 4) if real_flops else None}
     return out
 
 
@@ -381,9 +398,9 @@ def default_table(log: TrafficLog) -> tuple[str, Any] | None:
 
 # ---- the report ----------------------------------------------------------------------------------
 
-def analyze(log: TrafficLog, tables: Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+def analyze(log: TrafficLog, tables: Sequence[tuple[str, Any]] = (), cfg: Any = None) -> dict[str, Any]:
     """The report as a JSON-safe dict: per kind its codes, dimensions, arrivals per second, in
-    flight and padding per table."""
+    flight and padding per table (in FLOPs too, packed, given the model's config)."""
     firsts = [min(k.arrival_s) for k in log.kinds.values() if k.arrival_s]
     lasts = [max(k.arrival_s) for k in log.kinds.values() if k.arrival_s]
     origin = math.floor(min(firsts))
@@ -407,7 +424,7 @@ def analyze(log: TrafficLog, tables: Sequence[tuple[str, Any]] = ()) -> dict[str
             "dims": {name: percentiles(dims[name]) for name, _ in DIMS[kind]},
             "arrivals_per_second": {"counts": per_second.tolist(), **percentiles(per_second)},
             "in_flight": in_flight(np.asarray(col.valid_arrival_s, dtype=np.float64), lat, weights),
-            "padding": {name: table_padding(table, kind, col) for name, table in tables},
+            "padding": {name: table_padding(table, kind, col, cfg) for name, table in tables},
         }
     return out
 
@@ -495,8 +512,11 @@ def format_report(report: dict[str, Any]) -> str:
                 q = p.get("packed")
                 if q is not None:
                     ratio = "-" if q["ratio"] is None else f"{q['ratio']:.3f}x"
+                    f = q.get("flops")
+                    flops = "" if f is None or f["ratio"] is None else \
+                        f"; FLOPs {f['padded'] / 1e12:,.1f} / {f['real'] / 1e12:,.1f} T = {f['ratio']:.3f}x"
                     lines.append(f"    {name}: {_big(q['padded'])} / {_big(q['real'])} = {ratio} in {q['batches']:,} "
-                                 f"batches (in flight p50 {q['in_flight_p50']})")
+                                 f"batches (in flight p50 {q['in_flight_p50']}){flops}")
     if not report["tables"]:
         lines += ["", "padding: no bucket table (the log has no 'model loaded' record with the limits): "
                       "name one with --bucket-table ARTIFACT_DIR_OR_MODEL"]
@@ -525,13 +545,32 @@ def plot_arrivals(path: str | Path, report: dict[str, Any], max_points: int = 90
     line_chart(path, f"arrivals per second{per}", "seconds from the first arrival", "requests/s", series, steps=True)
 
 
+def config_of(source: str | None) -> Any:
+    """The model config of an artifact directory, an embedded spec or a local checkpoint; None for
+    anything else (a log's model that is not on this machine): the FLOPs are then left out."""
+    if not source:
+        return None
+    try:
+        if (Path(source) / "manifest.msgpack").is_file():
+            from ..artifact.artifact import load_artifact
+
+            return load_artifact(source, verify=False).config
+        from ..model.checkpoint import weight_source
+
+        return weight_source(source)[0]
+    except (OSError, ValueError):
+        return None
+
+
 def run(log_path: str, tables_from: Sequence[str] = ()) -> dict[str, Any]:
-    """The command's core: read the log, the tables (--bucket-table, else the logged default), analyze."""
+    """The command's core: read the log, the tables (--bucket-table, else the logged default), the
+    model that prices their padding in FLOPs (the first --bucket-table's, else the log's), analyze."""
     log = read_log(log_path)
     tables = [load_table(s) for s in tables_from]
     if not tables and (default := default_table(log)) is not None:
         tables = [default]
-    return analyze(log, tables)
+    cfg = next((c for c in map(config_of, tables_from) if c is not None), None) or config_of(log.model)
+    return analyze(log, tables, cfg)
 
 
 def main(args: Any) -> int:

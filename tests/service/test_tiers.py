@@ -175,21 +175,29 @@ def test_the_traffic_report_packs_the_log_as_the_build_does(chosen, tmp_path: Pa
     """`slmrank traffic`'s padding packed as the server batches: the same replay, recounted by the
     plain loop above, for the log's own table and the default; replayed in arrival order whichever
     order the log's lines come in (a server writes a request's record as it ends)."""
-    records, table, _ = chosen
+    records, table, origin = chosen
     ended = sorted(records, key=lambda r: r["arrival_s"] + r["latency_ms"] / 1e3)
     assert ended != records
     for art_table, source in ((table, "built"), (default_bucket_table(LIMITS), "default")):
         buckets = (*art_table.score, *art_table.beam)
         for name, recs in (("arrival", records), ("ended", ended)):
             log = traffic.parse_lines([json.dumps(r) for r in recs], f"{source}-{name}")
-            report = traffic.analyze(log, [(source, art_table)])
+            report = traffic.analyze(log, [(source, art_table)], CFG)
             # (arrivals are logged to the millisecond: requests of one arrival keep the log's order)
             for kind, rs in kinds_of(recs).items():
-                brute = brute_padding(rs, [b for b in buckets if (kind == "score") == isinstance(b, ScoreBucket)])
+                mine = [b for b in buckets if (kind == "score") == isinstance(b, ScoreBucket)]
+                brute = brute_padding(rs, mine)
                 packed = report["kinds"][kind]["padding"][source]["packed"]
                 assert (packed["batches"], packed["real"], packed["padded"]) == \
                     (brute["batches"], brute["real"], brute["padded"]), (source, name, kind)
                 assert brute["batches"] < len(rs), "no batch of two: the replay checks no packing"
+                # and in FLOPs, the unit the build minimises: the same count as the build's report
+                brute = brute_padding(rs, mine, work=flops, real_work=real_flops)
+                assert (packed["flops"]["padded"], packed["flops"]["real"]) == (brute["padded"], brute["real"])
+                if (source, name) == ("built", "arrival"):  # the build's own log
+                    assert packed["flops"]["padded"] == origin["kinds"][kind]["packed"]["padded"]
+            assert "; FLOPs " in traffic.format_report(report)
+    assert "flops" not in traffic.analyze(log, [("built", table)])["kinds"]["beam"]["padding"]["built"]["packed"]
 
 
 def test_the_table_serves_every_request_of_the_limits_within_the_budgets(chosen) -> None:

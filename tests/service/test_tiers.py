@@ -171,6 +171,18 @@ def test_the_chosen_prompt_tiers_pad_the_prefill_less_than_the_default(chosen) -
         assert mine["padded"] <= default["padded"], (mine["padded"] / mine["real"], default["padded"] / default["real"])
 
 
+def test_the_chosen_table_pads_another_log_of_the_same_traffic_less_than_the_default(chosen, tmp_path: Path) -> None:
+    """Chosen on one log, the table is no fit to that log alone: on a second log drawn from the same
+    distribution (another seed) it still pads less than the default table, per kind."""
+    _, table, _ = chosen
+    other = synthetic_records(700, seed=5, rate=60.0)
+    log = traffic.read_log(write_log(tmp_path / "other.jsonl", other))
+    report = traffic.analyze(log, [("built", table), ("default", default_bucket_table(LIMITS))], CFG)
+    for kind in ("score", "beam"):
+        pads = {name: p["packed"]["flops"]["ratio"] for name, p in report["kinds"][kind]["padding"].items()}
+        assert pads["built"] < pads["default"], (kind, pads)
+
+
 def test_the_traffic_report_packs_the_log_as_the_build_does(chosen, tmp_path: Path) -> None:
     """`slmrank traffic`'s padding packed as the server batches: the same replay, recounted by the
     plain loop above, for the log's own table and the default; replayed in arrival order whichever

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..artifact.buckets import Bucket, Fill, pick_order
+from ..artifact.buckets import BeamBucket, Bucket, Fill, ScoreBucket, pick_order
+from ..model.config import ModelConfig
+from ..model.flops import head_flops, linear_flops_per_token
+
+FLOOR_ROWS = 128  # a forward pass of fewer rows costs as much as one of these (tiers.py's docstring)
 
 Request = tuple[tuple[int, ...], int, int]  # dims, real work, requests of its kind in flight as it arrived
 
@@ -71,3 +75,20 @@ def padding_of(batches: Batches, work: Callable[[Bucket], int] = rows_of) -> dic
             "padding": round((padded - real) / real, 4) if real else None,
             "buckets": [{"key": b.key, "batches": v[0], "real": v[1], "padded": v[2]}
                         for b, v in sorted(per.items(), key=lambda bv: pick_order(bv[0]))]}
+
+
+def work_of(kind: str, cfg: ModelConfig) -> tuple[Callable[[Any], int], Callable[[tuple[int, ...]], int]]:
+    """(a bucket's work, a request's real work from its dims: batch.dims) in the FLOPs that
+    `slmrank build --traffic` minimises (tiers.py's docstring): t a token row through the layers'
+    linear maps, h an LM-head row, a forward pass of at least FLOOR_ROWS rows."""
+    t, h, f = linear_flops_per_token(cfg), head_flops(cfg), FLOOR_ROWS
+    if kind == "score":
+        def score(b: ScoreBucket) -> int:
+            return max(b.max_tokens, f) * t + b.max_samples * h
+
+        return score, lambda d: d[0] * t + d[1] * h  # d: (tokens, samples)
+
+    def beam(b: BeamBucket) -> int:  # the prefill, the first token's head a request, n - 1 decode steps
+        return max(b.max_prompt_tokens, f) * t + b.max_requests * h + max(b.max_rows, f) * (b.new_tokens - 1) * (t + h)
+
+    return beam, lambda d: d[0] * t + h + d[1] * (d[2] - 1) * (t + h)  # d: (prompt, width, new tokens, steps)

@@ -14,7 +14,7 @@ BeamSearch batch's requests may differ in new_tokens), is what the chooser minim
   reported as a share of the real work. Work is logical FLOPs of the linear layers and the LM head
   (attention is left out: a padding row reads no key), with t the FLOPs of one token row through
   the layers' linear maps and h those of one LM-head row; a forward pass of m rows costs at least
-  the FLOPs of FLOOR_ROWS rows (below that it is bound by reading the weights: ~128 rows of
+  the FLOPs of F = packing.FLOOR_ROWS rows (below that it is bound by reading the weights: ~128 rows of
   bfloat16 on an H100 or H200, whose FLOPs per byte of memory bandwidth are ~200-300):
       Score bucket of T tokens, S samples:  max(T, F)*t + S*h;  a request: its tokens*t + its samples*h
       BeamSearch bucket of R requests, P prompt tokens, max_rows M, n new tokens:
@@ -57,7 +57,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -65,18 +65,16 @@ from ..artifact.buckets import (ANY_STEPS, BeamBucket, Bucket, BucketTable, Fill
                                 kind_of, pick_order)
 from ..artifact.buckets import activation_bytes as bucket_activation_bytes
 from ..model.config import ModelConfig, ServingLimits
-from ..model.flops import head_flops, linear_flops_per_token
 from ..model.progress import Progress
 from ..runtime.batch import dims, kind as request_kind
 from ..runtime.requests import BeamRequest, RequestError, ScoreRequest, validate_beam, validate_score
 from . import traffic
-from .packing import Batches, Request, pack, padding_of
+from .packing import Batches, Request, pack, padding_of, work_of
 
 ACT_BYTES = 2  # bfloat16: what serves on a GPU
 # of the batches' totals: candidate tiers of the main dimension (tokens, prompt tokens) and of the others
 TIER_QUANTILES = tuple(range(1, 101))
 SIDE_QUANTILES = (50, 90, 99, 100)
-FLOOR_ROWS = 128  # a forward pass of fewer rows costs as much as one of these (module docstring)
 MIN_GAIN = 2e-4  # a bucket is added only while it saves this share of the log's real work
 
 
@@ -117,12 +115,12 @@ class ScoreTiers:
         return ScoreRequest(((0,) * (self.limits.max_score_tokens - n + 1),) + ((0,),) * (n - 1))
 
     def work(self, b: ScoreBucket) -> int:
-        """FLOPs of a batch in b: its token rows through the linear maps, its LM-head rows."""
-        return max(b.max_tokens, FLOOR_ROWS) * linear_flops_per_token(self.cfg) + b.max_samples * head_flops(self.cfg)
+        """FLOPs of a batch in b (packing.work_of): its token rows through the linear maps, its LM-head rows."""
+        return work_of("score", self.cfg)[0](b)
 
     def real_work(self, d: tuple[int, ...]) -> int:
         """d: (tokens, samples)."""
-        return d[0] * linear_flops_per_token(self.cfg) + d[1] * head_flops(self.cfg)
+        return work_of("score", self.cfg)[1](d)
 
     def exact(self, fits: Sequence[Bucket]) -> list[Bucket]:
         return []
@@ -165,14 +163,12 @@ class BeamTiers:
         return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, self.limits.max_new_tokens)
 
     def work(self, b: BeamBucket) -> int:
-        t, h = linear_flops_per_token(self.cfg), head_flops(self.cfg)
-        return (max(b.max_prompt_tokens, FLOOR_ROWS) * t + b.max_requests * h
-                + max(b.max_rows, FLOOR_ROWS) * (b.new_tokens - 1) * (t + h))
+        """FLOPs of a batch in b (packing.work_of): the prefill, its heads, the decode steps."""
+        return work_of("beam", self.cfg)[0](b)
 
     def real_work(self, d: tuple[int, ...]) -> int:
         """d: (prompt tokens, beam width, new tokens, steps)."""
-        t, h = linear_flops_per_token(self.cfg), head_flops(self.cfg)
-        return d[0] * t + h + d[1] * (d[2] - 1) * (t + h)
+        return work_of("beam", self.cfg)[1](d)
 
     @staticmethod
     def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
@@ -216,13 +212,6 @@ class BeamTiers:
 
 def tiers_of(kind: str, cfg: ModelConfig, limits: ServingLimits) -> ScoreTiers | BeamTiers:
     return ScoreTiers(cfg, limits) if kind == "score" else BeamTiers(cfg, limits)
-
-
-def work_of(kind: str, cfg: ModelConfig) -> tuple[Callable[[Any], int], Callable[[tuple[int, ...]], int]]:
-    """(a bucket's work, a request's real work from its dims) in FLOPs: the module docstring's
-    measure, for `slmrank traffic` to report in the unit this module minimises."""
-    tiers = tiers_of(kind, cfg, None)  # type: ignore[arg-type]  # work needs no limits
-    return tiers.work, tiers.real_work  # type: ignore[return-value]
 
 
 def activation_bytes(bucket: Bucket, cfg: ModelConfig, limits: ServingLimits) -> int:

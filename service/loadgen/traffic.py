@@ -308,10 +308,10 @@ def table_padding(table: Any, kind: str, col: KindLog, cfg: Any = None) -> dict[
     running its longest request's steps) against the requests' own. Alone a request pads only to
     its bucket's tiers; in a batch it also pads to the bucket the whole batch needs. With the
     model's config (cfg), `packed.flops`: the same batches' padded FLOPs against the requests' own,
-    the measure `slmrank build --traffic` minimises (tiers.work_of: the prefill's prompt tier
-    counted, a forward pass of at least tiers.FLOOR_ROWS rows)."""
+    the measure `slmrank build --traffic` minimises (packing.work_of: the prefill's prompt tier
+    counted, a forward pass of at least packing.FLOOR_ROWS rows)."""
     from ..runtime.batch import dims, pick_bucket
-    from .packing import pack, padding_of
+    from .packing import pack, padding_of, work_of
 
     cache: dict[int, tuple[int, int, int, int, tuple[int, ...]] | None] = {}
     padded = real = padded_aux = real_aux = not_held = 0
@@ -354,7 +354,6 @@ def table_padding(table: Any, kind: str, col: KindLog, cfg: Any = None) -> dict[
         "ratio": round(p["padded"] / p["real"], 4) if p["real"] else None,
         "batches": p["batches"], "in_flight_p50": int(np.percentile(flight, 50, method="inverted_cdf"))}
     if batches is not None and cfg is not None:
-        from .tiers import work_of
 
         work, real_work = work_of(kind, cfg)
         real_of: dict[tuple[int, ...], int] = {}  # by shape: a log's shapes are few

@@ -15,7 +15,7 @@ import pytest
 from service.artifact.artifact import load_artifact
 from service.artifact.buckets import BeamBucket, ScoreBucket, default_bucket_table
 from service.cli import main as cli_main
-from service.loadgen import tiers, traffic
+from service.loadgen import packing, tiers, traffic
 from service.model.checkpoint import weight_source
 from service.runtime.batch import pick_bucket
 from service.runtime.requests import BeamRequest, ScoreRequest
@@ -57,8 +57,8 @@ HEAD = 2 * D * CFG.vocab_size
 def flops(b) -> int:
     """A bucket's padded work (what `slmrank build --traffic` minimises): Score its tokens and
     LM-head rows; BeamSearch its prefill, one head row a request, and n - 1 decode steps of its
-    rows; a forward pass of fewer than tiers.FLOOR_ROWS rows counted as one of that many."""
-    f = tiers.FLOOR_ROWS
+    rows; a forward pass of fewer than packing.FLOOR_ROWS rows counted as one of that many."""
+    f = packing.FLOOR_ROWS
     if isinstance(b, ScoreBucket):
         return max(b.max_tokens, f) * TOKEN + b.max_samples * HEAD
     return (max(b.max_prompt_tokens, f) * TOKEN + b.max_requests * HEAD
@@ -156,11 +156,11 @@ def test_reported_padding_equals_a_brute_force_count(chosen) -> None:
 def test_the_chosen_prompt_tiers_pad_the_prefill_less_than_the_default(chosen) -> None:
     """The prompt tier is work (the prefill runs all its rows): replayed as the server packs them,
     the log's BeamSearch batches run in prompt tiers no wider than the default table's, and in
-    no more beam rows (each counted from tiers.FLOOR_ROWS up). (A choice on beam rows alone put every batch in the widest prompt tier:
+    no more beam rows (each counted from packing.FLOOR_ROWS up). (A choice on beam rows alone put every batch in the widest prompt tier:
     1.75x the prompts against the default's 1.46x on a beam-mix log.)"""
     records, table, _ = chosen
     rs = kinds_of(records)["beam"]
-    f = tiers.FLOOR_ROWS  # rows below it cost nothing more: they are no padding the GPU pays
+    f = packing.FLOOR_ROWS  # rows below it cost nothing more: they are no padding the GPU pays
     prompts = dict(work=lambda b: max(b.max_prompt_tokens, f), real_work=lambda r: r["prompt_tokens"])
     beam_rows = dict(work=lambda b: max(b.max_rows, f) * (b.new_tokens - 1),
                      real_work=lambda r: r["beam_width"] * (r["new_tokens"] - 1))

@@ -309,11 +309,25 @@ class _Search:
         self.chosen[k] = True
 
 
+def holds_matrix(buckets: Sequence[Bucket], totals: Sequence[tuple[int, ...]]) -> np.ndarray:
+    """[K, D]: bucket k holds batch totals d (Bucket.holds), a count at a time in numpy: holds is
+    reach_of(totals) <= reach in every count, for Score and BeamSearch buckets alike (a 100,000-
+    request log asked holds ~70 million times, 35 s of a 95 s choice, one call each)."""
+    if not buckets or not totals:
+        return np.zeros((len(buckets), len(totals)), dtype=bool)
+    reach = np.array([b.reach for b in buckets], dtype=np.int64)  # [K, F]
+    need = np.array([buckets[0].reach_of(t) for t in totals], dtype=np.int64)  # [D, F]: one kind, one layout
+    out = np.ones((len(buckets), len(totals)), dtype=bool)
+    for f in range(reach.shape[1]):
+        out &= need[None, :, f] <= reach[:, None, f]
+    return out
+
+
 def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, tiers: ScoreTiers | BeamTiers) -> _Search:
     keys = {b.key for b in frame}
     buckets = sorted([*frame, *(b for b in candidates if b.key not in keys)], key=pick_order)
     totals = list(batches)
-    holds = np.array([[b.holds(*t) for t in totals] for b in buckets], dtype=bool)
+    holds = holds_matrix(buckets, totals)
     s = _Search(buckets, holds, np.array([tiers.work(b) for b in buckets], dtype=np.float64),  # type: ignore[arg-type]
                 np.array([batches[t].count for t in totals], dtype=np.float64))
     s.start(frame)

@@ -153,6 +153,21 @@ def test_reported_padding_equals_a_brute_force_count(chosen) -> None:
         assert packed["padding"] <= got["default_packed"]["padding"], kind
 
 
+def test_the_holds_matrix_is_each_buckets_holds(chosen) -> None:
+    """The chooser's [buckets, batches] holds, computed a count at a time, against Bucket.holds one
+    pair at a time: every default bucket of each kind against the totals of the log's batches."""
+    records, _, _ = chosen
+    log = traffic.parse_lines([json.dumps(r) for r in records], "log")
+    default = default_bucket_table(LIMITS)
+    for kind, kt in tiers.kinds_of_log(log, CFG, LIMITS).items():
+        buckets = list(default.of_kind(kind))
+        totals = list(packing.pack(buckets, kt.requests))
+        got = tiers.holds_matrix(buckets, totals)
+        want = [[b.holds(*t) for t in totals] for b in buckets]
+        assert got.tolist() == want, kind
+        assert 0 < got.sum() < got.size, kind  # both answers occur
+
+
 def test_the_chosen_prompt_tiers_pad_the_prefill_less_than_the_default(chosen) -> None:
     """The prompt tier is work (the prefill runs all its rows): replayed as the server packs them,
     the log's BeamSearch batches run in prompt tiers no wider than the default table's, and in

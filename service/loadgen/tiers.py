@@ -57,7 +57,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -114,14 +114,6 @@ class ScoreTiers:
         n = self.limits.max_samples
         return ScoreRequest(((0,) * (self.limits.max_score_tokens - n + 1),) + ((0,),) * (n - 1))
 
-    def work(self, b: ScoreBucket) -> int:
-        """FLOPs of a batch in b (packing.work_of): its token rows through the linear maps, its LM-head rows."""
-        return work_of("score", self.cfg)[0](b)
-
-    def real_work(self, d: tuple[int, ...]) -> int:
-        """d: (tokens, samples)."""
-        return work_of("score", self.cfg)[1](d)
-
     def exact(self, fits: Sequence[Bucket]) -> list[Bucket]:
         return []
 
@@ -151,7 +143,7 @@ class ScoreTiers:
 class BeamTiers:
     """BeamSearch buckets (new_tokens, max_requests, max_prompt_tokens, beam_width, max_rows); a
     batch's totals (requests, prompt tokens, widest, packed rows, longest new tokens, steps: see
-    BeamBucket.grow). Work: the module docstring's FLOPs (prefill, its heads, the decode steps)."""
+    BeamBucket.grow). Work (packing.work_of): the module docstring's FLOPs."""
 
     cfg: ModelConfig
     limits: ServingLimits
@@ -161,14 +153,6 @@ class BeamTiers:
 
     def largest_request(self, kind: str) -> BeamRequest:
         return BeamRequest((0,) * self.limits.max_prompt_tokens, self.limits.max_beam_width, self.limits.max_new_tokens)
-
-    def work(self, b: BeamBucket) -> int:
-        """FLOPs of a batch in b (packing.work_of): the prefill, its heads, the decode steps."""
-        return work_of("beam", self.cfg)[0](b)
-
-    def real_work(self, d: tuple[int, ...]) -> int:
-        """d: (prompt tokens, beam width, new tokens, steps)."""
-        return work_of("beam", self.cfg)[1](d)
 
     @staticmethod
     def _inside(b: BeamBucket, frame: Sequence[Bucket]) -> bool:
@@ -248,7 +232,7 @@ def kinds_of_log(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
                 try:
                     validate(req, cfg, limits, True)  # type: ignore[arg-type]
                     k, d = request_kind(req), dims(req)
-                    shape = shapes[id(req)] = (k, d, tiers_of(k, cfg, limits).real_work(d))
+                    shape = shapes[id(req)] = (k, d, work_of(k, cfg)[1](d))
                 except RequestError as e:
                     shape = shapes[id(req)] = str(e)
             if isinstance(shape, str):
@@ -323,12 +307,12 @@ def holds_matrix(buckets: Sequence[Bucket], totals: Sequence[tuple[int, ...]]) -
     return out
 
 
-def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, tiers: ScoreTiers | BeamTiers) -> _Search:
+def _search(frame: list[Bucket], candidates: set[Bucket], batches: Batches, work: Callable[[Any], int]) -> _Search:
     keys = {b.key for b in frame}
     buckets = sorted([*frame, *(b for b in candidates if b.key not in keys)], key=pick_order)
     totals = list(batches)
     holds = holds_matrix(buckets, totals)
-    s = _Search(buckets, holds, np.array([tiers.work(b) for b in buckets], dtype=np.float64),  # type: ignore[arg-type]
+    s = _Search(buckets, holds, np.array([work(b) for b in buckets], dtype=np.float64),
                 np.array([batches[t].count for t in totals], dtype=np.float64))
     s.start(frame)
     return s
@@ -409,7 +393,7 @@ def choose_table(log: traffic.TrafficLog, cfg: ModelConfig, limits: ServingLimit
         table.fits_one(limits)
         report: dict[str, Any] = {}
         for k, kt in kinds.items():
-            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k), tiers_of(k, cfg, limits))
+            report[k] = _kind_report(kt, table.of_kind(k), default.of_kind(k), work_of(k, cfg)[0])
             bar.advance(len(kt.requests), k)
     origin = {"source": "traffic log", "log": Path(log.path).name, "log_sha256": log.sha256,
               "log_requests": total, "model": log.model,
@@ -429,7 +413,7 @@ def _search_of(kt: KindTraffic, frame: list[Bucket], default: Sequence[Bucket], 
 
     batches = pack(frame, kt.requests)
     cands = tiers.candidates(np.array(list(batches), dtype=np.int64), frame, [b for b in default if fits(b)])
-    return _search(frame, {b for b in cands if fits(b)}, batches, tiers)
+    return _search(frame, {b for b in cands if fits(b)}, batches, work_of(kt.kind, cfg)[0])
 
 
 def _greedy(searches: dict[str, _Search], left: int, least: float) -> None:
@@ -446,15 +430,14 @@ def _greedy(searches: dict[str, _Search], left: int, least: float) -> None:
 
 
 def _kind_report(kt: KindTraffic, chosen: Sequence[Bucket], default: Sequence[Bucket],
-                 tiers: ScoreTiers | BeamTiers) -> dict[str, Any]:
-    """The kind's padding in FLOPs (the unit is recorded): packed (per bucket) and alone, in the
-    chosen table and the default."""
-    work = tiers.work  # type: ignore[assignment]
+                 work: Callable[[Any], int]) -> dict[str, Any]:
+    """The kind's padding in FLOPs (work: packing.work_of's; the unit is recorded): packed (per
+    bucket) and alone, in the chosen table and the default."""
     return {"requests": len(kt.requests), "concurrency": kt.concurrency, "unit": "flops",
-            "packed": padding_of(pack(chosen, kt.requests), work),  # type: ignore[arg-type]
-            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True), work)),  # type: ignore[arg-type]
-            "default_packed": _summary(padding_of(pack(default, kt.requests), work)),  # type: ignore[arg-type]
-            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True), work))}  # type: ignore
+            "packed": padding_of(pack(chosen, kt.requests), work),
+            "alone": _summary(padding_of(pack(chosen, kt.requests, alone=True), work)),
+            "default_packed": _summary(padding_of(pack(default, kt.requests), work)),
+            "default_alone": _summary(padding_of(pack(default, kt.requests, alone=True), work))}
 
 
 def _pct(v: float | None) -> str:

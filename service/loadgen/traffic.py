@@ -354,14 +354,8 @@ def table_padding(table: Any, kind: str, col: KindLog, cfg: Any = None) -> dict[
         "ratio": round(p["padded"] / p["real"], 4) if p["real"] else None,
         "batches": p["batches"], "in_flight_p50": int(np.percentile(flight, 50, method="inverted_cdf"))}
     if batches is not None and cfg is not None:
-
         work, real_work = work_of(kind, cfg)
-        real_of: dict[tuple[int, ...], int] = {}  # by shape: a log's shapes are few
-        real_flops = 0
-        for d, _, _ in packable:
-            if d not in real_of:
-                real_of[d] = real_work(d)
-            real_flops += real_of[d]
+        real_flops = sum(real_work(d) for d, _, _ in packable)
         padded_flops = sum(b.count * work(b.bucket) for b in batches.values())
         out["packed"]["flops"] = {"padded": padded_flops, "real": real_flops,
                                   "ratio": round(padded_flops / real_flops, 4) if real_flops else None}

@@ -245,13 +245,15 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "prepare",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,
-             int64_t num_requests, int64_t beam_width, int64_t new_tokens) {
+             int64_t num_requests, int64_t beam_width, int64_t new_tokens, bool lanes_at_once) {
             slmrank::BatchSpec batch = batch_from(kind, std::move(inputs), num_requests, beam_width, new_tokens);
             py::gil_scoped_release nogil;
-            return ex.prepare(batch);
+            return ex.prepare(batch, lanes_at_once);
           },
           py::arg("kind"), py::arg("inputs"), py::arg("num_requests") = 0, py::arg("beam_width") = 0,
-          py::arg("new_tokens") = 1, "Capture this bucket's CUDA graph now; returns the capture time in ms (0 if none).")
+          py::arg("new_tokens") = 1, py::arg("lanes_at_once") = false,
+          "Capture this bucket's CUDA graph in every lane now; returns the capture's wall time in ms (0 if none).\n"
+          "lanes_at_once: each lane's worker thread captures its own, all lanes at once (else one after another).")
       .def_property_readonly("uses_graphs", &slmrank::Executor::uses_graphs)
       .def_property_readonly("num_graphs", &slmrank::Executor::num_graphs)
       .def_property_readonly("num_lanes", &slmrank::Executor::num_lanes)

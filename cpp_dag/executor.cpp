@@ -211,16 +211,67 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }
 
-double Executor::prepare(const BatchSpec& example) {
+double Executor::prepare(const BatchSpec& example, bool lanes_at_once) {
   if (!use_graphs_) return 0;
-  double total = 0;
+  if (!lanes_at_once || lanes_.size() < 2) {
+    double total = 0;
+    for (auto& lane : lanes_) {
+      std::lock_guard<std::mutex> lock(lane->busy);
+      double ms = 0;
+      graph_for(*lane, example, &ms);
+      total += ms;
+    }
+    return total;
+  }
+  const int64_t start = now_ns();
+  double captured_ms = 0;
+  // A worker's first capture on its lane runs the bucket eagerly first (graph_for's warm-up), from
+  // the general allocator: one lane at a time there, so two warm-ups never hold memory at once.
+  std::vector<Lane*> cold, warm;
   for (auto& lane : lanes_) {
     std::lock_guard<std::mutex> lock(lane->busy);
-    double ms = 0;
-    graph_for(*lane, example, &ms);
-    total += ms;
+    (lane->warmed_threads.count(lane->worker.get_id()) ? warm : cold).push_back(lane.get());
   }
-  return total;
+  for (Lane* lane : cold) captured_ms += capture_on_workers({lane}, example);
+  if (!warm.empty()) captured_ms += capture_on_workers(warm, example);
+  return captured_ms > 0 ? ms_between(start, now_ns()) : 0;
+}
+
+double Executor::capture_on_workers(const std::vector<Lane*>& lanes, const BatchSpec& example) {
+  struct Pending {
+    std::mutex mu;
+    std::condition_variable done;
+    size_t left = 0;
+    double captured_ms = 0;  // 0 when every lane had the graph already
+    std::string error;
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->left = lanes.size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) throw std::runtime_error("executor is shut down: no captures");
+    for (Lane* l : lanes) {
+      l->tasks.push_back([this, l, &example, pending] {
+        std::string error;
+        double ms = 0;
+        try {
+          std::lock_guard<std::mutex> busy(l->busy);
+          graph_for(*l, example, &ms);
+        } catch (const std::exception& e) {
+          error = "lane " + std::to_string(l->index) + ": " + e.what();
+        }
+        std::lock_guard<std::mutex> lock(pending->mu);
+        pending->captured_ms += ms;
+        if (!error.empty() && pending->error.empty()) pending->error = error;
+        if (--pending->left == 0) pending->done.notify_all();
+      });
+    }
+  }
+  cv_.notify_all();
+  std::unique_lock<std::mutex> lock(pending->mu);
+  pending->done.wait(lock, [&] { return pending->left == 0; });
+  if (!pending->error.empty()) throw std::runtime_error(pending->error);
+  return pending->captured_ms;
 }
 
 RunOutput Executor::run(const BatchSpec& batch) {
@@ -349,12 +400,23 @@ void Executor::worker_loop(Lane& lane) {
   at::set_num_threads(num_threads_);  // same intra-op threads as the caller: same reduction order
   for (;;) {
     Job job;
+    std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping and drained
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !lane.tasks.empty(); });
+      if (!lane.tasks.empty()) {  // this lane's own work first (prepare waits on it)
+        task = std::move(lane.tasks.front());
+        lane.tasks.pop_front();
+      } else if (queue_.empty()) {
+        return;  // stopping and drained
+      } else {
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+    }
+    if (task) {
+      task();  // catches its own errors
+      continue;
     }
     RunOutput out;
     std::string error;

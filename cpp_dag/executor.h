@@ -107,7 +107,11 @@ class Executor {
   size_t pending() const;
   // Captures the graph of this batch's bucket in every lane now (start-up), so no request pays
   // for it. Returns the captures' wall time in ms; 0 when graphs are off or already captured.
-  double prepare(const BatchSpec& example);
+  // lanes_at_once: each lane captures on its own worker thread, all lanes at once (a capture is
+  // mostly host work: recording the launches and instantiating the graph; each lane has its own
+  // stream and pool, and torch routes each capture's allocations to its pool by capture id);
+  // otherwise the calling thread captures lane after lane.
+  double prepare(const BatchSpec& example, bool lanes_at_once = false);
   bool uses_graphs() const { return use_graphs_; }
   size_t num_graphs() const;
   int num_lanes() const { return static_cast<int>(lanes_.size()); }
@@ -138,6 +142,8 @@ class Executor {
     // and stream, so a thread's first capture on the lane runs a warm-up pass first.
     std::set<std::thread::id> warmed_threads;
     std::thread worker;
+    // Work for this lane's worker alone, taken before any batch (prepare's captures); under mu_.
+    std::deque<std::function<void()>> tasks;
   };
   RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);
   Env device_env(const BatchSpec& batch) const;              // the inputs, on the device
@@ -151,6 +157,9 @@ class Executor {
   // waits while a light one runs (the wait added to paused_ns).
   void between_nodes(const BatchSpec& batch, const std::string& next, int64_t& paused_ns);
   CapturedGraph& graph_for(Lane& lane, const BatchSpec& batch, double* capture_ms);  // lane.busy held
+  // graph_for on each lane's own worker thread, the lanes at once; waits for all of them. Returns
+  // the lanes' capture ms summed (0: every lane had it); the first lane's error, if any, thrown.
+  double capture_on_workers(const std::vector<Lane*>& lanes, const BatchSpec& example);
   void worker_loop(Lane& lane);
 
   Context ctx_;

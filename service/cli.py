@@ -149,8 +149,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     def loader():
         return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
-                          kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] == "all",
-                          num_lanes=values["lanes"],
+                          kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] != "lazy",
+                          capture_lanes_at_once=values["capture_graphs"] == "parallel", num_lanes=values["lanes"],
                           catalog_headroom=config.catalog_headroom if config.catalog_dir else 1.0)
 
     return serve(config, loader, announce, on_ready)

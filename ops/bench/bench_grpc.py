@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default=None, help="embedded spec, HF checkpoint or artifact dir (default: the workload's)")
     p.add_argument("--runtime", default=None, choices=["python", "cpp"], help="default: cpp on cuda, python on cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--capture-graphs", default="all", choices=["all", "lazy"],
+    p.add_argument("--capture-graphs", default="all", choices=["all", "parallel", "lazy"],
                    help="slmrank serve --capture-graphs (lazy: each bucket's graph on its first batch, in warm-up)")
     p.add_argument("--kernels", default="auto", choices=["auto", "aten", "triton"], help="slmrank serve --kernels")
     p.add_argument("--server-root", default=str(ROOT),

@@ -160,12 +160,15 @@ class CppRuntime:
         """_footprint for this runtime's model and kernels: the order capture takes buckets in."""
         return _footprint(bucket, self.cfg, columns, aten=self.kernels == "aten")
 
-    def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False) -> list[dict[str, Any]]:
-        """Captures one CUDA graph per bucket now (default: capture_buckets()), largest first (a
-        no-op without graphs). A CodesBucket's graph takes the artifact's catalog's codes (a catalog
-        replaced later with more codes than its padding holds takes a new graph at its first batch).
+    def capture(self, buckets: list[ScoreBucket | BeamBucket] | None = None, quiet: bool = False,
+                lanes_at_once: bool = False) -> list[dict[str, Any]]:
+        """Captures one CUDA graph per bucket in every lane now (default: capture_buckets()),
+        largest first (a no-op without graphs). A CodesBucket's graph takes the artifact's catalog's
+        codes (a catalog replaced later with more codes than its padding holds takes a new graph at
+        its first batch). lanes_at_once: each lane's worker thread captures the bucket's graph for its
+        lane, the lanes at once (the executor's prepare); else this thread, lane after lane.
 
-        Returns a log entry per bucket: key, capture ms, GPU memory reserved after it.
+        Returns a log entry per bucket: key, capture ms (wall time), GPU memory reserved after it.
         """
         if not self.uses_graphs:
             return []
@@ -175,11 +178,13 @@ class CppRuntime:
         with Progress("capture graphs", len(todo), quiet=quiet) as bar:
             for bucket in todo:
                 if isinstance(bucket, ScoreBucket):
-                    ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs)
+                    ms = self._executor.prepare("score", pack_score([], bucket, label_columns).inputs,
+                                                lanes_at_once=lanes_at_once)
                 else:
                     inputs = pack_beam([], bucket, self.artifact.catalogs).inputs
                     ms = self._executor.prepare("beam", inputs, num_requests=bucket.max_requests,
-                                                beam_width=bucket.beam_width, new_tokens=bucket.new_tokens)
+                                                beam_width=bucket.beam_width, new_tokens=bucket.new_tokens,
+                                                lanes_at_once=lanes_at_once)
                 reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
                 used = _device_used(self.device)
                 log.append({"bucket": bucket.key, "capture_ms": ms, "reserved_bytes": reserved, "device_used_bytes": used})

@@ -148,8 +148,8 @@ MODEL_SETTINGS = (
 
 SERVE_SETTINGS = MODEL_SETTINGS + (
     Setting("capture_graphs", _str, "all", "C++ runtime on a GPU: capture every bucket's CUDA graph before "
-            "SERVING (all), or each at its first batch (lazy: faster start, slower first requests)", "model",
-            ("all", "lazy")),
+            "SERVING, lane after lane (all) or each lane on its own thread at once (parallel), or each at its first "
+            "batch (lazy: faster start, slower first requests)", "model", ("all", "parallel", "lazy")),
     Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
             "memory pool (0: 2 on CUDA, 1 on the CPU); --batcher-max-inflight follows a larger count unless given",
             "model"),

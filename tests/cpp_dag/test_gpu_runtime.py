@@ -197,6 +197,38 @@ def test_captured_graphs_share_the_lane_pool(tiny_artifact, runtimes) -> None:
         rt.shutdown()
 
 
+def test_lanes_capture_at_once(tiny_artifact, runtimes) -> None:
+    """capture(lanes_at_once=True) (serve --capture-graphs parallel): each lane's worker captures its
+    own graph of every bucket, the lanes at once; afterwards batches on both lanes replay what was
+    captured (no capture at a batch) and give the eager run's bytes, interleaved and concurrent."""
+    from service.runtime.cpp_runtime import CppRuntime
+
+    rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=2)
+    try:
+        batches = [_beam_batch(tiny_artifact, widths, 5, seed) for seed, widths in
+                   enumerate([(3, 16), (400,), (1,), (70, 2, 9), (128, 100), (5,)])]
+        batches += [_score_batch(tiny_artifact, seed) for seed in (3, 21)]
+        buckets = list({b.bucket.key: b.bucket for b in batches}.values())
+        log = rt.capture(buckets, quiet=True, lanes_at_once=True)
+        assert len(log) == len(buckets) and all(e["capture_ms"] > 0 for e in log), log
+        assert rt._executor.num_graphs == 2 * len(buckets)
+        assert rt.capture(buckets[:1], quiet=True, lanes_at_once=True)[0]["capture_ms"] == 0
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*[rt.submit(b) for b in batches * 3]), timeout=300)
+
+        for batch, (outputs, timings) in zip(batches * 3, asyncio.run(main())):
+            assert timings.graph is True
+            if isinstance(batch, ScoreBatch):
+                assert _same_bytes(outputs[0], runtimes["eager"].run_score(batch)), batch.bucket.key
+            else:
+                want_seqs, want_scores = runtimes["eager"].run_beam(batch)
+                assert torch.equal(outputs[0], want_seqs) and _same_bytes(outputs[1], want_scores), batch.bucket.key
+        assert rt._executor.num_graphs == 2 * len(buckets), "a batch captured a graph: the lanes' captures were lost"
+    finally:
+        rt.shutdown()
+
+
 def test_submit_in_graph_mode(tiny_artifact, runtimes) -> None:
     rt = runtimes["graphs"]
     batches = [_score_batch(tiny_artifact, 3), _beam_batch(tiny_artifact, (2,), 3, 4),

@@ -15,3 +15,19 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     assert done.value.code == 0
     out, err = capsys.readouterr()
     assert out.strip() == f"slmrank {metadata.version('slmrank')}" and "required" not in err
+
+
+@pytest.mark.parametrize("flag, capture, at_once", [("all", True, False), ("parallel", True, True),
+                                                    ("lazy", False, False)])
+def test_serve_capture_graphs_reaches_load_model(monkeypatch: pytest.MonkeyPatch, flag: str, capture: bool,
+                                                 at_once: bool) -> None:
+    """--capture-graphs all | parallel | lazy: whether load_model captures before SERVING, and whether
+    the lanes capture at once (the C++ executor's prepare(lanes_at_once))."""
+    from service.serving import server
+
+    seen: dict = {}
+    monkeypatch.setattr(server, "load_model", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(server, "serve", lambda config, loader, *rest: loader() or 0)
+    assert cli_main(["serve", "--model", "embedded:tiny", "--runtime", "python", "--device", "cpu", "--port", "0",
+                     "--capture-graphs", flag, "--quiet"]) == 0
+    assert seen["capture_graphs"] is capture and seen["capture_lanes_at_once"] is at_once

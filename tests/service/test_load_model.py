@@ -12,15 +12,17 @@ class _RecordingRuntime:
     """Wraps the real Python runtime and records capture() calls (CppRuntime's start-up hook)."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.captures = inner, 0
+        self.inner, self.captures, self.lanes_at_once = inner, 0, []
 
-    def capture(self, quiet: bool = True) -> list:
+    def capture(self, quiet: bool = True, lanes_at_once: bool = False) -> list:
         self.captures += 1
+        self.lanes_at_once.append(lanes_at_once)
         return []
 
 
-@pytest.mark.parametrize("capture_graphs, expected", [(True, 1), (False, 0)])
-def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_graphs, expected):
+@pytest.mark.parametrize("capture_graphs, at_once, expected", [(True, False, [False]), (True, True, [True]),
+                                                               (False, True, [])])
+def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_graphs, at_once, expected):
     real_make_runtime = factory.make_runtime
     made: list[_RecordingRuntime] = []
 
@@ -30,9 +32,10 @@ def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_gr
         return made[-1]
 
     monkeypatch.setattr(factory, "make_runtime", make_runtime)
-    model = load_model(str(qwen2_tiny.artifact.path), "python", capture_graphs=capture_graphs)
+    model = load_model(str(qwen2_tiny.artifact.path), "python", capture_graphs=capture_graphs,
+                       capture_lanes_at_once=at_once)
     assert model.runtime is made[0]
-    assert made[0].captures == expected
+    assert made[0].lanes_at_once == expected and made[0].captures == len(expected)
     assert model.tokenizer.vocab_size > 0
 
 

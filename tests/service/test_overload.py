@@ -22,6 +22,7 @@ import asyncio
 import logging
 import random
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -289,12 +290,13 @@ def _started(procs: list[subprocess.Popen]) -> list[subprocess.Popen]:
 
 
 def _alternate(srv: ServerThread, start_load: Any, stop_load: Any, rounds: int = 4,
-               window_s: float = 1.5) -> tuple[list[ob.Outcome], list[ob.Outcome], str]:
-    """Score latencies of 4 closed-loop clients, windows alternating without and with a load; and
-    each round's two p50s, for the report."""
+               window_s: float = 1.5) -> tuple[list[ob.Outcome], list[ob.Outcome], str, list[float]]:
+    """Score latencies of 4 closed-loop clients, windows alternating without and with a load; each
+    round's two p50s, for the report; and each round's p50 with the load over its p50 without."""
     quiet: list[ob.Outcome] = []
     busy: list[ob.Outcome] = []
     pairs: list[str] = []
+    ratios: list[float] = []
 
     async def run(stub: Any) -> None:
         make = lambda i: (small(i), NORMAL, None)  # noqa: E731
@@ -309,20 +311,24 @@ def _alternate(srv: ServerThread, start_load: Any, stop_load: Any, rounds: int =
             quiet.extend(q)
             busy.extend(b)
             pairs.append(f"{_p50(q):.1f}/{_p50(b):.1f}")
+            ratios.append(_p50(b) / _p50(q))
 
     asyncio.run(_with_stub(srv.target, run))
-    return quiet, busy, "p50 quiet/loaded by round, ms: " + " ".join(pairs)
+    return quiet, busy, "p50 quiet/loaded by round, ms: " + " ".join(pairs), ratios
 
 
 def test_polling_trace_does_not_move_score_p50(small_model):
     """4 clients poll /trace (each every 0.25 s) while requests are traced (all of them, within
     the default budget of 50 a second) and the trace holds its maximum (20,000 events, ~3.6 MB):
     the rendering of what is new (at most 2% of the time) and the sending happen on the trace
-    port's thread; Score p50 moves by at most 10%.
+    port's thread; Score p50 moves by at most 10%: the median over rounds of a round's p50 with the
+    pollers over its p50 without them.
 
-    The pollers start once and are paused (SIGSTOP) in the quiet windows: 16 rounds of 0.6 s,
+    The pollers start once and are paused (SIGSTOP) in the quiet windows: 36 rounds of 0.5 s,
     where four rounds of 1.5 s, each starting 4 interpreters, let the drift of this shared 2-core
-    machine alone put the two p50s 11% apart once in CI."""
+    machine alone put the two p50s 11% apart once in CI. Each round's own ratio, not the p50s of
+    all rounds pooled: the pooled p50s were 10.3% apart in one clean-clone CI run of 2026-12-07 (a
+    slow stretch of the host in loaded windows counts once in the median, not in every sample)."""
     config = ServerConfig(host="127.0.0.1", port=0, grace_s=5, metrics_port=0, trace_port=0, trace_sample_rate=1.0,
                           batcher=BatcherConfig(validate_requests=False))
     srv = ServerThread(RankerServer(config, lambda: small_model))
@@ -348,17 +354,18 @@ def test_polling_trace_does_not_move_score_p50(small_model):
         pollers += _started([subprocess.Popen([sys.executable, "-c", _POLLER, url, "600"], stdout=subprocess.PIPE,
                                               text=True) for _ in range(4)])
         signal_all(signal.SIGSTOP)
-        quiet, busy, rounds = _alternate(srv, lambda: signal_all(signal.SIGCONT),
-                                         lambda _: signal_all(signal.SIGSTOP), rounds=36, window_s=0.5)
+        quiet, busy, rounds, ratios = _alternate(srv, lambda: signal_all(signal.SIGCONT),
+                                                 lambda _: signal_all(signal.SIGSTOP), rounds=36, window_s=0.5)
     finally:
         for p in pollers:
             p.kill()
             p.wait(10)
         srv.stop()
-    p50_quiet, p50_busy = _p50(quiet), _p50(busy)
-    report = f"Score p50 {p50_quiet:.2f} ms; with 4 clients polling /trace {p50_busy:.2f} ms ({rounds})"
+    p50_quiet, p50_busy, ratio = _p50(quiet), _p50(busy), statistics.median(ratios)
+    report = (f"Score p50 {p50_quiet:.2f} ms; with 4 clients polling /trace {p50_busy:.2f} ms; a round's ratio, "
+              f"median {ratio:.3f} ({rounds})")
     print("\n" + report)
-    assert p50_busy <= 1.1 * p50_quiet, report
+    assert ratio <= 1.1, report
 
 
 def test_a_100kb_http_request_line_is_answered_without_a_traceback(small_model, caplog):
@@ -425,7 +432,7 @@ def test_megabyte_texts_do_not_slow_other_requests(small_model):
             p.wait(10)
 
     try:
-        quiet, busy, rounds = _alternate(srv, start, stop)
+        quiet, busy, rounds, _ = _alternate(srv, start, stop)
         tokenized = srv.server.servicer.codec.tokenize_stats.num_segments
     finally:
         srv.stop()

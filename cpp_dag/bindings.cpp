@@ -261,6 +261,11 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>(),
            "Decoder layers use the AOT Triton kernels of dir (kernels/aot.py): CUDA only, before the first batch.")
       .def_property_readonly("uses_triton_kernels", &slmrank::Executor::uses_triton_kernels)
+      .def("use_conditional_steps", &slmrank::Executor::use_conditional_steps,
+           "BeamSearch batches run in their family's buffers (buckets that differ only in new tokens share them,\n"
+           "sized for the DAG's most steps), on a GPU as one graph per family with conditional decode steps.\n"
+           "Before the first batch (no graph captured yet).")
+      .def_property_readonly("uses_conditional_steps", &slmrank::Executor::uses_conditional_steps)
       .def(
           "run",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

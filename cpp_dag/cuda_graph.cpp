@@ -124,10 +124,29 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   c10::cuda::CUDAStreamGuard stream_guard(*g.stream);
 
   if (warm_up) {  // on the capture stream: initialises cuBLAS handles and workspaces outside the graph
+    struct Eager final : ConditionalScope {  // every conditional body runs
+      void begin_if(const at::Tensor&) override {}
+      void end_if() override {}
+    } eager;
     Env warm = static_env;
-    body(warm, [](size_t) {});
+    body(warm, [](size_t) {}, eager);
     check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");
   }
+  struct Captured final : ConditionalScope {  // IF nodes of the graph being captured
+    explicit Captured(at::cuda::CUDAGraph& graph) : graph(graph) {}
+    void begin_if(const at::Tensor& pred) override {
+      if (open) throw std::logic_error("conditional bodies do not nest here");
+      graph.begin_capture_to_if_node(pred);
+      open = true;
+    }
+    void end_if() override {
+      if (!open) throw std::logic_error("end_if without begin_if");
+      graph.end_capture_to_conditional_node();
+      open = false;
+    }
+    at::cuda::CUDAGraph& graph;
+    bool open = false;
+  } conditional(g.graph);
 
   g.env = std::move(static_env);
   auto record = [&g](size_t k) {
@@ -137,8 +156,13 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   g.graph.capture_begin({pool_id.first, pool_id.second}, cudaStreamCaptureModeThreadLocal);
   try {
     record(0);
-    body(g.env, [&record](size_t k) { record(k + 1); });
+    body(g.env, [&record](size_t k) { record(k + 1); }, conditional);
+    if (conditional.open) throw std::logic_error("a conditional body was left open");
   } catch (...) {
+    try {
+      if (conditional.open) g.graph.end_capture_to_conditional_node();
+    } catch (...) {
+    }
     try {
       g.graph.capture_end();
     } catch (...) {

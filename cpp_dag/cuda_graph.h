@@ -45,10 +45,23 @@ class CudaNodeTimer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Inside a capture: what is launched between begin_if(pred) and end_if() runs at replay only when
+// pred (a 0-dim bool tensor on the device, computed in the graph before it) is true: a CUDA IF node
+// (CUDA >= 12.4) whose body is captured on a side stream (the current stream until end_if). A body
+// may hold kernels, memsets and copies only: no event is recorded inside it. In the eager warm-up
+// pass before a capture both are no-ops (every body runs).
+class ConditionalScope {
+ public:
+  virtual ~ConditionalScope() = default;
+  virtual void begin_if(const at::Tensor& pred) = 0;
+  virtual void end_if() = 0;
+};
+
 class CapturedGraph {
  public:
-  // Runs the nodes of one bucket, calling mark(k) after node k (k = 0..num_nodes-1).
-  using Body = std::function<void(Env& env, const std::function<void(size_t)>& mark)>;
+  // Runs the nodes of one bucket, calling mark(k) after the k-th timed point (k = 0..num_nodes-1:
+  // after each node, or after each conditional body as a whole); cond opens conditional bodies.
+  using Body = std::function<void(Env& env, const std::function<void(size_t)>& mark, ConditionalScope& cond)>;
 
   // static_env: the bucket's input buffers on the device, allocated before capture (outside the pool).
   // With warm_up, runs body once eagerly first (initialises cuBLAS handles and workspaces for the

@@ -4,6 +4,7 @@
 #include "triton_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
@@ -87,6 +88,7 @@ Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::
     }
   }
   for (int64_t i = 0; i < cfg.num_layers; ++i) ctx_.layers.push_back(layer_weights(ctx_, i));
+  for (const auto& spec : beam_dag) max_steps_ = std::max(max_steps_, spec.step + 1);
   if (num_lanes <= 0) num_lanes = device_.is_cuda() ? 2 : 1;
   for (int i = 0; i < num_lanes; ++i) {
     auto lane = std::make_unique<Lane>();
@@ -104,6 +106,25 @@ void Executor::use_triton_kernels(const std::string& dir) {
   if (!device_.is_cuda()) throw std::invalid_argument("use_triton_kernels: the executor is on " + device_.str() + ", not CUDA");
   if (num_graphs() > 0) throw std::logic_error("use_triton_kernels: graphs are already captured; call it first");
   ctx_.fused = std::make_shared<const TritonKernels>(dir, device_);
+}
+
+void Executor::use_conditional_steps() {
+  if (num_graphs() > 0) throw std::logic_error("use_conditional_steps: graphs are already captured; call it first");
+  conditional_steps_ = true;
+}
+
+BatchSpec Executor::family_of(const BatchSpec& batch) const {
+  BatchSpec family = batch;
+  auto it = batch.inputs.find("beam_seqs");  // [R, B, n]: the one input sized by the bucket's new tokens
+  if (it == batch.inputs.end() || it->second.dim() != 3) throw std::invalid_argument("beam batch: no beam_seqs [R, B, n]");
+  const int64_t n = it->second.size(2);
+  if (n > max_steps_) {
+    throw std::invalid_argument("beam batch: " + std::to_string(n) + " new tokens, the DAG runs at most " +
+                                std::to_string(max_steps_));
+  }
+  if (n < max_steps_) family.inputs["beam_seqs"] = at::constant_pad_nd(it->second, {0, max_steps_ - n}, 0);
+  family.new_tokens = max_steps_;
+  return family;
 }
 
 std::vector<std::string> Executor::node_names(Kind kind) const {
@@ -178,6 +199,42 @@ std::string bucket_key(const BatchSpec& batch) {
 
 }  // namespace
 
+void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env& env,
+                                     const std::function<void(size_t)>& mark, ConditionalScope& cond) const {
+  std::vector<std::vector<const Node*>> steps(static_cast<size_t>(max_steps_));
+  for (const Node* node : nodes) {
+    const int64_t t = node->spec().step;
+    if (t < 0 || t >= max_steps_ || (!steps[t].empty() && steps[t].back()->spec().step != t) ||
+        (t > 0 && steps[t - 1].empty())) {
+      throw std::logic_error("conditional steps: node " + node->spec().name + " of step " + std::to_string(t) +
+                             " out of order");
+    }
+    steps[t].push_back(node);
+  }
+  run_nodes(steps[0], env, mark, nullptr);
+  size_t marked = steps[0].size();
+  const std::vector<std::string> outputs = output_names(Kind::kBeam);
+  const at::Tensor most = env.at("beam_steps").max();  // the batch's most new tokens, on the device
+  for (int64_t t = 1; t < max_steps_; ++t) {
+    // the outputs as they stand: a body rebinds them to buffers of its own, which a skipped body
+    // never writes, so each body ends by copying them back into these
+    std::vector<at::Tensor> before;
+    for (const auto& name : outputs) before.push_back(env.at(name));
+    const at::Tensor run = most.gt(t);
+    cond.begin_if(run);
+    run_nodes(steps[t], env, [](size_t) {}, nullptr);
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      at::Tensor& now = env.at(outputs[i]);
+      if (!now.is_same(before[i])) {
+        before[i].copy_(now);
+        now = before[i];
+      }
+    }
+    cond.end_if();
+    mark(marked++);
+  }
+}
+
 size_t Executor::num_graphs() const {
   size_t n = 0;
   for (const auto& lane : lanes_) {
@@ -199,11 +256,22 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   for (const auto& [name, t] : batch.inputs) inputs.push_back(name);
   // The beam state (the beam_state node) is allocated inside the body: during capture it comes from
   // the lane's pool and is handed back to it afterwards, like every other intermediate buffer.
-  auto body = [this, &nodes](Env& env, const std::function<void(size_t)>& mark) {
-    run_nodes(nodes, env, mark, nullptr);
+  const bool family = in_family(batch);
+  auto body = [this, &nodes, family](Env& env, const std::function<void(size_t)>& mark, ConditionalScope& cond) {
+    if (family) {
+      run_conditional_steps(nodes, env, mark, cond);
+    } else {
+      run_nodes(nodes, env, mark, nullptr);
+    }
   };
+  size_t marks = nodes.size();
+  if (family) {  // a mark per node of the first step, then one per later step
+    marks = 0;
+    for (const Node* node : nodes) marks += node->spec().step == 0 ? 1 : 0;
+    marks += static_cast<size_t>(max_steps_ - 1);
+  }
   const std::thread::id thread = std::this_thread::get_id();
-  auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), nodes.size(),
+  auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), marks,
                                                body, lane.graph_pool, lane.index,
                                                /*warm_up=*/lane.warmed_threads.count(thread) == 0);
   lane.warmed_threads.insert(thread);
@@ -211,8 +279,10 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   return *lane.graphs.emplace(key, std::move(graph)).first->second;
 }
 
-double Executor::prepare(const BatchSpec& example, bool lanes_at_once) {
+double Executor::prepare(const BatchSpec& bucket_example, bool lanes_at_once) {
   if (!use_graphs_) return 0;
+  const BatchSpec family = in_family(bucket_example) ? family_of(bucket_example) : BatchSpec();
+  const BatchSpec& example = in_family(bucket_example) ? family : bucket_example;  // the graph it runs as
   if (!lanes_at_once || lanes_.size() < 2) {
     double total = 0;
     for (auto& lane : lanes_) {
@@ -307,20 +377,39 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   t.start_ns = now_ns();
   if (batch.control && batch.control->is_cancelled()) throw RunCancelled("cancelled before it started");
   std::vector<const Node*> nodes = plan(batch);
+  const bool family = in_family(batch);
+  // a family's batch: its inputs padded to the family's new tokens, its outputs cut back to its own
+  const BatchSpec padded = family ? family_of(batch) : BatchSpec();
+  const BatchSpec& run_as = family ? padded : batch;
+  auto own_outputs = [&](std::vector<at::Tensor> outputs) {
+    if (family) outputs[0] = outputs[0].slice(2, 0, batch.new_tokens).contiguous();  // held_seqs [R, B, n]
+    return outputs;
+  };
   if (use_graphs_ && batch.trace_buffers.empty()) {
-    CapturedGraph& graph = graph_for(lane, batch, nullptr);
-    CapturedGraph::Replay r = graph.replay(batch.inputs);
+    CapturedGraph& graph = graph_for(lane, run_as, nullptr);
+    CapturedGraph::Replay r = graph.replay(run_as.inputs);
     t.graph = true;
     t.h2d_end_ns = r.h2d_end_ns;
     t.launch_ns = r.launch_ns;
     t.d2h_end_ns = r.d2h_end_ns;
-    const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(nodes.size(), 1);
-    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
-    out.outputs = std::move(r.outputs);
+    if (family) {  // the first step's nodes one by one, then the decode steps this batch ran
+      size_t first = 0;
+      while (first < nodes.size() && nodes[first]->spec().step == 0) ++first;
+      const size_t entries = first + static_cast<size_t>(batch.new_tokens - 1);
+      const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(entries, 1);
+      for (size_t k = 0; k < first; ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
+      for (int64_t step = 1; step < batch.new_tokens; ++step) {
+        t.nodes.push_back({"decode step " + std::to_string(step), host_share, r.node_ms[first + step - 1]});
+      }
+    } else {
+      const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(nodes.size(), 1);
+      for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
+    }
+    out.outputs = own_outputs(std::move(r.outputs));
     t.done_ns = now_ns();
     return out;
   }
-  Env env = device_env(batch);
+  Env env = device_env(run_as);
   t.h2d_end_ns = now_ns();
   t.launch_ns = t.h2d_end_ns;
   std::vector<double> host_ms;
@@ -354,6 +443,7 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
     for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], -1});
   }
   for (const auto& name : output_names(batch.kind)) out.outputs.push_back(env.at(name).to(at::kCPU));
+  out.outputs = own_outputs(std::move(out.outputs));
   t.d2h_end_ns = now_ns();
   t.done_ns = t.d2h_end_ns;
   return out;

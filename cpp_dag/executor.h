@@ -92,6 +92,15 @@ class Executor {
   // of the ATen ops they replace. CUDA only; before the first batch (no graph captured yet).
   void use_triton_kernels(const std::string& dir);
   bool uses_triton_kernels() const { return ctx_.fused != nullptr; }
+  // BeamSearch batches run in their family's buffers: the buckets that differ only in new tokens
+  // share them, sized for the DAG's most steps (beam_seqs padded to it; the outputs cut back to the
+  // batch's own), and on a GPU one graph per family whose decode steps are conditional (CUDA IF
+  // nodes: step t runs when some request of the batch has more than t new tokens), in place of a
+  // graph per bucket with its steps unrolled. A family's graph is timed per node up to the first
+  // decode step and per decode step after it ("decode step t"): no event may be recorded inside a
+  // conditional body. Before the first batch (no graph captured yet).
+  void use_conditional_steps();
+  bool uses_conditional_steps() const { return conditional_steps_; }
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
@@ -157,6 +166,14 @@ class Executor {
   // waits while a light one runs (the wait added to paused_ns).
   void between_nodes(const BatchSpec& batch, const std::string& next, int64_t& paused_ns);
   CapturedGraph& graph_for(Lane& lane, const BatchSpec& batch, double* capture_ms);  // lane.busy held
+  // use_conditional_steps: whether the batch runs in its family's buffers, and the batch as its
+  // family's graph takes it (beam_seqs padded to max_steps_ new tokens)
+  bool in_family(const BatchSpec& batch) const { return conditional_steps_ && batch.kind == Kind::kBeam; }
+  BatchSpec family_of(const BatchSpec& batch) const;
+  // A family's nodes in a capture: the first step's marked one by one, each later step in a
+  // conditional body marked as a whole, the batch's outputs written back in place after each body
+  void run_conditional_steps(const std::vector<const Node*>& nodes, Env& env,
+                             const std::function<void(size_t)>& mark, ConditionalScope& cond) const;
   // graph_for on each lane's own worker thread, the lanes at once; waits for all of them. Returns
   // the lanes' capture ms summed (0: every lane had it); the first lane's error, if any, thrown.
   double capture_on_workers(const std::vector<Lane*>& lanes, const BatchSpec& example);
@@ -167,6 +184,8 @@ class Executor {
   std::vector<std::unique_ptr<Node>> score_dag_, beam_dag_;
   int num_threads_;
   bool use_graphs_;
+  bool conditional_steps_ = false;
+  int64_t max_steps_ = 1;  // the beam DAG's decode steps + 1: the most new tokens it runs
   std::vector<std::unique_ptr<Lane>> lanes_;
 
   mutable std::mutex mu_;

@@ -151,6 +151,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return load_model(values["model"], placement.runtime, placement.device, placement.dtype,
                           kernels=values["kernels"], quiet=args.quiet, capture_graphs=values["capture_graphs"] != "lazy",
                           capture_lanes_at_once=values["capture_graphs"] == "parallel", num_lanes=values["lanes"],
+                          beam_graphs=values["beam_graphs"],
                           catalog_headroom=config.catalog_headroom if config.catalog_dir else 1.0)
 
     return serve(config, loader, announce, on_ready)

@@ -34,13 +34,22 @@ def _load_core() -> Any:
     return _core
 
 
+# "bucket": a BeamSearch bucket's graph with its steps unrolled; "conditional": one graph per family of
+# buckets that differ only in new tokens, its decode steps CUDA IF nodes (CppRuntime's beam_graphs)
+BEAM_GRAPHS = ("bucket", "conditional")
+
+
 class CppRuntime:
     name = "cpp"
 
     def __init__(self, artifact: Artifact, device: str = "cpu", dtype: torch.dtype | None = None,
-                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten", catalog_headroom: float = 1.0) -> None:
+                 use_graphs: bool = True, num_lanes: int = 0, kernels: str = "aten", catalog_headroom: float = 1.0,
+                 beam_graphs: str = "bucket") -> None:
         """kernels: "aten" (ATen ops) or "triton" (the fused AOT Triton kernels; CUDA only, service/runtime/fused.py).
-        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need."""
+        catalog_headroom: room in the catalogs' forest for replacements (load_catalogs), x what they need.
+        beam_graphs: "bucket" (a BeamSearch bucket's graph unrolls its n steps) or "conditional" (the
+        buckets that differ only in new tokens share one graph whose decode steps are conditional;
+        their batches run in buffers sized for the most new tokens on every device: Executor.use_conditional_steps)."""
         core = _load_core()
         self.artifact = artifact
         self.cfg = artifact.config
@@ -62,6 +71,11 @@ class CppRuntime:
                                                      catalog_capacity=(cap.nodes, cap.edges, cap.window))
         if kernels == "triton":
             self._executor.use_triton_kernels(str(kernels_dir(artifact, self.dtype)))
+        if beam_graphs not in BEAM_GRAPHS:
+            raise ValueError(f"beam_graphs must be one of {', '.join(BEAM_GRAPHS)}, not {beam_graphs!r}")
+        if beam_graphs == "conditional":
+            self._executor.use_conditional_steps()
+        self.beam_graphs = beam_graphs
         self.last_timings: BatchTimings | None = None
 
     def load_catalogs(self, catalogs: Sequence[Catalog]) -> None:

@@ -164,14 +164,15 @@ class Model:
 
 def load_model(spec: str, runtime: str = "python", device: str = "cpu", dtype: str | None = None,
                quiet: bool = True, capture_graphs: bool = True, kernels: str = "aten", num_lanes: int = 0,
-               catalog_headroom: float = 1.0, capture_lanes_at_once: bool = False) -> Model:
+               catalog_headroom: float = 1.0, capture_lanes_at_once: bool = False, beam_graphs: str = "bucket") -> Model:
     """Artifact, runtime with its CUDA graphs captured (CppRuntime on a GPU; with
     capture_graphs=False each bucket's graph is captured by its first batch; capture_lanes_at_once:
     the lanes capture at once, each on its own thread), tokenizer.
-    catalog_headroom: the room the runtime holds for replaced catalogs (ServerConfig.catalog_dir)."""
+    catalog_headroom: the room the runtime holds for replaced catalogs (ServerConfig.catalog_dir).
+    beam_graphs: the C++ runtime's BeamSearch graphs (CppRuntime)."""
     artifact = resolve_artifact(spec, quiet=quiet)
     rt = factory.make_runtime(runtime, artifact, device, dtype, kernels, num_lanes=num_lanes,
-                              catalog_headroom=catalog_headroom)
+                              catalog_headroom=catalog_headroom, beam_graphs=beam_graphs)
     if capture_graphs and hasattr(rt, "capture"):
         rt.capture(quiet=quiet, lanes_at_once=capture_lanes_at_once)
     return Model(artifact, rt, load_tokenizer(artifact.tokenizer_dir), spec)

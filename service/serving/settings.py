@@ -150,6 +150,10 @@ SERVE_SETTINGS = MODEL_SETTINGS + (
     Setting("capture_graphs", _str, "all", "C++ runtime on a GPU: capture every bucket's CUDA graph before "
             "SERVING, lane after lane (all) or each lane on its own thread at once (parallel), or each at its first "
             "batch (lazy: faster start, slower first requests)", "model", ("all", "parallel", "lazy")),
+    Setting("beam_graphs", _str, "bucket", "C++ runtime: a CUDA graph per BeamSearch bucket, its decode steps "
+            "unrolled (bucket), or one per family of buckets that differ only in new tokens, its decode steps "
+            "conditional (conditional: fewer graphs to capture and hold; not yet run on a GPU)", "model",
+            ("bucket", "conditional")),
     Setting("lanes", _int, 0, "C++ runtime: batches on the GPU at once, each with its own stream, graphs and "
             "memory pool (0: 2 on CUDA, 1 on the CPU); --batcher-max-inflight follows a larger count unless given",
             "model"),

@@ -229,6 +229,45 @@ def test_lanes_capture_at_once(tiny_artifact, runtimes) -> None:
         rt.shutdown()
 
 
+@pytest.mark.parametrize("kernels", ["aten", "triton"])
+def test_conditional_steps_on_the_gpu(tiny_artifact, runtimes, kernels) -> None:
+    """beam_graphs="conditional": the buckets of one family (the same requests, prompt tokens, width
+    and rows; 1 to 5 new tokens) share one captured graph whose decode steps are IF nodes; each
+    batch's replay runs its own steps and gives the bytes of the bucket's own graph, mixed new tokens
+    in one batch too; its timings have the first step's nodes, then a "decode step t" a step it ran."""
+    from service.artifact.buckets import BeamBucket
+    from service.runtime.cpp_runtime import CppRuntime
+
+    plain = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1, kernels=kernels)
+    rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1, kernels=kernels,
+                    beam_graphs="conditional")
+    try:
+        rng = random.Random(5)
+        base = pick_beam_bucket(tiny_artifact.buckets, [BeamRequest(_ids(rng, 20), 16, 5)] * 3)
+        family = [BeamBucket(n, base.max_requests, base.max_prompt_tokens, base.beam_width, base.max_rows)
+                  for n in range(1, tiny_artifact.limits.max_new_tokens + 1)]
+        log = rt.capture(family, quiet=True)
+        assert sum(e["capture_ms"] > 0 for e in log) == 1 and rt._executor.num_graphs == 1, log
+        first = rt.node_names("beam")
+        for steps in ([1], [2], [5], [3, 1, 5], [2, 4, 1], [4]):
+            reqs = [BeamRequest(_ids(rng, 5 + 7 * i), w, n) for i, (w, n) in enumerate(zip((16, 3, 9), steps))]
+            bucket = family[max(steps) - 1]
+            batch = pack_beam(reqs, bucket)
+            seqs, scores = rt.run_beam(batch)
+            t = rt.last_timings
+            want_seqs, want_scores = plain.run_beam(batch)
+            assert plain.last_timings.graph is True and t.graph is True
+            assert torch.equal(seqs, want_seqs) and _same_bytes(scores, want_scores), steps
+            names = [n.name for n in t.nodes]
+            decode = [f"decode step {k}" for k in range(1, max(steps))]
+            assert names[len(names) - len(decode):] == decode and all(n.device_ms >= 0 for n in t.nodes), names
+            assert names[:len(names) - len(decode)] == first[:len(names) - len(decode)]
+        assert rt._executor.num_graphs == 1, "a batch captured a graph of its own"
+    finally:
+        rt.shutdown()
+        plain.shutdown()
+
+
 def test_submit_in_graph_mode(tiny_artifact, runtimes) -> None:
     rt = runtimes["graphs"]
     batches = [_score_batch(tiny_artifact, 3), _beam_batch(tiny_artifact, (2,), 3, 4),

@@ -26,7 +26,8 @@ def test_capture_at_start_up_only_when_asked(qwen2_tiny, monkeypatch, capture_gr
     real_make_runtime = factory.make_runtime
     made: list[_RecordingRuntime] = []
 
-    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0):
+    def make_runtime(name, artifact, device, dtype, kernels="aten", num_lanes=0, catalog_headroom=1.0,
+                     beam_graphs="bucket"):
         made.append(_RecordingRuntime(real_make_runtime(name, artifact, device, dtype, kernels, num_lanes,
                                                         catalog_headroom)))
         return made[-1]

@@ -23,9 +23,11 @@ from service.serving.server import ServerConfig
 from service.serving.settings import RUN_SETTINGS, SERVE_SETTINGS, SettingsError, add_arguments, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_PUBLIC = 38  # 35 until send_timeout_s (issue 32, point 3), the one bound on a client a flag sets;
+MAX_PUBLIC = 39  # 35 until send_timeout_s (issue 32, point 3), the one bound on a client a flag sets;
 # 38 with catalog_dir and catalog_headroom (issue 28: replacing a catalog while serving needs a place
-# to read files from, and the room it may grow into is the operator's call)
+# to read files from, and the room it may grow into is the operator's call); 39 with beam_graphs (the
+# C++ runtime's graph per BeamSearch bucket or per family of them: start-up and device memory against
+# a conditional node per decode step, to be measured before either is the only one)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,83 @@
+"""The C++ runtime's BeamSearch families (`slmrank serve --beam-graphs conditional`,
+Executor.use_conditional_steps): the buckets that differ only in new tokens share buffers sized for
+the DAG's most steps (beam_seqs padded to them; the outputs cut back to the batch's own), and on a
+GPU one graph whose decode steps are CUDA IF nodes.
+
+On the CPU (eager, float32) the padded buffers are what can be checked: every batch's answer, bytes
+and shapes, equals the same batch run in its bucket's own buffers and on the Python runtime, for
+every new-tokens count, mixed in one batch or not, on Qwen2 and Qwen3. The graphs themselves are
+checked on the GPU (tests/cpp_dag/test_gpu_runtime.py::test_conditional_steps_on_the_gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from service.runtime.batch import pack_beam, pick_beam_bucket
+from service.runtime.requests import BeamRequest
+
+SHAPES = [(5, 3), (17, 2), (9, 7), (1, 1), (30, 4)]  # (prompt tokens, beam width)
+
+
+@pytest.fixture(scope="module")
+def families(qwen2_small, qwen3_small):
+    from service.runtime.cpp_runtime import CppRuntime
+
+    rts = {name: CppRuntime(model.artifact, beam_graphs="conditional")
+           for name, model in (("qwen2_small", qwen2_small), ("qwen3_small", qwen3_small))}
+    yield rts
+    for rt in rts.values():
+        rt.shutdown()
+
+
+@pytest.mark.parametrize("model_name", ["qwen2_small", "qwen3_small"])
+@pytest.mark.parametrize("new_tokens", [(1,), (2,), (5,), (3, 1, 5, 2, 4), (2, 2, 1)])
+def test_a_family_answers_as_its_bucket_and_the_python_runtime(model_name: str, new_tokens: tuple[int, ...],
+                                                               families, request: pytest.FixtureRequest,
+                                                               helpers) -> None:
+    model = request.getfixturevalue(model_name)
+    rt = families[model_name]
+    assert rt._executor.uses_conditional_steps and not model.cpp._executor.uses_conditional_steps
+    rng = random.Random(sum(new_tokens) * 31 + len(new_tokens))
+    reqs = [BeamRequest(helpers.rand_ids(rng, p), b, t) for (p, b), t in zip(SHAPES, new_tokens)]
+    bucket = pick_beam_bucket(model.artifact.buckets, reqs)
+    assert bucket.new_tokens == max(new_tokens)
+    batch = pack_beam(reqs, bucket)
+    seqs, scores = rt.run_beam(batch)
+    for other in (model.cpp, model.python):
+        want_seqs, want_scores = other.run_beam(batch)
+        assert seqs.shape == want_seqs.shape == (bucket.max_requests, bucket.beam_width, bucket.new_tokens)
+        assert torch.equal(seqs, want_seqs.cpu()), f"{other.name}: beams differ"
+        assert helpers.same_bytes(scores, want_scores.cpu()), f"{other.name}: scores differ"
+    timings = rt.last_timings
+    assert timings is not None and not timings.graph  # eager on the CPU: every node timed on its own
+    assert [n.name for n in timings.nodes] == list(rt.node_names("beam"))[:len(timings.nodes)]
+
+
+def test_beam_graphs_is_the_cpp_runtimes_setting(qwen2_small) -> None:
+    from service.runtime import factory
+    from service.runtime.cpp_runtime import CppRuntime
+
+    with pytest.raises(ValueError, match="--beam-graphs conditional"):
+        factory.make_runtime("python", qwen2_small.artifact, "cpu", None, beam_graphs="conditional")
+    with pytest.raises(ValueError, match="beam_graphs must be one of bucket, conditional"):
+        CppRuntime(qwen2_small.artifact, beam_graphs="steps")
+
+
+def test_a_family_runs_in_buffers_of_the_most_new_tokens(qwen3_small, families, helpers) -> None:
+    """What the family shares: a 2-token batch's beam buffers are those of the DAG's most steps
+    (the artifact's max_new_tokens): beam_seqs [R, B, most], the suffix K/V with most - 1 slots;
+    in its bucket's own buffers, 2 and 1."""
+    rt, art = families["qwen3_small"], qwen3_small.artifact
+    most = art.limits.max_new_tokens
+    assert most > 2
+    rng = random.Random(7)
+    reqs = [BeamRequest(helpers.rand_ids(rng, p), b, 2) for p, b in SHAPES[:2]]
+    batch = pack_beam(reqs, pick_beam_bucket(art.buckets, reqs))
+    for runtime, steps in ((rt, most), (qwen3_small.cpp, 2)):
+        trace = dict(runtime.trace(batch, ["held_seqs", "suffix_k.0"]))
+        seqs = next(bufs["held_seqs"] for node, bufs in trace.items() if "held_seqs" in bufs)
+        suffix = next(bufs["suffix_k.0"] for node, bufs in trace.items() if "suffix_k.0" in bufs)
+        assert seqs.shape[2] == steps and suffix.shape[1] == steps - 1, (runtime.beam_graphs, seqs.shape, suffix.shape)

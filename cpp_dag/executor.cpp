@@ -202,14 +202,15 @@ std::string bucket_key(const BatchSpec& batch) {
 void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env& env,
                                      const std::function<void(size_t)>& mark, ConditionalScope& cond) const {
   std::vector<std::vector<const Node*>> steps(static_cast<size_t>(max_steps_));
-  for (const Node* node : nodes) {
+  int64_t last = 0;
+  for (const Node* node : nodes) {  // the DAG lists each step's nodes after the step before's
     const int64_t t = node->spec().step;
-    if (t < 0 || t >= max_steps_ || (!steps[t].empty() && steps[t].back()->spec().step != t) ||
-        (t > 0 && steps[t - 1].empty())) {
+    if (t < last || t > last + 1 || t >= max_steps_) {
       throw std::logic_error("conditional steps: node " + node->spec().name + " of step " + std::to_string(t) +
                              " out of order");
     }
     steps[t].push_back(node);
+    last = t;
   }
   run_nodes(steps[0], env, mark, nullptr);
   size_t marked = steps[0].size();

@@ -125,7 +125,7 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
 
   if (warm_up) {  // on the capture stream: initialises cuBLAS handles and workspaces outside the graph
     struct Eager final : ConditionalScope {  // every conditional body runs
-      void begin_if(const at::Tensor&) override {}
+      bool begin_if(const at::Tensor&) override { return true; }
       void end_if() override {}
     } eager;
     Env warm = static_env;
@@ -134,10 +134,11 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   }
   struct Captured final : ConditionalScope {  // IF nodes of the graph being captured
     explicit Captured(at::cuda::CUDAGraph& graph) : graph(graph) {}
-    void begin_if(const at::Tensor& pred) override {
+    bool begin_if(const at::Tensor& pred) override {
       if (open) throw std::logic_error("conditional bodies do not nest here");
       graph.begin_capture_to_if_node(pred);
       open = true;
+      return true;
     }
     void end_if() override {
       if (!open) throw std::logic_error("end_if without begin_if");

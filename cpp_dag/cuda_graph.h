@@ -45,15 +45,16 @@ class CudaNodeTimer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Inside a capture: what is launched between begin_if(pred) and end_if() runs at replay only when
-// pred (a 0-dim bool tensor on the device, computed in the graph before it) is true: a CUDA IF node
-// (CUDA >= 12.4) whose body is captured on a side stream (the current stream until end_if). A body
-// may hold kernels, memsets and copies only: no event is recorded inside it. In the eager warm-up
-// pass before a capture both are no-ops (every body runs).
+// A conditional body: what runs between begin_if(pred) and end_if() runs only when pred (a 0-dim
+// bool tensor on the device, computed before it) is true. begin_if says whether to run the body's
+// host code now. In a capture it always does: the body is captured into a CUDA IF node (CUDA >=
+// 12.4) on a side stream (the current stream until end_if), which holds kernels, memsets and
+// copies only (no event may be recorded inside it) and runs at replay when pred is. Run eagerly,
+// pred is read on the host (the eager warm-up before a capture runs every body).
 class ConditionalScope {
  public:
   virtual ~ConditionalScope() = default;
-  virtual void begin_if(const at::Tensor& pred) = 0;
+  virtual bool begin_if(const at::Tensor& pred) = 0;
   virtual void end_if() = 0;
 };
 

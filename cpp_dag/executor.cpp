@@ -8,6 +8,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -199,8 +200,8 @@ std::string bucket_key(const BatchSpec& batch) {
 
 }  // namespace
 
-void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env& env,
-                                     const std::function<void(size_t)>& mark, ConditionalScope& cond) const {
+void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env& env, ConditionalScope& cond,
+                                     const GroupRunner& run_group, const std::function<void()>& step_done) const {
   std::vector<std::vector<const Node*>> steps(static_cast<size_t>(max_steps_));
   int64_t last = 0;
   for (const Node* node : nodes) {  // the DAG lists each step's nodes after the step before's
@@ -212,8 +213,7 @@ void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env&
     steps[t].push_back(node);
     last = t;
   }
-  run_nodes(steps[0], env, mark, nullptr);
-  size_t marked = steps[0].size();
+  run_group(steps[0], false);
   const std::vector<std::string> outputs = output_names(Kind::kBeam);
   const at::Tensor most = env.at("beam_steps").max();  // the batch's most new tokens, on the device
   for (int64_t t = 1; t < max_steps_; ++t) {
@@ -221,18 +221,18 @@ void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env&
     // never writes, so each body ends by copying them back into these
     std::vector<at::Tensor> before;
     for (const auto& name : outputs) before.push_back(env.at(name));
-    const at::Tensor run = most.gt(t);
-    cond.begin_if(run);
-    run_nodes(steps[t], env, [](size_t) {}, nullptr);
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      at::Tensor& now = env.at(outputs[i]);
-      if (!now.is_same(before[i])) {
-        before[i].copy_(now);
-        now = before[i];
+    if (cond.begin_if(most.gt(t))) {
+      run_group(steps[t], true);
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        at::Tensor& now = env.at(outputs[i]);
+        if (!now.is_same(before[i])) {
+          before[i].copy_(now);
+          now = before[i];
+        }
       }
     }
     cond.end_if();
-    mark(marked++);
+    step_done();
   }
 }
 
@@ -258,19 +258,21 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   // The beam state (the beam_state node) is allocated inside the body: during capture it comes from
   // the lane's pool and is handed back to it afterwards, like every other intermediate buffer.
   const bool family = in_family(batch);
-  auto body = [this, &nodes, family](Env& env, const std::function<void(size_t)>& mark, ConditionalScope& cond) {
-    if (family) {
-      run_conditional_steps(nodes, env, mark, cond);
-    } else {
+  size_t first = nodes.size();  // a family's first step: its nodes are marked one by one, each later step as a whole
+  if (family) first = static_cast<size_t>(std::count_if(nodes.begin(), nodes.end(), [](const Node* n) { return n->spec().step == 0; }));
+  const size_t marks = family ? first + static_cast<size_t>(max_steps_ - 1) : nodes.size();
+  auto body = [this, &nodes, family, first](Env& env, const std::function<void(size_t)>& mark, ConditionalScope& cond) {
+    if (!family) {
       run_nodes(nodes, env, mark, nullptr);
+      return;
     }
+    size_t marked = first;
+    const std::function<void(size_t)> none = [](size_t) {};  // no event inside a conditional body
+    run_conditional_steps(
+        nodes, env, cond,
+        [&](const std::vector<const Node*>& group, bool in_body) { run_nodes(group, env, in_body ? none : mark, nullptr); },
+        [&] { mark(marked++); });
   };
-  size_t marks = nodes.size();
-  if (family) {  // a mark per node of the first step, then one per later step
-    marks = 0;
-    for (const Node* node : nodes) marks += node->spec().step == 0 ? 1 : 0;
-    marks += static_cast<size_t>(max_steps_ - 1);
-  }
   const std::thread::id thread = std::this_thread::get_id();
   auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), marks,
                                                body, lane.graph_pool, lane.index,
@@ -414,13 +416,36 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   t.h2d_end_ns = now_ns();
   t.launch_ns = t.h2d_end_ns;
   std::vector<double> host_ms;
-  const std::function<void(size_t)> before = [&](size_t k) { between_nodes(batch, nodes[k]->spec().name, t.paused_ns); };
+  // Every node this batch runs, in order, with mark(k) after the k-th: its plan's nodes; a family's
+  // batch walks its family's steps, each later step run when its condition (read on the host) holds.
+  std::vector<const Node*> ran;
+  auto walk = [&](const std::function<void(size_t)>& mark) {
+    auto run_group = [&](const std::vector<const Node*>& group, bool) {
+      const size_t base = ran.size();
+      const std::function<void(size_t)> before = [&](size_t k) {
+        between_nodes(batch, group[k]->spec().name, t.paused_ns);
+      };
+      if (base > 0 && !group.empty()) before(0);  // run_nodes checks ahead of its second node on
+      run_nodes(group, env, [&](size_t k) { mark(base + k); }, &host_ms, &batch.trace_buffers, &out.trace, &before);
+      ran.insert(ran.end(), group.begin(), group.end());
+    };
+    if (!family) {
+      run_group(nodes, false);
+      return;
+    }
+    struct OnHost final : ConditionalScope {  // eager: a body runs when its condition is true now
+      bool begin_if(const at::Tensor& pred) override { return pred.item<bool>(); }
+      void end_if() override {}
+    } on_host;
+    run_conditional_steps(plan(run_as), env, on_host, run_group, [] {});
+  };
   if (device_.is_cuda()) {  // eager on the GPU: events between nodes give device times
-    CudaNodeTimer timer(nodes.size());
+    const size_t most = family ? plan(run_as).size() : nodes.size();
+    CudaNodeTimer timer(most);
     timer.start();
-    run_nodes(nodes, env, [&timer](size_t k) { timer.mark(k); }, &host_ms, &batch.trace_buffers, &out.trace, &before);
-    std::vector<double> device_ms = timer.elapsed_ms(nodes.size());
-    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], device_ms[k]});
+    walk([&timer](size_t k) { timer.mark(k); });
+    std::vector<double> device_ms = timer.elapsed_ms(ran.size());
+    for (size_t k = 0; k < ran.size(); ++k) t.nodes.push_back({ran[k]->spec().name, host_ms[k], device_ms[k]});
   } else {
     // a light run holds heavy ones between their nodes for as long as it runs
     const bool light = !(batch.control && batch.control->heavy);
@@ -440,8 +465,8 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
         ex->gate_cv_.notify_all();
       }
     } light_done{this, light};
-    run_nodes(nodes, env, [](size_t) {}, &host_ms, &batch.trace_buffers, &out.trace, &before);
-    for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_ms[k], -1});
+    walk([](size_t) {});
+    for (size_t k = 0; k < ran.size(); ++k) t.nodes.push_back({ran[k]->spec().name, host_ms[k], -1});
   }
   for (const auto& name : output_names(batch.kind)) out.outputs.push_back(env.at(name).to(at::kCPU));
   out.outputs = own_outputs(std::move(out.outputs));

@@ -170,10 +170,13 @@ class Executor {
   // family's graph takes it (beam_seqs padded to max_steps_ new tokens)
   bool in_family(const BatchSpec& batch) const { return conditional_steps_ && batch.kind == Kind::kBeam; }
   BatchSpec family_of(const BatchSpec& batch) const;
-  // A family's nodes in a capture: the first step's marked one by one, each later step in a
-  // conditional body marked as a whole, the batch's outputs written back in place after each body
-  void run_conditional_steps(const std::vector<const Node*>& nodes, Env& env,
-                             const std::function<void(size_t)>& mark, ConditionalScope& cond) const;
+  // A family's nodes, step by step: run_group(the first step's nodes, false), then each later step t
+  // inside cond's body for "the batch has a request of more than t new tokens" (run_group(its nodes,
+  // true) when cond says to run them now), the batch's outputs written back in place at the body's
+  // end (a skipped body leaves them whole), and step_done() after each.
+  using GroupRunner = std::function<void(const std::vector<const Node*>& group, bool in_body)>;
+  void run_conditional_steps(const std::vector<const Node*>& nodes, Env& env, ConditionalScope& cond,
+                             const GroupRunner& run_group, const std::function<void()>& step_done) const;
   // graph_for on each lane's own worker thread, the lanes at once; waits for all of them. Returns
   // the lanes' capture ms summed (0: every lane had it); the first lane's error, if any, thrown.
   double capture_on_workers(const std::vector<Lane*>& lanes, const BatchSpec& example);

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <map>
 #include <mutex>
@@ -191,6 +192,31 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
 
 CapturedGraph::~CapturedGraph() { destroy_events(impl_->events); }
 
+struct HostFlag::Impl {
+  int32_t* host = nullptr;
+  at::Tensor device_view;
+};
+
+HostFlag::HostFlag(const at::Device& device) : impl_(new Impl) {
+  c10::cuda::CUDAGuard guard(device);
+  void* host = nullptr;
+  check_cuda(cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc (mapped flag)");
+  impl_->host = static_cast<int32_t*>(host);
+  *impl_->host = 0;
+  void* on_device = nullptr;
+  check_cuda(cudaHostGetDevicePointer(&on_device, host, 0), "cudaHostGetDevicePointer");
+  impl_->device_view = at::from_blob(on_device, {}, at::TensorOptions().dtype(at::kInt).device(device));
+}
+
+HostFlag::~HostFlag() {
+  impl_->device_view = at::Tensor();
+  if (impl_->host) cudaFreeHost(impl_->host);
+}
+
+void HostFlag::set(int32_t value) { __atomic_store_n(impl_->host, value, __ATOMIC_SEQ_CST); }
+int32_t* HostFlag::host() const { return impl_->host; }
+const at::Tensor& HostFlag::device_view() const { return impl_->device_view; }
+
 size_t CapturedGraph::num_nodes() const { return impl_->num_nodes; }
 
 CapturedGraph::Replay CapturedGraph::replay(const Env& host_inputs) {
@@ -242,6 +268,14 @@ CapturedGraph::CapturedGraph(Env, std::vector<std::string>, std::vector<std::str
 }
 CapturedGraph::~CapturedGraph() = default;
 CapturedGraph::Replay CapturedGraph::replay(const Env&) { throw std::runtime_error("built without CUDA"); }
+struct HostFlag::Impl {
+  at::Tensor none;
+};
+HostFlag::HostFlag(const at::Device&) { throw std::runtime_error("HostFlag: this extension was built without CUDA"); }
+HostFlag::~HostFlag() = default;
+void HostFlag::set(int32_t) {}
+int32_t* HostFlag::host() const { return nullptr; }
+const at::Tensor& HostFlag::device_view() const { return impl_->none; }
 size_t CapturedGraph::num_nodes() const { return 0; }
 
 #endif

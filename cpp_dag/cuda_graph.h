@@ -91,6 +91,24 @@ class CapturedGraph {
   std::unique_ptr<Impl> impl_;
 };
 
+// A 4-byte flag in mapped pinned host memory: the host writes it at any time, and kernels read it
+// over the bus when they run, a captured graph's as well (device_view: a 0-dim int32 tensor on the
+// device over the same memory, whose address a capture keeps). GPU only.
+class HostFlag {
+ public:
+  explicit HostFlag(const at::Device& device);
+  ~HostFlag();
+  HostFlag(const HostFlag&) = delete;
+  HostFlag& operator=(const HostFlag&) = delete;
+  void set(int32_t value);
+  int32_t* host() const;
+  const at::Tensor& device_view() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // A fresh memory-pool id for graphs (at::cuda::graph_pool_handle()).
 std::pair<uint64_t, uint64_t> new_graph_pool();
 

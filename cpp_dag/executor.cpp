@@ -112,6 +112,11 @@ void Executor::use_triton_kernels(const std::string& dir) {
 void Executor::use_conditional_steps() {
   if (num_graphs() > 0) throw std::logic_error("use_conditional_steps: graphs are already captured; call it first");
   conditional_steps_ = true;
+  if (!use_graphs_) return;
+  for (auto& lane : lanes_) {
+    std::lock_guard<std::mutex> lock(lane->busy);
+    if (!lane->stop) lane->stop = std::make_unique<HostFlag>(device_);
+  }
 }
 
 BatchSpec Executor::family_of(const BatchSpec& batch) const {
@@ -201,7 +206,8 @@ std::string bucket_key(const BatchSpec& batch) {
 }  // namespace
 
 void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env& env, ConditionalScope& cond,
-                                     const GroupRunner& run_group, const std::function<void()>& step_done) const {
+                                     const GroupRunner& run_group, const std::function<void()>& step_done,
+                                     const at::Tensor& stop) const {
   std::vector<std::vector<const Node*>> steps(static_cast<size_t>(max_steps_));
   int64_t last = 0;
   for (const Node* node : nodes) {  // the DAG lists each step's nodes after the step before's
@@ -221,7 +227,9 @@ void Executor::run_conditional_steps(const std::vector<const Node*>& nodes, Env&
     // never writes, so each body ends by copying them back into these
     std::vector<at::Tensor> before;
     for (const auto& name : outputs) before.push_back(env.at(name));
-    if (cond.begin_if(most.gt(t))) {
+    at::Tensor go = most.gt(t);
+    if (stop.defined()) go = go.logical_and(stop.eq(0));  // read when the step is due, not at launch
+    if (cond.begin_if(go)) {
       run_group(steps[t], true);
       for (size_t i = 0; i < outputs.size(); ++i) {
         at::Tensor& now = env.at(outputs[i]);
@@ -261,7 +269,9 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   size_t first = nodes.size();  // a family's first step: its nodes are marked one by one, each later step as a whole
   if (family) first = static_cast<size_t>(std::count_if(nodes.begin(), nodes.end(), [](const Node* n) { return n->spec().step == 0; }));
   const size_t marks = family ? first + static_cast<size_t>(max_steps_ - 1) : nodes.size();
-  auto body = [this, &nodes, family, first](Env& env, const std::function<void(size_t)>& mark, ConditionalScope& cond) {
+  const at::Tensor stop = family && lane.stop ? lane.stop->device_view() : at::Tensor();
+  auto body = [this, &nodes, family, first, &stop](Env& env, const std::function<void(size_t)>& mark,
+                                                  ConditionalScope& cond) {
     if (!family) {
       run_nodes(nodes, env, mark, nullptr);
       return;
@@ -271,7 +281,7 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
     run_conditional_steps(
         nodes, env, cond,
         [&](const std::vector<const Node*>& group, bool in_body) { run_nodes(group, env, in_body ? none : mark, nullptr); },
-        [&] { mark(marked++); });
+        [&] { mark(marked++); }, stop);
   };
   const std::thread::id thread = std::this_thread::get_id();
   auto graph = std::make_unique<CapturedGraph>(device_env(batch), inputs, output_names(batch.kind), marks,
@@ -390,7 +400,19 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   };
   if (use_graphs_ && batch.trace_buffers.empty()) {
     CapturedGraph& graph = graph_for(lane, run_as, nullptr);
+    // a family's graph reads the lane's stop flag before each decode step: cancel() during the
+    // replay sets it, and the steps not yet begun are skipped
+    RunControl* stoppable = family && lane.stop && batch.control ? batch.control.get() : nullptr;
+    if (family && lane.stop) lane.stop->set(0);
+    if (stoppable && !stoppable->bind(lane.stop->host())) throw RunCancelled("cancelled before it started");
+    struct Unbind {
+      RunControl* control;
+      ~Unbind() {
+        if (control) control->unbind();
+      }
+    } unbind{stoppable};
     CapturedGraph::Replay r = graph.replay(run_as.inputs);
+    if (stoppable && stoppable->is_cancelled()) throw RunCancelled("cancelled during its decode steps");
     t.graph = true;
     t.h2d_end_ns = r.h2d_end_ns;
     t.launch_ns = r.launch_ns;

@@ -56,11 +56,33 @@ enum class Kind { kScore, kBeam };
 // outputs never made. heavy: run eagerly on the CPU, it waits between its nodes while a light
 // run (any run not heavy) is in progress: two runs at once share the cores, and this way the
 // light one overlaps at most the one heavy node already running.
+// On a GPU, a family's graph (use_conditional_steps) checks its lane's stop flag before each decode
+// step: while a run is bound to it, cancel() sets it, and the steps not yet begun are skipped.
 struct RunControl {
   std::atomic<bool> cancelled{false};
   bool heavy = false;
-  void cancel() { cancelled.store(true, std::memory_order_relaxed); }
+  void cancel() {
+    cancelled.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ != nullptr) __atomic_store_n(stop_, 1, __ATOMIC_SEQ_CST);
+  }
   bool is_cancelled() const { return cancelled.load(std::memory_order_relaxed); }
+  // The running graph's stop flag (mapped host memory), for the length of one replay; false, and
+  // nothing bound, when it is cancelled already.
+  bool bind(int32_t* stop) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (is_cancelled()) return false;
+    stop_ = stop;
+    return true;
+  }
+  void unbind() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  int32_t* stop_ = nullptr;
 };
 
 // Thrown by a run whose RunControl was cancelled.
@@ -153,6 +175,8 @@ class Executor {
     std::thread worker;
     // Work for this lane's worker alone, taken before any batch (prepare's captures); under mu_.
     std::deque<std::function<void()>> tasks;
+    // use_conditional_steps on a GPU: read by a family's graph before each decode step (0: go on)
+    std::unique_ptr<HostFlag> stop;
   };
   RunOutput run_timed(Lane& lane, const BatchSpec& batch, int64_t submit_ns);
   Env device_env(const BatchSpec& batch) const;              // the inputs, on the device
@@ -174,9 +198,11 @@ class Executor {
   // inside cond's body for "the batch has a request of more than t new tokens" (run_group(its nodes,
   // true) when cond says to run them now), the batch's outputs written back in place at the body's
   // end (a skipped body leaves them whole), and step_done() after each.
+  // stop (may be undefined): a 0-dim int32 on the device; a step runs only while it reads 0.
   using GroupRunner = std::function<void(const std::vector<const Node*>& group, bool in_body)>;
   void run_conditional_steps(const std::vector<const Node*>& nodes, Env& env, ConditionalScope& cond,
-                             const GroupRunner& run_group, const std::function<void()>& step_done) const;
+                             const GroupRunner& run_group, const std::function<void()>& step_done,
+                             const at::Tensor& stop = at::Tensor()) const;
   // graph_for on each lane's own worker thread, the lanes at once; waits for all of them. Returns
   // the lanes' capture ms summed (0: every lane had it); the first lane's error, if any, thrown.
   double capture_on_workers(const std::vector<Lane*>& lanes, const BatchSpec& example);

@@ -268,6 +268,57 @@ def test_conditional_steps_on_the_gpu(tiny_artifact, runtimes, kernels) -> None:
         plain.shutdown()
 
 
+def test_conditional_steps_stop_when_cancelled(tiny_artifact, runtimes) -> None:
+    """A family's graph reads its lane's stop flag (mapped host memory) before each decode step:
+    cancel() while the graph replays sets it, the run raises RunCancelled (no answers), and the
+    lane serves the next batch with the right bytes. Of runs cancelled a quarter of the way into a
+    batch's usual time, at least one must end in under 80% of it (the steps after it skipped)."""
+    import statistics
+    import threading
+    import time
+
+    from service.runtime.cpp_runtime import CppRuntime
+
+    rt = CppRuntime(tiny_artifact, device="cuda", dtype=DTYPE, use_graphs=True, num_lanes=1, kernels="triton",
+                    beam_graphs="conditional")
+    try:
+        batch = _beam_batch(tiny_artifact, (400, 400, 400), 5, 11)
+        want = rt.run_batch(batch)[0]
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            rt.run_batch(batch)
+            times.append(time.perf_counter() - t0)
+        whole = statistics.median(times)
+        ended: list[float] = []
+        for _ in range(30):
+            control, outcome = rt.control(), {}
+
+            def run() -> None:
+                try:
+                    rt.run_batch(batch, control)
+                    outcome["answered"] = True
+                except RuntimeError as e:
+                    outcome["error"] = str(e)
+
+            thread = threading.Thread(target=run)
+            t0 = time.perf_counter()
+            thread.start()
+            time.sleep(whole / 4)
+            control.cancel()
+            thread.join(60)
+            if "error" in outcome:
+                assert "cancelled" in outcome["error"], outcome
+                ended.append(time.perf_counter() - t0)
+        print(f"\n[conditional-cancel] whole batch {whole * 1e3:.2f} ms; {len(ended)} of 30 cancelled, "
+              f"the fastest ended after {min(ended, default=float('nan')) * 1e3:.2f} ms")
+        assert ended and min(ended) < 0.8 * whole, (whole, sorted(ended)[:5])
+        again = rt.run_batch(batch)[0]
+        assert torch.equal(again[0], want[0]) and _same_bytes(again[1], want[1])
+    finally:
+        rt.shutdown()
+
+
 def test_submit_in_graph_mode(tiny_artifact, runtimes) -> None:
     rt = runtimes["graphs"]
     batches = [_score_batch(tiny_artifact, 3), _beam_batch(tiny_artifact, (2,), 3, 4),

@@ -137,7 +137,8 @@ def info_summary(info: Any) -> str:
          else info.model),
         ("artifact_sha256", info.artifact_sha256),
         ("architecture", f"{info.arch}, {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}"),
-        ("runtime", f"{info.runtime} on {info.device}, kernels {info.kernels}"),
+        ("runtime", f"{info.runtime} on {info.device}, kernels {info.kernels}"
+                    + (f", beam graphs {info.beam_graphs}" if info.beam_graphs else "")),
         ("dtype", f"compute {info.compute_dtype}, weights {info.weights_dtype}"
                   + (f" (fp8 e4m3 {fp8_text(info.weights_fp8, dict(info.weights_fp8_min_rows))})" if info.weights_fp8 else "")),
         ("limits", f"{head}; max_labels {lim.max_labels}"),

@@ -40,7 +40,7 @@ def model_info(pb2: Any, spec: str, artifact: Artifact, runtime: Any, catalogs: 
         num_labels=cfg.num_labels, weights_dtype=str(artifact.manifest["weights"]["dtype"]),
         weights_fp8=list(artifact.manifest["weights"].get("fp8", [])), weights_fp8_min_rows=artifact.fp8_min_rows,
         compute_dtype=str(dtype).removeprefix("torch."), runtime=runtime.name, device=str(device),
-        kernels=getattr(runtime, "kernels", "aten"),
+        kernels=getattr(runtime, "kernels", "aten"), beam_graphs=getattr(runtime, "beam_graphs", ""),
         limits=pb2.Limits(**dataclasses.asdict(artifact.limits)),
         score_buckets=[pb2.ScoreBucket(**dataclasses.asdict(b)) for b in artifact.buckets.score],
         beam_buckets=[pb2.BeamBucket(**dataclasses.asdict(b)) for b in artifact.buckets.beam],

@@ -83,3 +83,15 @@ def test_a_family_runs_in_buffers_of_the_most_new_tokens(qwen3_small, families, 
         seqs = next(bufs["held_seqs"] for node, bufs in trace.items() if "held_seqs" in bufs)
         suffix = next(bufs["suffix_k.0"] for node, bufs in trace.items() if "suffix_k.0" in bufs)
         assert seqs.shape[2] == steps and suffix.shape[1] == steps - 1, (runtime.beam_graphs, seqs.shape, suffix.shape)
+
+
+def test_model_info_names_the_beam_graphs(qwen2_small, families) -> None:
+    from service.serving import proto_gen
+    from service.serving.client import info_summary
+    from service.serving.model_info import model_info
+
+    pb2 = proto_gen.load().pb2
+    for rt, want in ((families["qwen2_small"], "conditional"), (qwen2_small.cpp, "bucket"), (qwen2_small.python, "")):
+        info = model_info(pb2, "m", qwen2_small.artifact, rt)
+        assert info.beam_graphs == want
+        assert (f"beam graphs {want}" in info_summary(info)) == bool(want)

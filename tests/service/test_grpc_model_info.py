@@ -36,7 +36,7 @@ def test_model_info_describes_the_artifact(server: ServerThread, model) -> None:
     assert info.artifact_sha256 == hashlib.sha256((art.path / "manifest.msgpack").read_bytes()).hexdigest()
     assert (info.arch, info.num_layers, info.hidden_size, info.vocab_size) == (
         art.config.arch, art.config.num_layers, art.config.hidden_size, art.config.vocab_size)
-    assert info.runtime == "python" and info.device == "cpu" and info.kernels == "aten"
+    assert info.runtime == "python" and info.device == "cpu" and info.kernels == "aten" and info.beam_graphs == ""
     assert info.weights_dtype == art.manifest["weights"]["dtype"] == info.compute_dtype
     limits = {f.name: getattr(info.limits, f.name) for f in dataclasses.fields(art.limits)}
     assert limits == dataclasses.asdict(art.limits)

@@ -242,7 +242,9 @@ class _Control:
 class _SubmitExecutor:
     """The C++ runtime on a GPU: runtime.submit(batch, control) -> future of (outputs, BatchTimings),
     resolved on the loop. Its lanes (num_lanes) run that many batches at once; a cancelled control
-    stops a batch before it starts (a CUDA graph runs whole), or between nodes where it runs eagerly."""
+    stops a batch before it starts (a graph per bucket runs whole), before its next decode step (a
+    family's graph with conditional steps: `--beam-graphs conditional`), or between nodes where it
+    runs eagerly."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime

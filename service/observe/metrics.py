@@ -107,7 +107,7 @@ class ServerMetrics:
         """The served model's identity (a ModelInfoResponse) as the labels of slmrank_model_info."""
         self._model_labels = {"model": info.model, "artifact_sha256": info.artifact_sha256, "arch": info.arch,
                               "runtime": info.runtime, "device": info.device, "dtype": info.compute_dtype,
-                              "kernels": info.kernels}
+                              "kernels": info.kernels, "beam_graphs": info.beam_graphs}
         # (name, version, items) of each catalog served now (set again when one is replaced)
         self._catalogs = tuple((c.name, c.version, c.num_items) for c in info.catalogs)
 
@@ -182,7 +182,7 @@ class ServerMetrics:
         out = [_build_info()]
         if self._model_labels is not None:
             info = GaugeMetricFamily("slmrank_model_info", "The served model: name, artifact sha256, architecture, "
-                                     "runtime, device, compute dtype, kernels (value 1).",
+                                     "runtime, device, compute dtype, kernels, the C++ runtime's BeamSearch graphs (value 1).",
                                      labels=list(self._model_labels))
             info.add_metric(list(self._model_labels.values()), 1)
             out.append(info)

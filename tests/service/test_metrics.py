@@ -181,7 +181,8 @@ def test_process_build_and_model_identity() -> None:
     m = ServerMetrics()
     pb2 = load_stubs().pb2
     m.set_model(pb2.ModelInfoResponse(model="embedded:tiny", artifact_sha256="ab" * 32, arch="qwen2", runtime="cpp",
-                                      device="cpu", compute_dtype="float32", kernels="aten"))
+                                      device="cpu", compute_dtype="float32", kernels="aten",
+                                      beam_graphs="conditional"))
     fam = parse(m.exposition())
     assert value_of(fam, "process_resident_memory_bytes") > 0
     assert value_of(fam, "process_start_time_seconds") > 0
@@ -189,7 +190,8 @@ def test_process_build_and_model_identity() -> None:
     assert build["torch"] and build["python"] and build["extension"] in ("cpu", "cuda", "none")
     assert value_of(fam, "slmrank_model_info", {"model": "embedded:tiny", "artifact_sha256": "ab" * 32,
                                                 "arch": "qwen2", "runtime": "cpp", "device": "cpu",
-                                                "dtype": "float32", "kernels": "aten"}) == 1
+                                                "dtype": "float32", "kernels": "aten",
+                                                "beam_graphs": "conditional"}) == 1
 
 
 async def _run_scheduler(art: Any, runtime: Any) -> dict[str, Any]:

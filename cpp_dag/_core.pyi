@@ -22,8 +22,9 @@ class RunCancelled(RuntimeError):
     """A run whose RunControl was cancelled stopped before its next node."""
 
 class RunControl:
-    """Shared with one run: cancel() stops it before its next node; heavy: on the CPU it waits
-    between its nodes while a light run (any run not heavy) is in progress."""
+    """Shared with one run: cancel() stops it before its next node (eager), before its next decode
+    step (a family's graph: Executor.use_conditional_steps) or before it starts (a bucket's graph);
+    heavy: on the CPU it waits between its nodes while a light run (any run not heavy) is in progress."""
 
     def __init__(self, heavy: bool = False) -> None: ...
     def cancel(self) -> None: ...

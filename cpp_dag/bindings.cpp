@@ -217,7 +217,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<slmrank::RunControl, std::shared_ptr<slmrank::RunControl>>(
       m, "RunControl",
       "What a caller tells a run of Executor.run / submit while it runs: cancel() stops it before its\n"
-      "next node (RunCancelled); heavy: on the CPU it waits between its nodes while a light run is in progress.")
+      "next node when it runs eagerly, before its next decode step in a family's graph (use_conditional_steps),\n"
+      "before it starts in a bucket's graph (RunCancelled); heavy: on the CPU it waits between its nodes while a\n"
+      "light run is in progress.")
       .def(py::init([](bool heavy) {
              auto c = std::make_shared<slmrank::RunControl>();
              c->heavy = heavy;
@@ -285,7 +287,8 @@ PYBIND11_MODULE(_core, m) {
           "Blocking run of one batch (GIL released). Returns ([output tensors], timings tuple): submit_ns,\n"
           "start_ns, h2d_end_ns, launch_ns, d2h_end_ns, done_ns, graph, ((name, host_ms, device_ms), ...),\n"
           "paused_ns (service.runtime.timings.BatchTimings.from_executor makes the record of it).\n"
-          "control: a RunControl (cancel between nodes: RunCancelled; heavy: pause for light runs on the CPU).")
+          "control: a RunControl (cancel: RunCancelled at its next node or decode step, see RunControl;\n"
+          "heavy: pause for light runs on the CPU).")
       .def(
           "trace",
           [](slmrank::Executor& ex, const std::string& kind, std::unordered_map<std::string, at::Tensor> inputs,

@@ -23,9 +23,11 @@ def test_serve_capture_graphs_reaches_load_model(monkeypatch: pytest.MonkeyPatch
                                                  at_once: bool) -> None:
     """--capture-graphs all | parallel | lazy: whether load_model captures before SERVING, and whether
     the lanes capture at once (the C++ executor's prepare(lanes_at_once))."""
+    from service.observe import logs
     from service.serving import server
 
     seen: dict = {}
+    monkeypatch.setattr(logs, "configure_logging", lambda *a, **kw: None)  # no handlers left on the root logger
     monkeypatch.setattr(server, "load_model", lambda *a, **kw: seen.update(kw))
     monkeypatch.setattr(server, "serve", lambda config, loader, *rest: loader() or 0)
     assert cli_main(["serve", "--model", "embedded:tiny", "--runtime", "python", "--device", "cpu", "--port", "0",

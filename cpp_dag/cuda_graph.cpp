@@ -5,6 +5,7 @@
 #if SLMRANK_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -15,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #endif
 
 namespace slmrank {
@@ -51,18 +53,104 @@ std::vector<double> elapsed_between(const std::vector<cudaEvent_t>& events, size
   return ms;
 }
 
-// One stream per (device, lane), made once: a lane's graphs and eager runs all use it.
-c10::cuda::CUDAStream lane_stream(const at::Device& device, int lane) {
+// One stream per (device, lane, role), made once: a lane's graphs and eager runs all use its main
+// stream (role 0); its graphs' conditional bodies are captured on its body stream (role 1).
+c10::cuda::CUDAStream lane_stream(const at::Device& device, int lane, int role = 0) {
   static std::mutex mu;
-  static std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams;
+  static std::map<std::tuple<int, int, int>, c10::cuda::CUDAStream> streams;
   std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_pair(static_cast<int>(device.index()), lane);
+  auto key = std::make_tuple(static_cast<int>(device.index()), lane, role);
   auto it = streams.find(key);
   if (it == streams.end()) {
     it = streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())).first;
   }
   return it->second;
 }
+
+// A stream's active capture's id (0: not capturing).
+unsigned long long capture_id(cudaStream_t stream) {
+  cudaStreamCaptureStatus status{};
+  unsigned long long id = 0;
+  check_cuda(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+
+// The allocations of the stream capture `id` come from `pool` (torch's caching allocator).
+void allocate_to_pool(const at::Device& device, std::pair<uint64_t, uint64_t> pool, unsigned long long id) {
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+      device.index(), {pool.first, pool.second}, [id](cudaStream_t stream) { return capture_id(stream) == id; });
+}
+
+// Conditional bodies of the graph being captured on a lane's main stream: each an IF node added
+// after what the main stream captured so far, its body captured on the lane's own body stream (one
+// stream, not torch's pool of them: cuBLAS keeps a workspace per stream, and the caching allocator a
+// free list, so a body stream a capture would each take another of both). The body's allocations
+// come from the lane's pool, as the rest of the graph's.
+class LaneConditional final : public ConditionalScope {
+ public:
+  LaneConditional(const at::Device& device, int lane, std::pair<uint64_t, uint64_t> pool, cudaStreamCaptureMode mode)
+      : device_(device), main_(lane_stream(device, lane)), body_(lane_stream(device, lane, 1)), pool_(pool),
+        mode_(mode) {}
+
+  bool begin_if(const at::Tensor& pred) override {
+    if (open_) throw std::logic_error("conditional bodies do not nest here");
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+    cudaStream_t main = main_.stream();
+    cudaStreamCaptureStatus status{};
+    cudaGraph_t graph = nullptr;
+    check_cuda(cudaStreamGetCaptureInfo(main, &status, &main_id_, &graph), "cudaStreamGetCaptureInfo");
+    if (status != cudaStreamCaptureStatusActive) throw std::logic_error("begin_if outside a capture");
+    cudaGraphConditionalHandle handle{};
+    check_cuda(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0), "cudaGraphConditionalHandleCreate");
+    at::cuda::CUDAGraph::set_conditional_handle(handle, pred);  // a kernel on the main stream: pred -> handle
+    const cudaGraphNode_t* deps = nullptr;
+    const cudaGraphEdgeData* edges = nullptr;
+    size_t num_deps = 0;
+    check_cuda(cudaStreamGetCaptureInfo(main, &status, nullptr, nullptr, &deps, &edges, &num_deps),
+               "cudaStreamGetCaptureInfo");
+    cudaGraphNodeParams params{};
+    params.type = cudaGraphNodeTypeConditional;
+    params.conditional.handle = handle;
+    params.conditional.type = cudaGraphCondTypeIf;
+    params.conditional.size = 1;
+    cudaGraphNode_t node = nullptr;
+    check_cuda(cudaGraphAddNode(&node, graph, deps, edges, num_deps, &params), "cudaGraphAddNode (IF)");
+    check_cuda(cudaStreamUpdateCaptureDependencies(main, &node, nullptr, 1, cudaStreamSetCaptureDependencies),
+               "cudaStreamUpdateCaptureDependencies");
+    check_cuda(cudaStreamBeginCaptureToGraph(body_.stream(), params.conditional.phGraph_out[0], nullptr, nullptr, 0,
+                                             mode_),
+               "cudaStreamBeginCaptureToGraph");
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device_.index(), {pool_.first, pool_.second});
+    allocate_to_pool(device_, pool_, capture_id(body_.stream()));
+    guard_.emplace(body_);  // the body's launches go to the body stream
+    open_ = true;
+    return true;
+#else
+    (void)pred;
+    throw std::runtime_error("conditional graph nodes: this extension was built with CUDA < 13");
+#endif
+  }
+
+  void end_if() override {
+    if (!open_) throw std::logic_error("end_if without begin_if");
+    guard_.reset();
+    open_ = false;
+    check_cuda(cudaStreamEndCapture(body_.stream(), nullptr), "cudaStreamEndCapture (IF body)");
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device_.index(), {pool_.first, pool_.second});
+    allocate_to_pool(device_, pool_, main_id_);  // the main stream's allocations again
+  }
+
+  bool open() const { return open_; }
+
+ private:
+  at::Device device_;
+  c10::cuda::CUDAStream main_, body_;
+  std::pair<uint64_t, uint64_t> pool_;
+  cudaStreamCaptureMode mode_;
+  unsigned long long main_id_ = 0;
+  std::optional<c10::cuda::CUDAStreamGuard> guard_;
+  bool open_ = false;
+};
 
 }  // namespace
 
@@ -133,22 +221,7 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
     body(warm, [](size_t) {}, eager);
     check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");
   }
-  struct Captured final : ConditionalScope {  // IF nodes of the graph being captured
-    explicit Captured(at::cuda::CUDAGraph& graph) : graph(graph) {}
-    bool begin_if(const at::Tensor& pred) override {
-      if (open) throw std::logic_error("conditional bodies do not nest here");
-      graph.begin_capture_to_if_node(pred);
-      open = true;
-      return true;
-    }
-    void end_if() override {
-      if (!open) throw std::logic_error("end_if without begin_if");
-      graph.end_capture_to_conditional_node();
-      open = false;
-    }
-    at::cuda::CUDAGraph& graph;
-    bool open = false;
-  } conditional(g.graph);
+  LaneConditional conditional(device, lane, pool_id, cudaStreamCaptureModeThreadLocal);
 
   g.env = std::move(static_env);
   auto record = [&g](size_t k) {
@@ -159,10 +232,10 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   try {
     record(0);
     body(g.env, [&record](size_t k) { record(k + 1); }, conditional);
-    if (conditional.open) throw std::logic_error("a conditional body was left open");
+    if (conditional.open()) throw std::logic_error("a conditional body was left open");
   } catch (...) {
     try {
-      if (conditional.open) g.graph.end_capture_to_conditional_node();
+      if (conditional.open()) conditional.end_if();
     } catch (...) {
     }
     try {

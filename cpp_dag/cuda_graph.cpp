@@ -212,11 +212,33 @@ CapturedGraph::CapturedGraph(Env static_env, std::vector<std::string> input_name
   g.stream = lane_stream(device, lane);
   c10::cuda::CUDAStreamGuard stream_guard(*g.stream);
 
-  if (warm_up) {  // on the capture stream: initialises cuBLAS handles and workspaces outside the graph
-    struct Eager final : ConditionalScope {  // every conditional body runs
-      bool begin_if(const at::Tensor&) override { return true; }
-      void end_if() override {}
-    } eager;
+  if (warm_up) {  // on the capture's streams: initialises cuBLAS handles and workspaces outside the graph
+    // every conditional body runs, on the lane's body stream as in the capture (its cuBLAS workspace
+    // made here, not inside the graph), ordered after and before the main stream by events
+    struct Eager final : ConditionalScope {
+      Eager(c10::cuda::CUDAStream main, c10::cuda::CUDAStream body) : main(main), body(body) {
+        check_cuda(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreate");
+        check_cuda(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreate");
+      }
+      ~Eager() override {
+        cudaEventDestroy(fork);
+        cudaEventDestroy(join);
+      }
+      bool begin_if(const at::Tensor&) override {
+        check_cuda(cudaEventRecord(fork, main.stream()), "cudaEventRecord");
+        check_cuda(cudaStreamWaitEvent(body.stream(), fork, 0), "cudaStreamWaitEvent");
+        guard.emplace(body);
+        return true;
+      }
+      void end_if() override {
+        guard.reset();
+        check_cuda(cudaEventRecord(join, body.stream()), "cudaEventRecord");
+        check_cuda(cudaStreamWaitEvent(main.stream(), join, 0), "cudaStreamWaitEvent");
+      }
+      c10::cuda::CUDAStream main, body;
+      cudaEvent_t fork = nullptr, join = nullptr;
+      std::optional<c10::cuda::CUDAStreamGuard> guard;
+    } eager(*g.stream, lane_stream(device, lane, 1));
     Env warm = static_env;
     body(warm, [](size_t) {}, eager);
     check_cuda(cudaStreamSynchronize(g.stream->stream()), "warm-up");

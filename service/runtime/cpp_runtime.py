@@ -158,6 +158,12 @@ class CppRuntime:
     def uses_graphs(self) -> bool:
         return bool(self._executor.uses_graphs)
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far, every lane's (with beam_graphs "conditional", a family of
+        BeamSearch buckets has one a lane)."""
+        return int(self._executor.num_graphs)
+
     def capture_buckets(self) -> list[ScoreBucket | BeamBucket]:
         """Every bucket a batch can take, largest first: the table's Score and BeamSearch buckets,
         and with catalogs each catalog's code-normalised ones (CodesBucket: a graph of their own)."""

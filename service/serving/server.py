@@ -514,8 +514,10 @@ class RankerServer:
         _freeze_heap()
         await self._set_health(SERVING)
         # the model and its limits: `slmrank traffic` finds the default bucket table of a log's server here
-        log.info("model loaded in %.1f s: SERVING", time.monotonic() - t0,
-                 extra={"model": self.model.spec, "limits": self.model.artifact.limits.to_dict()})
+        graphs = getattr(self.model.runtime, "num_graphs", 0)  # the C++ runtime's, every lane's (0: none)
+        log.info("model loaded in %.1f s: SERVING%s", time.monotonic() - t0,
+                 f" ({graphs} CUDA graphs captured)" if graphs else "",
+                 extra={"model": self.model.spec, "limits": self.model.artifact.limits.to_dict(), "graphs": graphs})
 
     async def wait_ready(self) -> None:
         """Returns once SERVING; raises what the loader raised."""

@@ -121,6 +121,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     unused_lanes = lanes_and_slots(values, defaulted)
     config = _server_config(values)
     placement = resolve_placement(values["runtime"], values["device"], values["dtype"])
+    if placement.runtime != "cpp" and values["beam_graphs"] != "bucket":
+        raise ValueError(f"--beam-graphs {values['beam_graphs']}: a C++ runtime setting; this server runs the "
+                         f"{placement.runtime} runtime (--runtime cpp)")
     configure_logging("warning" if args.quiet else values["log_level"], values["log_format"])
     if unused_lanes:
         logging.getLogger("slmrank.server").warning("%s", unused_lanes)

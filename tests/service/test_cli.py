@@ -33,3 +33,10 @@ def test_serve_capture_graphs_reaches_load_model(monkeypatch: pytest.MonkeyPatch
     assert cli_main(["serve", "--model", "embedded:tiny", "--runtime", "python", "--device", "cpu", "--port", "0",
                      "--capture-graphs", flag, "--quiet"]) == 0
     assert seen["capture_graphs"] is capture and seen["capture_lanes_at_once"] is at_once
+
+
+def test_beam_graphs_on_the_python_runtime_is_one_line_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--model", "embedded:tiny", "--runtime", "python", "--device", "cpu", "--port", "0",
+                     "--beam-graphs", "conditional", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--beam-graphs conditional" in err[0] and "python" in err[0], err

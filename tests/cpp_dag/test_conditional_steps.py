@@ -95,3 +95,20 @@ def test_model_info_names_the_beam_graphs(qwen2_small, families) -> None:
         info = model_info(pb2, "m", qwen2_small.artifact, rt)
         assert info.beam_graphs == want
         assert (f"beam graphs {want}" in info_summary(info)) == bool(want)
+
+
+def test_a_batch_of_more_steps_than_the_dag_is_refused_by_name(qwen2_small, families, helpers) -> None:
+    """A family pads beam_seqs to the DAG's most steps; a batch packed for more than that (a bucket
+    of no artifact) is refused naming both counts, and the executor goes on serving."""
+    from service.artifact.buckets import BeamBucket
+
+    rt, art = families["qwen2_small"], qwen2_small.artifact
+    most = art.limits.max_new_tokens
+    reqs = [BeamRequest(helpers.rand_ids(random.Random(1), 6), 2, 1)]
+    good = pick_beam_bucket(art.buckets, reqs)
+    too_long = BeamBucket(most + 1, good.max_requests, good.max_prompt_tokens, good.beam_width, good.max_rows)
+    with pytest.raises(Exception, match=f"{most + 1} new tokens, the DAG runs at most {most}"):
+        rt.run_beam(pack_beam(reqs, too_long))
+    seqs, scores = rt.run_beam(pack_beam(reqs, good))
+    want_seqs, want_scores = qwen2_small.python.run_beam(pack_beam(reqs, good))
+    assert torch.equal(seqs, want_seqs) and helpers.same_bytes(scores, want_scores)

@@ -66,6 +66,12 @@ LayerWeights layer_weights(const Context& ctx, int64_t i) {
 
 double ms_between(int64_t a, int64_t b) { return static_cast<double>(b - a) / 1e6; }
 
+// The first step's nodes of a plan (the DAG lists them first): a family's graph marks each of them,
+// then each later step as a whole.
+size_t first_step_size(const std::vector<const Node*>& nodes) {
+  return static_cast<size_t>(std::count_if(nodes.begin(), nodes.end(), [](const Node* n) { return n->spec().step == 0; }));
+}
+
 }  // namespace
 
 Executor::Executor(ModelConfig cfg, WeightMap weights, at::Tensor rope_cos, at::Tensor rope_sin,
@@ -131,6 +137,12 @@ BatchSpec Executor::family_of(const BatchSpec& batch) const {
   if (n < max_steps_) family.inputs["beam_seqs"] = at::constant_pad_nd(it->second, {0, max_steps_ - n}, 0);
   family.new_tokens = max_steps_;
   return family;
+}
+
+const BatchSpec& Executor::as_run(const BatchSpec& batch, BatchSpec& padded) const {
+  if (!in_family(batch)) return batch;
+  padded = family_of(batch);
+  return padded;
 }
 
 std::vector<std::string> Executor::node_names(Kind kind) const {
@@ -266,8 +278,7 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
   // The beam state (the beam_state node) is allocated inside the body: during capture it comes from
   // the lane's pool and is handed back to it afterwards, like every other intermediate buffer.
   const bool family = in_family(batch);
-  size_t first = nodes.size();  // a family's first step: its nodes are marked one by one, each later step as a whole
-  if (family) first = static_cast<size_t>(std::count_if(nodes.begin(), nodes.end(), [](const Node* n) { return n->spec().step == 0; }));
+  const size_t first = family ? first_step_size(nodes) : nodes.size();
   const size_t marks = family ? first + static_cast<size_t>(max_steps_ - 1) : nodes.size();
   const at::Tensor stop = family && lane.stop ? lane.stop->device_view() : at::Tensor();
   auto body = [this, &nodes, family, first, &stop](Env& env, const std::function<void(size_t)>& mark,
@@ -294,8 +305,8 @@ CapturedGraph& Executor::graph_for(Lane& lane, const BatchSpec& batch, double* c
 
 double Executor::prepare(const BatchSpec& bucket_example, bool lanes_at_once) {
   if (!use_graphs_) return 0;
-  const BatchSpec family = in_family(bucket_example) ? family_of(bucket_example) : BatchSpec();
-  const BatchSpec& example = in_family(bucket_example) ? family : bucket_example;  // the graph it runs as
+  BatchSpec padded;
+  const BatchSpec& example = as_run(bucket_example, padded);  // the graph it runs as
   if (!lanes_at_once || lanes_.size() < 2) {
     double total = 0;
     for (auto& lane : lanes_) {
@@ -392,8 +403,8 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   std::vector<const Node*> nodes = plan(batch);
   const bool family = in_family(batch);
   // a family's batch: its inputs padded to the family's new tokens, its outputs cut back to its own
-  const BatchSpec padded = family ? family_of(batch) : BatchSpec();
-  const BatchSpec& run_as = family ? padded : batch;
+  BatchSpec padded;
+  const BatchSpec& run_as = as_run(batch, padded);
   auto own_outputs = [&](std::vector<at::Tensor> outputs) {
     if (family) outputs[0] = outputs[0].slice(2, 0, batch.new_tokens).contiguous();  // held_seqs [R, B, n]
     return outputs;
@@ -417,19 +428,13 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
     t.h2d_end_ns = r.h2d_end_ns;
     t.launch_ns = r.launch_ns;
     t.d2h_end_ns = r.d2h_end_ns;
-    if (family) {  // the first step's nodes one by one, then the decode steps this batch ran
-      size_t first = 0;
-      while (first < nodes.size() && nodes[first]->spec().step == 0) ++first;
-      const size_t entries = first + static_cast<size_t>(batch.new_tokens - 1);
-      const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(entries, 1);
-      for (size_t k = 0; k < first; ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
-      for (int64_t step = 1; step < batch.new_tokens; ++step) {
-        t.nodes.push_back({"decode step " + std::to_string(step), host_share, r.node_ms[first + step - 1]});
-      }
-    } else {
-      const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(nodes.size(), 1);
-      for (size_t k = 0; k < nodes.size(); ++k) t.nodes.push_back({nodes[k]->spec().name, host_share, r.node_ms[k]});
-    }
+    // a timing per mark: every node; a family's first step's nodes, then the decode steps this batch ran
+    const size_t first = family ? first_step_size(nodes) : nodes.size();
+    std::vector<std::string> names;
+    for (size_t k = 0; k < first; ++k) names.push_back(nodes[k]->spec().name);
+    for (int64_t step = 1; family && step < batch.new_tokens; ++step) names.push_back("decode step " + std::to_string(step));
+    const double host_share = ms_between(t.launch_ns, t.d2h_end_ns) / std::max<size_t>(names.size(), 1);
+    for (size_t k = 0; k < names.size(); ++k) t.nodes.push_back({names[k], host_share, r.node_ms[k]});
     out.outputs = own_outputs(std::move(r.outputs));
     t.done_ns = now_ns();
     return out;
@@ -441,6 +446,7 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
   // Every node this batch runs, in order, with mark(k) after the k-th: its plan's nodes; a family's
   // batch walks its family's steps, each later step run when its condition (read on the host) holds.
   std::vector<const Node*> ran;
+  const std::vector<const Node*> walked = family ? plan(run_as) : nodes;  // the most a walk may run
   auto walk = [&](const std::function<void(size_t)>& mark) {
     auto run_group = [&](const std::vector<const Node*>& group, bool) {
       const size_t base = ran.size();
@@ -459,11 +465,10 @@ RunOutput Executor::run_timed(Lane& lane, const BatchSpec& batch, int64_t submit
       bool begin_if(const at::Tensor& pred) override { return pred.item<bool>(); }
       void end_if() override {}
     } on_host;
-    run_conditional_steps(plan(run_as), env, on_host, run_group, [] {});
+    run_conditional_steps(walked, env, on_host, run_group, [] {});
   };
   if (device_.is_cuda()) {  // eager on the GPU: events between nodes give device times
-    const size_t most = family ? plan(run_as).size() : nodes.size();
-    CudaNodeTimer timer(most);
+    CudaNodeTimer timer(walked.size());
     timer.start();
     walk([&timer](size_t k) { timer.mark(k); });
     std::vector<double> device_ms = timer.elapsed_ms(ran.size());

@@ -194,6 +194,8 @@ class Executor {
   // family's graph takes it (beam_seqs padded to max_steps_ new tokens)
   bool in_family(const BatchSpec& batch) const { return conditional_steps_ && batch.kind == Kind::kBeam; }
   BatchSpec family_of(const BatchSpec& batch) const;
+  // The batch as its graph and walk take it: itself, or in a family its padded copy (made in `padded`).
+  const BatchSpec& as_run(const BatchSpec& batch, BatchSpec& padded) const;
   // A family's nodes, step by step: run_group(the first step's nodes, false), then each later step t
   // inside cond's body for "the batch has a request of more than t new tokens" (run_group(its nodes,
   // true) when cond says to run them now), the batch's outputs written back in place at the body's
